@@ -1,0 +1,212 @@
+/*
+ * flashc.h - exact, IO-aware softmax attention (FlashAttention) as a C11 library.
+ *
+ * Glossary, used by every shape comment below:
+ *   B    batch                       Nq  query length        Nk   key/value length
+ *   H    query heads                 Hkv key/value heads     D    head dimension
+ *   (H % Hkv == 0; query head h reads kv head h / (H / Hkv): GQA when Hkv < H, MQA when Hkv == 1.)
+ *
+ * Layout: q is (B, Nq, H, D), k and v are (B, Nk, Hkv, D), out/dout/dq like q, dk/dv like k. Every tensor is
+ * a view with int64 strides in elements, so (B, H, N, D) tensors are passed without copies by permuting the
+ * strides. The last dimension must have stride 1 on the CUDA backend.
+ * softmax_lse is fp32, contiguous (B, H, Nq), natural log.
+ *
+ * Semantics are flash-attn 2.x's:
+ *   s = scale * q.k                    (scale 0 selects 1/sqrt(D))
+ *   s = softcap * tanh(s / softcap)     when softcap > 0
+ *   s = s - slope * |i + Nk - Nq - j|   with ALiBi
+ *   causal is bottom-right aligned:     query i sees key j iff j <= i + Nk - Nq
+ *   window (left, right), -1 unbounded: key j is kept iff i+Nk-Nq-left <= j <= i+Nk-Nq+right
+ *   a row that sees no key has output 0, lse +inf and zero gradients.
+ *
+ * Memory: every pointer (tensor data, lse, slopes, block mask, cu_seqlens, workspace) lives where the
+ * context's backend computes: host memory for the CPU backend, device memory for the CUDA backend.
+ *
+ * Errors: every function returns a flashc_status; nothing in the library aborts or exits. The context keeps
+ * the last error as "file:line: message".
+ */
+#ifndef FLASHC_H
+#define FLASHC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(FLASHC_SHARED)
+#  ifdef FLASHC_BUILDING
+#    define FLASHC_API __declspec(dllexport)
+#  else
+#    define FLASHC_API __declspec(dllimport)
+#  endif
+#elif defined(__GNUC__)
+#  define FLASHC_API __attribute__((visibility("default")))
+#else
+#  define FLASHC_API
+#endif
+
+#define FLASHC_VERSION_MAJOR 0
+#define FLASHC_VERSION_MINOR 1
+#define FLASHC_VERSION_PATCH 0
+
+/* Status codes. Values are only ever appended. */
+typedef enum flashc_status {
+    FLASHC_STATUS_OK = 0,
+    FLASHC_STATUS_INVALID_ARGUMENT = 1,
+    FLASHC_STATUS_NOT_SUPPORTED = 2,
+    FLASHC_STATUS_OUT_OF_MEMORY = 3,
+    FLASHC_STATUS_DEVICE_ERROR = 4,
+    FLASHC_STATUS_INTERNAL = 5
+} flashc_status;
+
+typedef enum flashc_backend {
+    FLASHC_BACKEND_AUTO = 0, /* CUDA when compiled in and a GPU is present, else CPU */
+    FLASHC_BACKEND_CPU = 1,
+    FLASHC_BACKEND_CUDA = 2
+} flashc_backend;
+
+typedef enum flashc_dtype {
+    FLASHC_DTYPE_F32 = 0,
+    FLASHC_DTYPE_F16 = 1,
+    FLASHC_DTYPE_BF16 = 2
+} flashc_dtype;
+
+typedef enum flashc_op {
+    FLASHC_OP_FORWARD = 0,
+    FLASHC_OP_BACKWARD = 1
+} flashc_op;
+
+/* A strided 4-d view. shape/stride are in elements; strides may be any value (0 is refused for outputs). */
+typedef struct flashc_tensor {
+    void *data;
+    flashc_dtype dtype;
+    int64_t shape[4];
+    int64_t stride[4];
+} flashc_tensor;
+
+/* Attention parameters. Always start from flashc_params_default(). */
+typedef struct flashc_params {
+    float softmax_scale;  /* 0: 1/sqrt(D) */
+    int causal;           /* bottom-right aligned; same as window (left, 0) */
+    int64_t window_left;  /* -1: unbounded */
+    int64_t window_right; /* -1: unbounded */
+    float softcap;        /* 0: off */
+
+    /* ALiBi: fp32 slopes, slope(b, h) = alibi_slopes[b * alibi_batch_stride + h]. NULL: off.
+     * alibi_batch_stride 0 gives one slope per head (H), H gives one per batch and head (B, H). */
+    const float *alibi_slopes;
+    int64_t alibi_batch_stride;
+
+    /* Block-sparse mask: one byte per (query block, key block); 0 skips the block entirely. Contiguous
+     * (mask_batch, mask_heads, ceil(Nq / block_mask_q), ceil(Nk / block_mask_k)), mask_batch in {1, B} and
+     * mask_heads in {1, H} broadcast. Blocks count from the start of each sequence (also with varlen, where
+     * Nq, Nk are max_seqlen_q, max_seqlen_k). NULL: off. */
+    const uint8_t *block_mask;
+    int64_t block_mask_q;
+    int64_t block_mask_k;
+    int64_t block_mask_batch;
+    int64_t block_mask_heads;
+
+    /* Varlen: when cu_seqlens_q and cu_seqlens_k are set, q is (1, total_q, H, D), k/v are (1, total_k, Hkv, D)
+     * holding num_seqs sequences packed back to back; sequence b is rows cu_seqlens[b] .. cu_seqlens[b+1]-1
+     * (int32, num_seqs + 1 entries, non-decreasing, starting at 0). max_seqlen_* bound every sequence's length.
+     * softmax_lse is then (1, H, total_q) = (H, total_q). */
+    const int32_t *cu_seqlens_q;
+    const int32_t *cu_seqlens_k;
+    int64_t num_seqs;
+    int64_t max_seqlen_q;
+    int64_t max_seqlen_k;
+
+    /* Dropout (Philox4x32-10 keyed by seed, offset, batch, head, row, column). p > 0 is not supported yet. */
+    float dropout_p;
+    uint64_t dropout_seed;
+    uint64_t dropout_offset;
+
+    /* Backward only: bitwise-reproducible gradients. */
+    int deterministic;
+} flashc_params;
+
+typedef struct flashc_context *flashc_context_t;
+
+/* ---- library ----------------------------------------------------------------------------------------- */
+
+FLASHC_API const char *flashc_version(void);
+FLASHC_API const char *flashc_status_string(flashc_status status);
+FLASHC_API const char *flashc_dtype_name(flashc_dtype dtype);
+FLASHC_API const char *flashc_backend_name(flashc_backend backend);
+/* 1 when the backend was compiled into this library. */
+FLASHC_API int flashc_backend_compiled(flashc_backend backend);
+/* Number of devices the backend can use now (CPU: 1; CUDA: GPUs found, 0 when none or not compiled). */
+FLASHC_API int flashc_device_count(flashc_backend backend);
+/* Name of a device into buf (always NUL-terminated). */
+FLASHC_API flashc_status flashc_device_name(flashc_backend backend, int device, char *buf, size_t len);
+/* CPU features this build detects and uses, e.g. "avx2 fma f16c avx512f". */
+FLASHC_API const char *flashc_cpu_features(void);
+
+FLASHC_API flashc_params flashc_params_default(void);
+
+/* ---- context ----------------------------------------------------------------------------------------- */
+
+/* Creates a context on a backend and device. On failure *ctx is NULL and the reason is
+ * flashc_context_last_error(NULL) (kept per thread). */
+FLASHC_API flashc_status flashc_context_create(flashc_context_t *ctx, flashc_backend backend, int device);
+FLASHC_API void flashc_context_destroy(flashc_context_t ctx);
+/* The backend this context runs on (never AUTO). */
+FLASHC_API flashc_backend flashc_context_backend(flashc_context_t ctx);
+/* CUDA: a cudaStream_t (NULL: the legacy default stream). CPU: refused with NOT_SUPPORTED unless NULL. */
+FLASHC_API flashc_status flashc_context_set_stream(flashc_context_t ctx, void *stream);
+/* CPU: threads used per call (0: OpenMP's default). Ignored on CUDA. */
+FLASHC_API flashc_status flashc_context_set_threads(flashc_context_t ctx, int threads);
+/* The last error message of this context ("" after success), or of this thread when ctx is NULL. */
+FLASHC_API const char *flashc_context_last_error(flashc_context_t ctx);
+
+/* ---- attention --------------------------------------------------------------------------------------- */
+
+/* Whether this backend runs the configuration: OK, or NOT_SUPPORTED / INVALID_ARGUMENT with the reason in the
+ * last error. Only shapes, dtypes, strides and parameters are read; no data is touched. For FORWARD pass the
+ * forward's tensors (out may be NULL); for BACKWARD q, k, v (the rest is checked by flashc_backward). */
+FLASHC_API flashc_status flashc_supported(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
+                                          const flashc_tensor *k, const flashc_tensor *v,
+                                          const flashc_params *params);
+
+/* Bytes of workspace flashc_forward / flashc_backward need for this problem. */
+FLASHC_API flashc_status flashc_forward_workspace_size(flashc_context_t ctx, const flashc_tensor *q,
+                                                       const flashc_tensor *k, const flashc_tensor *v,
+                                                       const flashc_params *params, size_t *bytes);
+FLASHC_API flashc_status flashc_backward_workspace_size(flashc_context_t ctx, const flashc_tensor *q,
+                                                        const flashc_tensor *k, const flashc_tensor *v,
+                                                        const flashc_params *params, size_t *bytes);
+
+/*
+ * Forward.  q (B, Nq, H, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, D) -> out (B, Nq, H, D) in q's dtype,
+ * softmax_lse (B, H, Nq) fp32 when not NULL. workspace: NULL lets the library allocate what it needs,
+ * otherwise at least flashc_forward_workspace_size() bytes.
+ */
+FLASHC_API flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
+                                        const flashc_tensor *v, const flashc_params *params,
+                                        const flashc_tensor *out, float *softmax_lse, void *workspace,
+                                        size_t workspace_bytes);
+
+/*
+ * Backward.  q, k, v, out, dout (like out), softmax_lse (B, H, Nq) from the forward ->
+ * dq (like q), dk, dv (like k); with GQA the gradients of the heads sharing a kv head are summed.
+ * params->deterministic asks for bitwise-reproducible results.
+ */
+FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
+                                         const flashc_tensor *v, const flashc_tensor *out,
+                                         const flashc_tensor *dout, const float *softmax_lse,
+                                         const flashc_params *params, const flashc_tensor *dq,
+                                         const flashc_tensor *dk, const flashc_tensor *dv, void *workspace,
+                                         size_t workspace_bytes);
+
+/* Fills a view of a contiguous (d0, d1, d2, d3) tensor. */
+FLASHC_API flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1,
+                                                  int64_t d2, int64_t d3);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHC_H */

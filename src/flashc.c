@@ -1,0 +1,560 @@
+/*
+ * flashc.c - the front: contexts, argument checks into a validated flashc_problem, backend choice, status
+ * strings. Backends (src/cpu, src/cuda) only ever see a problem that passed these checks.
+ */
+#include "internal.h"
+#include "ref/testkit.h"
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FLASHC_STR2(x) #x
+#define FLASHC_STR(x) FLASHC_STR2(x)
+
+#if defined(__STDC_NO_THREADS__) || !defined(__STDC_VERSION__)
+#  if defined(__GNUC__)
+#    define FLASHC_THREAD_LOCAL __thread
+#  else
+#    define FLASHC_THREAD_LOCAL
+#  endif
+#else
+#  define FLASHC_THREAD_LOCAL _Thread_local
+#endif
+
+static FLASHC_THREAD_LOCAL char thread_error[FLASHC_ERROR_LEN];
+
+/* File names in messages are shown from src/ on, not as build-machine paths. */
+static const char *short_path(const char *file) {
+    const char *s = strstr(file, "src/");
+    return s ? s : file;
+}
+
+flashc_status flashc_set_error(struct flashc_context *ctx, flashc_status status, const char *file, int line,
+                               const char *fmt, ...) {
+    char *buf = ctx ? ctx->error : thread_error;
+    int n = snprintf(buf, FLASHC_ERROR_LEN, "%s:%d: ", short_path(file), line);
+    if (n < 0 || n >= FLASHC_ERROR_LEN) n = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + n, FLASHC_ERROR_LEN - (size_t)n, fmt, ap);
+    va_end(ap);
+    if (ctx) memcpy(thread_error, ctx->error, FLASHC_ERROR_LEN);
+    return status;
+}
+
+/* ---- library ------------------------------------------------------------------------------------------- */
+
+const char *flashc_version(void) {
+    return FLASHC_STR(FLASHC_VERSION_MAJOR) "." FLASHC_STR(FLASHC_VERSION_MINOR) "." FLASHC_STR(
+        FLASHC_VERSION_PATCH);
+}
+
+const char *flashc_status_string(flashc_status status) {
+    switch (status) {
+    case FLASHC_STATUS_OK: return "FLASHC_STATUS_OK";
+    case FLASHC_STATUS_INVALID_ARGUMENT: return "FLASHC_STATUS_INVALID_ARGUMENT";
+    case FLASHC_STATUS_NOT_SUPPORTED: return "FLASHC_STATUS_NOT_SUPPORTED";
+    case FLASHC_STATUS_OUT_OF_MEMORY: return "FLASHC_STATUS_OUT_OF_MEMORY";
+    case FLASHC_STATUS_DEVICE_ERROR: return "FLASHC_STATUS_DEVICE_ERROR";
+    case FLASHC_STATUS_INTERNAL: return "FLASHC_STATUS_INTERNAL";
+    }
+    return "FLASHC_STATUS_UNKNOWN";
+}
+
+const char *flashc_dtype_name(flashc_dtype dtype) {
+    switch (dtype) {
+    case FLASHC_DTYPE_F32: return "f32";
+    case FLASHC_DTYPE_F16: return "f16";
+    case FLASHC_DTYPE_BF16: return "bf16";
+    }
+    return "unknown";
+}
+
+const char *flashc_backend_name(flashc_backend backend) {
+    switch (backend) {
+    case FLASHC_BACKEND_AUTO: return "auto";
+    case FLASHC_BACKEND_CPU: return "cpu";
+    case FLASHC_BACKEND_CUDA: return "cuda";
+    }
+    return "unknown";
+}
+
+int flashc_backend_compiled(flashc_backend backend) {
+    switch (backend) {
+    case FLASHC_BACKEND_AUTO:
+    case FLASHC_BACKEND_CPU: return 1;
+    case FLASHC_BACKEND_CUDA:
+#ifdef FLASHC_WITH_CUDA
+        return 1;
+#else
+        return 0;
+#endif
+    }
+    return 0;
+}
+
+int flashc_device_count(flashc_backend backend) {
+    switch (backend) {
+    case FLASHC_BACKEND_CPU: return 1;
+    case FLASHC_BACKEND_CUDA:
+#ifdef FLASHC_WITH_CUDA
+        return flashc_cuda_device_count();
+#else
+        return 0;
+#endif
+    case FLASHC_BACKEND_AUTO: return flashc_device_count(FLASHC_BACKEND_CUDA) > 0 ? flashc_device_count(FLASHC_BACKEND_CUDA) : 1;
+    }
+    return 0;
+}
+
+flashc_status flashc_device_name(flashc_backend backend, int device, char *buf, size_t len) {
+    if (!buf || len == 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "buf is NULL or len is 0");
+    buf[0] = '\0';
+    if (backend == FLASHC_BACKEND_CPU) {
+        if (device != 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "cpu device %d does not exist", device);
+        snprintf(buf, len, "cpu (%s)", flashc_cpu_features());
+        return FLASHC_STATUS_OK;
+    }
+    if (backend == FLASHC_BACKEND_CUDA) {
+#ifdef FLASHC_WITH_CUDA
+        return flashc_cuda_device_name(device, buf, len);
+#else
+        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED, "this flashc was built without the CUDA backend");
+#endif
+    }
+    return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "backend %d has no devices to name", (int)backend);
+}
+
+flashc_params flashc_params_default(void) {
+    flashc_params p;
+    memset(&p, 0, sizeof p);
+    p.window_left = -1;
+    p.window_right = -1;
+    p.block_mask_batch = 1;
+    p.block_mask_heads = 1;
+    return p;
+}
+
+flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1, int64_t d2,
+                                       int64_t d3) {
+    flashc_tensor t;
+    t.data = data;
+    t.dtype = dtype;
+    t.shape[0] = d0;
+    t.shape[1] = d1;
+    t.shape[2] = d2;
+    t.shape[3] = d3;
+    t.stride[3] = 1;
+    t.stride[2] = d3;
+    t.stride[1] = d2 * d3;
+    t.stride[0] = d1 * d2 * d3;
+    return t;
+}
+
+/* ---- context ------------------------------------------------------------------------------------------- */
+
+flashc_status flashc_context_create(flashc_context_t *out, flashc_backend backend, int device) {
+    if (!out) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx output pointer is NULL");
+    *out = NULL;
+    const flashc_backend_ops *ops = NULL;
+    switch (backend) {
+    case FLASHC_BACKEND_AUTO:
+#ifdef FLASHC_WITH_CUDA
+        ops = flashc_cuda_device_count() > 0 ? &flashc_cuda_ops : &flashc_cpu_ops;
+#else
+        ops = &flashc_cpu_ops;
+#endif
+        break;
+    case FLASHC_BACKEND_CPU: ops = &flashc_cpu_ops; break;
+    case FLASHC_BACKEND_CUDA:
+#ifdef FLASHC_WITH_CUDA
+        ops = &flashc_cuda_ops;
+        break;
+#else
+        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED, "this flashc was built without the CUDA backend");
+#endif
+    default: return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
+    }
+    if (device < 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "device index %d is negative", device);
+    if (ops->kind == FLASHC_BACKEND_CPU && device != 0)
+        return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "the cpu backend has only device 0, not %d", device);
+
+    struct flashc_context *ctx = (struct flashc_context *)calloc(1, sizeof *ctx);
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_OUT_OF_MEMORY, "out of host memory for the context");
+    ctx->ops = ops;
+    ctx->backend = ops->kind;
+    ctx->device = device;
+    flashc_status st = ops->init ? ops->init(ctx) : FLASHC_STATUS_OK;
+    if (st != FLASHC_STATUS_OK) {
+        memcpy(thread_error, ctx->error, FLASHC_ERROR_LEN);
+        free(ctx);
+        return st;
+    }
+    thread_error[0] = '\0';
+    *out = ctx;
+    return FLASHC_STATUS_OK;
+}
+
+void flashc_context_destroy(flashc_context_t ctx) {
+    if (!ctx) return;
+    if (ctx->ops->fini) ctx->ops->fini(ctx);
+    free(ctx);
+}
+
+flashc_backend flashc_context_backend(flashc_context_t ctx) { return ctx ? ctx->backend : FLASHC_BACKEND_AUTO; }
+
+flashc_status flashc_context_set_stream(flashc_context_t ctx, void *stream) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (!ctx->ops->set_stream) {
+        if (stream) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no streams",
+                                      flashc_backend_name(ctx->backend));
+        return FLASHC_STATUS_OK;
+    }
+    return ctx->ops->set_stream(ctx, stream);
+}
+
+flashc_status flashc_context_set_threads(flashc_context_t ctx, int threads) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (threads < 0) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "thread count %d is negative", threads);
+    ctx->threads = threads;
+    return FLASHC_STATUS_OK;
+}
+
+const char *flashc_context_last_error(flashc_context_t ctx) { return ctx ? ctx->error : thread_error; }
+
+/* ---- argument checks ----------------------------------------------------------------------------------- */
+
+/* a * b into *r; 0 on int64 overflow (inputs non-negative). */
+static int mul_ok(int64_t a, int64_t b, int64_t *r) {
+    if (a != 0 && b > INT64_MAX / a) return 0;
+    *r = a * b;
+    return 1;
+}
+
+/* Checks one 4-d view: positive shape, element count and address span within int64/size_t. Computes the byte
+ * range [lo, hi) the view touches (for aliasing checks). need_data: data must be non-NULL. */
+static flashc_status check_view(flashc_context_t ctx, const char *name, const flashc_tensor *t, int need_data,
+                                int is_output, uintptr_t *lo, uintptr_t *hi) {
+    if (!t) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s is NULL", name);
+    if (need_data && !t->data) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s->data is NULL", name);
+    if (t->dtype != FLASHC_DTYPE_F32 && t->dtype != FLASHC_DTYPE_F16 && t->dtype != FLASHC_DTYPE_BF16)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s has unknown dtype %d", name, (int)t->dtype);
+    int64_t count = 1, span = 0; /* span: largest element offset reachable, in elements */
+    for (int i = 0; i < 4; i++) {
+        if (t->shape[i] <= 0)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s shape[%d] = %lld must be positive", name, i,
+                              (long long)t->shape[i]);
+        if (!mul_ok(count, t->shape[i], &count))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: element count overflows int64", name);
+        if (t->stride[i] == INT64_MIN)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s stride[%d] is out of range", name, i);
+        int64_t s = t->stride[i] < 0 ? -t->stride[i] : t->stride[i];
+        if (is_output && s == 0 && t->shape[i] > 1)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "%s stride[%d] is 0: an output cannot broadcast", name, i);
+        int64_t reach;
+        if (!mul_ok(t->shape[i] - 1, s, &reach) || span > INT64_MAX - reach)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: strides reach beyond int64 elements", name);
+        span += reach;
+    }
+    int64_t esz = (int64_t)flashc_dtype_size(t->dtype), bytes;
+    if (!mul_ok(span + 1, esz, &bytes) || (uint64_t)bytes > (uint64_t)SIZE_MAX / 2)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: byte size overflows the address space", name);
+    /* Lowest and highest byte touched, accounting for negative strides. */
+    int64_t neg = 0;
+    for (int i = 0; i < 4; i++)
+        if (t->stride[i] < 0) neg += (t->shape[i] - 1) * t->stride[i];
+    uintptr_t base = (uintptr_t)t->data;
+    uintptr_t off = (uintptr_t)(-neg * esz);
+    if (need_data && base < off)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: negative strides reach below address 0", name);
+    *lo = base - (need_data ? off : 0);
+    *hi = *lo + (uintptr_t)bytes;
+    return FLASHC_STATUS_OK;
+}
+
+static int overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) { return alo < bhi && blo < ahi; }
+
+static int same_shape(const flashc_tensor *a, const flashc_tensor *b) {
+    return a->shape[0] == b->shape[0] && a->shape[1] == b->shape[1] && a->shape[2] == b->shape[2] &&
+           a->shape[3] == b->shape[3];
+}
+
+flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
+                                   const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
+                                   const flashc_tensor *out, float *lse, const flashc_tensor *dout,
+                                   const flashc_tensor *dq, const flashc_tensor *dk, const flashc_tensor *dv,
+                                   flashc_problem *p) {
+    /* Queries (supported / workspace size) pass out == NULL and look at shapes only. */
+    int query = (op == FLASHC_OP_FORWARD && !out) || (op == FLASHC_OP_BACKWARD && !dq && !dk && !dv && !dout);
+    int need = !query;
+    memset(p, 0, sizeof *p);
+    if (!params) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "params is NULL (use flashc_params_default())");
+    if (op != FLASHC_OP_FORWARD && op != FLASHC_OP_BACKWARD)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "unknown op %d", (int)op);
+
+    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, NVIEW };
+    uintptr_t lo[NVIEW] = {0}, hi[NVIEW] = {0};
+    FLASHC_TRY(check_view(ctx, "q", q, need, 0, &lo[IQ], &hi[IQ]));
+    FLASHC_TRY(check_view(ctx, "k", k, need, 0, &lo[IK], &hi[IK]));
+    FLASHC_TRY(check_view(ctx, "v", v, need, 0, &lo[IV], &hi[IV]));
+    if (k->dtype != q->dtype || v->dtype != q->dtype)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "q, k, v dtypes differ (%s, %s, %s)",
+                          flashc_dtype_name(q->dtype), flashc_dtype_name(k->dtype), flashc_dtype_name(v->dtype));
+    if (!same_shape(k, v))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "k (%lld, %lld, %lld, %lld) and v (%lld, %lld, %lld, %lld) shapes differ",
+                          (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2],
+                          (long long)k->shape[3], (long long)v->shape[0], (long long)v->shape[1],
+                          (long long)v->shape[2], (long long)v->shape[3]);
+    if (k->shape[0] != q->shape[0])
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "batch of q (%lld) and k (%lld) differ",
+                          (long long)q->shape[0], (long long)k->shape[0]);
+    if (k->shape[3] != q->shape[3])
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "head dim of q (%lld) and k (%lld) differ",
+                          (long long)q->shape[3], (long long)k->shape[3]);
+    p->op = op;
+    p->dtype = q->dtype;
+    p->B = q->shape[0];
+    p->Nq = q->shape[1];
+    p->Nk = k->shape[1];
+    p->H = q->shape[2];
+    p->Hkv = k->shape[2];
+    p->D = q->shape[3];
+    p->total_q = p->Nq;
+    p->total_k = p->Nk;
+    if (p->H % p->Hkv != 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "H (%lld) is not a multiple of Hkv (%lld)",
+                          (long long)p->H, (long long)p->Hkv);
+    if (p->D > FLASHC_MAX_HEAD_DIM)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "head dim %lld is larger than %d", (long long)p->D,
+                          FLASHC_MAX_HEAD_DIM);
+
+    /* scores and masks */
+    float scale = params->softmax_scale;
+    if (!isfinite(scale)) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "softmax_scale is not finite");
+    p->scale = scale == 0.0f ? (float)(1.0 / sqrt((double)p->D)) : scale;
+    if (!(params->softcap >= 0.0f) || !isfinite(params->softcap))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "softcap %g must be finite and >= 0",
+                          (double)params->softcap);
+    p->softcap = params->softcap;
+    if (params->window_left < -1 || params->window_right < -1)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "window (%lld, %lld): each side must be >= -1",
+                          (long long)params->window_left, (long long)params->window_right);
+    p->win_left = params->window_left;
+    p->win_right = params->window_right;
+    if (params->causal) p->win_right = 0; /* causal == window (left, 0), bottom-right aligned */
+    if (params->alibi_slopes) {
+        if (params->alibi_batch_stride < 0)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "alibi_batch_stride %lld is negative",
+                              (long long)params->alibi_batch_stride);
+        p->alibi = params->alibi_slopes;
+        p->alibi_batch_stride = params->alibi_batch_stride;
+    }
+    if (!(params->dropout_p >= 0.0f && params->dropout_p < 1.0f))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "dropout_p %g must be in [0, 1)",
+                          (double)params->dropout_p);
+    if (params->dropout_p > 0.0f)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "dropout (p = %g) is not supported yet",
+                          (double)params->dropout_p);
+    p->dropout_p = params->dropout_p;
+    p->dropout_seed = params->dropout_seed;
+    p->dropout_offset = params->dropout_offset;
+    p->deterministic = params->deterministic != 0;
+
+    /* varlen */
+    if ((params->cu_seqlens_q == NULL) != (params->cu_seqlens_k == NULL))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "varlen needs both cu_seqlens_q and cu_seqlens_k");
+    if (params->cu_seqlens_q) {
+        if (q->shape[0] != 1)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "varlen tensors are packed: q's batch dimension must be 1, not %lld",
+                              (long long)q->shape[0]);
+        if (params->num_seqs <= 0 || params->max_seqlen_q <= 0 || params->max_seqlen_k <= 0)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "varlen needs num_seqs, max_seqlen_q, max_seqlen_k > 0 (got %lld, %lld, %lld)",
+                              (long long)params->num_seqs, (long long)params->max_seqlen_q,
+                              (long long)params->max_seqlen_k);
+        if (params->num_seqs > INT32_MAX)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "num_seqs %lld is too large",
+                              (long long)params->num_seqs);
+        p->varlen = 1;
+        p->cu_q = params->cu_seqlens_q;
+        p->cu_k = params->cu_seqlens_k;
+        p->B = params->num_seqs;
+        p->Nq = params->max_seqlen_q;
+        p->Nk = params->max_seqlen_k;
+        p->total_q = q->shape[1];
+        p->total_k = k->shape[1];
+    }
+    if (p->total_q > INT32_MAX || p->total_k > INT32_MAX)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "sequence lengths above 2^31 - 1 are not supported");
+
+    /* block-sparse mask */
+    if (params->block_mask) {
+        if (params->block_mask_q <= 0 || params->block_mask_k <= 0)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "block mask block sizes (%lld, %lld) must be > 0",
+                              (long long)params->block_mask_q, (long long)params->block_mask_k);
+        if (!(params->block_mask_batch == 1 || params->block_mask_batch == p->B) ||
+            !(params->block_mask_heads == 1 || params->block_mask_heads == p->H))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "block mask (batch %lld, heads %lld) must broadcast to (B %lld, H %lld): use 1 or the "
+                              "full size",
+                              (long long)params->block_mask_batch, (long long)params->block_mask_heads,
+                              (long long)p->B, (long long)p->H);
+        p->block_mask = params->block_mask;
+        p->bm_q = params->block_mask_q;
+        p->bm_k = params->block_mask_k;
+        p->bm_batch = params->block_mask_batch;
+        p->bm_heads = params->block_mask_heads;
+        p->bm_nqb = (p->Nq + p->bm_q - 1) / p->bm_q;
+        p->bm_nkb = (p->Nk + p->bm_k - 1) / p->bm_k;
+    }
+
+    p->q = *q;
+    p->k = *k;
+    p->v = *v;
+    if (query) return FLASHC_STATUS_OK;
+
+    /* outputs and backward inputs */
+    if (op == FLASHC_OP_FORWARD) {
+        FLASHC_TRY(check_view(ctx, "out", out, 1, 1, &lo[IO], &hi[IO]));
+        if (!same_shape(out, q) || out->dtype != q->dtype)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out must have q's shape and dtype");
+        for (int i = IQ; i <= IV; i++)
+            if (overlaps(lo[IO], hi[IO], lo[i], hi[i]))
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out overlaps %s in memory",
+                                  i == IQ ? "q" : i == IK ? "k" : "v");
+        p->out = *out;
+        p->lse = lse;
+        if (lse) {
+            uintptr_t llo = (uintptr_t)lse, lhi = llo + (uintptr_t)(p->H * p->total_q * (p->varlen ? 1 : p->B)) * 4;
+            for (int i = IQ; i <= IO; i++)
+                if (overlaps(llo, lhi, lo[i], hi[i]))
+                    return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "softmax_lse overlaps a tensor in memory");
+        }
+        return FLASHC_STATUS_OK;
+    }
+
+    if (!lse) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "backward needs softmax_lse from the forward");
+    FLASHC_TRY(check_view(ctx, "out", out, 1, 0, &lo[IO], &hi[IO]));
+    FLASHC_TRY(check_view(ctx, "dout", dout, 1, 0, &lo[IDO], &hi[IDO]));
+    FLASHC_TRY(check_view(ctx, "dq", dq, 1, 1, &lo[IDQ], &hi[IDQ]));
+    FLASHC_TRY(check_view(ctx, "dk", dk, 1, 1, &lo[IDK], &hi[IDK]));
+    FLASHC_TRY(check_view(ctx, "dv", dv, 1, 1, &lo[IDV], &hi[IDV]));
+    const flashc_tensor *like_q[3] = {out, dout, dq}, *like_k[2] = {dk, dv};
+    static const char *qnames[3] = {"out", "dout", "dq"}, *knames[2] = {"dk", "dv"};
+    for (int i = 0; i < 3; i++)
+        if (!same_shape(like_q[i], q) || like_q[i]->dtype != q->dtype)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s must have q's shape and dtype", qnames[i]);
+    for (int i = 0; i < 2; i++)
+        if (!same_shape(like_k[i], k) || like_k[i]->dtype != q->dtype)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s must have k's shape and q's dtype", knames[i]);
+    static const char *names[NVIEW] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv"};
+    uintptr_t llo = (uintptr_t)lse, lhi = llo + (uintptr_t)(p->H * p->total_q * (p->varlen ? 1 : p->B)) * 4;
+    for (int o = IDQ; o <= IDV; o++) {
+        for (int i = 0; i < NVIEW; i++)
+            if (i != o && overlaps(lo[o], hi[o], lo[i], hi[i]))
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps %s in memory", names[o], names[i]);
+        if (overlaps(lo[o], hi[o], llo, lhi))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps softmax_lse in memory", names[o]);
+    }
+    p->out = *out;
+    p->dout = *dout;
+    p->dq = *dq;
+    p->dk = *dk;
+    p->dv = *dv;
+    p->lse = lse;
+    return FLASHC_STATUS_OK;
+}
+
+/* ---- attention ----------------------------------------------------------------------------------------- */
+
+static flashc_status supported_problem(flashc_context_t ctx, const flashc_problem *p) {
+    return ctx->ops->supported ? ctx->ops->supported(ctx, p) : FLASHC_STATUS_OK;
+}
+
+flashc_status flashc_supported(flashc_context_t ctx, flashc_op op, const flashc_tensor *q, const flashc_tensor *k,
+                               const flashc_tensor *v, const flashc_params *params) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    flashc_problem p;
+    FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
+    FLASHC_TRY(supported_problem(ctx, &p));
+    ctx->error[0] = '\0';
+    return FLASHC_STATUS_OK;
+}
+
+static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
+                                    const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
+                                    size_t *bytes) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (!bytes) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "bytes is NULL");
+    *bytes = 0;
+    flashc_problem p;
+    FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
+    FLASHC_TRY(supported_problem(ctx, &p));
+    *bytes = ctx->ops->workspace_size(ctx, &p);
+    return FLASHC_STATUS_OK;
+}
+
+flashc_status flashc_forward_workspace_size(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
+                                            const flashc_tensor *v, const flashc_params *params, size_t *bytes) {
+    return workspace_size(ctx, FLASHC_OP_FORWARD, q, k, v, params, bytes);
+}
+
+flashc_status flashc_backward_workspace_size(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
+                                             const flashc_tensor *v, const flashc_params *params, size_t *bytes) {
+    return workspace_size(ctx, FLASHC_OP_BACKWARD, q, k, v, params, bytes);
+}
+
+/* Runs fn on p with the caller's workspace, or one the backend allocates for this call. */
+static flashc_status run_with_workspace(flashc_context_t ctx, const flashc_problem *p,
+                                        flashc_status (*fn)(struct flashc_context *, const flashc_problem *, void *),
+                                        void *workspace, size_t workspace_bytes) {
+    size_t need = ctx->ops->workspace_size(ctx, p);
+    if (workspace && workspace_bytes < need)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace has %zu bytes, this problem needs %zu",
+                          workspace_bytes, need);
+    void *owned = NULL;
+    if (!workspace && need > 0) {
+        FLASHC_TRY(ctx->ops->workspace_alloc(ctx, need, &owned));
+        workspace = owned;
+    }
+    flashc_status st = fn(ctx, p, workspace);
+    if (owned) ctx->ops->workspace_free(ctx, owned);
+    return st;
+}
+
+flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
+                             const flashc_tensor *v, const flashc_params *params, const flashc_tensor *out,
+                             float *softmax_lse, void *workspace, size_t workspace_bytes) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (!out) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out is NULL");
+    flashc_problem p;
+    FLASHC_TRY(flashc_problem_build(ctx, FLASHC_OP_FORWARD, q, k, v, params, out, softmax_lse, NULL, NULL, NULL,
+                                    NULL, &p));
+    FLASHC_TRY(supported_problem(ctx, &p));
+    FLASHC_TRY(run_with_workspace(ctx, &p, ctx->ops->forward, workspace, workspace_bytes));
+    ctx->error[0] = '\0';
+    return FLASHC_STATUS_OK;
+}
+
+flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
+                              const flashc_tensor *v, const flashc_tensor *out, const flashc_tensor *dout,
+                              const float *softmax_lse, const flashc_params *params, const flashc_tensor *dq,
+                              const flashc_tensor *dk, const flashc_tensor *dv, void *workspace,
+                              size_t workspace_bytes) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (!out || !dout || !dq || !dk || !dv)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "backward needs out, dout, dq, dk and dv");
+    flashc_problem p;
+    FLASHC_TRY(flashc_problem_build(ctx, FLASHC_OP_BACKWARD, q, k, v, params, out, (float *)softmax_lse, dout, dq,
+                                    dk, dv, &p));
+    FLASHC_TRY(supported_problem(ctx, &p));
+    FLASHC_TRY(run_with_workspace(ctx, &p, ctx->ops->backward, workspace, workspace_bytes));
+    ctx->error[0] = '\0';
+    return FLASHC_STATUS_OK;
+}

@@ -1,0 +1,165 @@
+/*
+ * internal.h - what the front (src/flashc.c) and the backends share: the validated problem, the backend
+ * vtable, and the error helpers. Not installed.
+ */
+#ifndef FLASHC_INTERNAL_H
+#define FLASHC_INTERNAL_H
+
+#include "flashc.h"
+
+#include <math.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FLASHC_ERROR_LEN 512
+#define FLASHC_MAX_HEAD_DIM 256
+
+/*
+ * A validated attention problem. The front fills it from the public arguments; backends only read it.
+ * Dimensions follow the glossary of flashc.h. With varlen, B is num_seqs, Nq/Nk are the max lengths and the
+ * tensors' batch dimension is 1 (row offsets come from cu_seqlens).
+ */
+typedef struct flashc_problem {
+    flashc_op op;
+    flashc_dtype dtype;
+    int64_t B, Nq, Nk, H, Hkv, D;
+    int varlen;
+    int64_t total_q, total_k; /* varlen: rows of the packed tensors; else Nq, Nk */
+
+    float scale;      /* resolved: never 0 */
+    float softcap;    /* 0: off */
+    int64_t win_left;  /* -1 unbounded; causal folded in as win_right = 0 */
+    int64_t win_right; /* -1 unbounded */
+    const float *alibi;
+    int64_t alibi_batch_stride;
+    const uint8_t *block_mask;
+    int64_t bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb;
+    const int32_t *cu_q, *cu_k;
+    float dropout_p;
+    uint64_t dropout_seed, dropout_offset;
+    int deterministic;
+
+    /* views (data may be NULL in a supported()/workspace query) */
+    flashc_tensor q, k, v;
+    flashc_tensor out;  /* forward output, backward input */
+    float *lse;         /* forward: may be NULL; backward: input */
+    flashc_tensor dout, dq, dk, dv; /* backward only */
+} flashc_problem;
+
+struct flashc_context;
+
+/* One table of functions per backend (src/cpu/cpu.c, src/cuda/cuda.cu). */
+typedef struct flashc_backend_ops {
+    flashc_backend kind;
+    flashc_status (*init)(struct flashc_context *ctx);
+    void (*fini)(struct flashc_context *ctx);
+    flashc_status (*set_stream)(struct flashc_context *ctx, void *stream);
+    /* OK, or NOT_SUPPORTED with a message set through flashc_set_error. */
+    flashc_status (*supported)(struct flashc_context *ctx, const flashc_problem *p);
+    size_t (*workspace_size)(struct flashc_context *ctx, const flashc_problem *p);
+    flashc_status (*workspace_alloc)(struct flashc_context *ctx, size_t bytes, void **ptr);
+    void (*workspace_free)(struct flashc_context *ctx, void *ptr);
+    flashc_status (*forward)(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
+    flashc_status (*backward)(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
+} flashc_backend_ops;
+
+struct flashc_context {
+    const flashc_backend_ops *ops;
+    flashc_backend backend;
+    int device;
+    int threads;
+    void *stream;
+    void *backend_state;
+    char error[FLASHC_ERROR_LEN];
+};
+
+/* Records "file:line: message" on ctx (or the thread's slot when ctx is NULL) and returns status. */
+flashc_status flashc_set_error(struct flashc_context *ctx, flashc_status status, const char *file, int line,
+                               const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 5, 6)))
+#endif
+    ;
+
+#define FLASHC_ERR(ctx, status, ...) flashc_set_error((ctx), (status), __FILE__, __LINE__, __VA_ARGS__)
+#define FLASHC_TRY(expr)                                                                                     \
+    do {                                                                                                     \
+        flashc_status flashc_try_status_ = (expr);                                                           \
+        if (flashc_try_status_ != FLASHC_STATUS_OK) return flashc_try_status_;                               \
+    } while (0)
+
+extern const flashc_backend_ops flashc_cpu_ops;
+#ifdef FLASHC_WITH_CUDA
+extern const flashc_backend_ops flashc_cuda_ops;
+int flashc_cuda_device_count(void);
+flashc_status flashc_cuda_device_name(int device, char *buf, size_t len);
+#endif
+
+/* ---- helpers shared by backends and the oracle ---------------------------------------------------------- */
+
+static inline size_t flashc_dtype_size(flashc_dtype t) { return t == FLASHC_DTYPE_F32 ? 4 : 2; }
+
+/* Sequence b's row range inside the (possibly packed) tensors. */
+static inline void flashc_seq_bounds(const flashc_problem *p, int64_t b, int64_t *q0, int64_t *nq, int64_t *k0,
+                                     int64_t *nk) {
+    if (p->varlen) {
+        *q0 = p->cu_q[b];
+        *nq = (int64_t)p->cu_q[b + 1] - p->cu_q[b];
+        *k0 = p->cu_k[b];
+        *nk = (int64_t)p->cu_k[b + 1] - p->cu_k[b];
+    } else {
+        *q0 = 0;
+        *nq = p->Nq;
+        *k0 = 0;
+        *nk = p->Nk;
+    }
+}
+
+/* Visible key range [lo, hi) of query row i (0-based within a sequence of nq queries and nk keys) from the
+ * causal/window masks alone; empty when lo >= hi. */
+static inline void flashc_row_key_range(const flashc_problem *p, int64_t i, int64_t nq, int64_t nk, int64_t *lo,
+                                        int64_t *hi) {
+    int64_t diag = i + nk - nq;
+    int64_t l = 0, h = nk;
+    if (p->win_left >= 0 && diag - p->win_left > l) l = diag - p->win_left;
+    if (p->win_right >= 0 && diag + p->win_right + 1 < h) h = diag + p->win_right + 1;
+    *lo = l;
+    *hi = h;
+}
+
+/* The block-sparse mask byte for (b, h, query row i, key j) within a sequence; 1 when no mask is set. */
+static inline int flashc_block_visible(const flashc_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (!p->block_mask) return 1;
+    int64_t mb = p->bm_batch == 1 ? 0 : b, mh = p->bm_heads == 1 ? 0 : h;
+    const uint8_t *m = p->block_mask + ((mb * p->bm_heads + mh) * p->bm_nqb + i / p->bm_q) * p->bm_nkb;
+    return m[j / p->bm_k] != 0;
+}
+
+static inline float flashc_alibi_slope(const flashc_problem *p, int64_t b, int64_t h) {
+    return p->alibi ? p->alibi[b * p->alibi_batch_stride + h] : 0.0f;
+}
+
+/* bf16/f16 <-> f32, round to nearest even. */
+static inline float flashc_bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+static inline uint16_t flashc_f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* quiet NaN */
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+float flashc_f16_to_f32(uint16_t h);
+uint16_t flashc_f32_to_f16(float f);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHC_INTERNAL_H */

@@ -1,0 +1,109 @@
+/*
+ * testkit.h - the fp64 oracle and the shared case table, used by tests/, `flashc check` and the GPU tests.
+ * Built as the static library flashc_testkit; not part of the installed API.
+ */
+#ifndef FLASHC_TESTKIT_H
+#define FLASHC_TESTKIT_H
+
+#include "flashc.h"
+#include "../internal.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * Builds and validates a problem from the public arguments, exactly as flashc_forward / flashc_backward do
+ * (implemented in src/flashc.c). ctx may be NULL (errors then go to the thread's slot).
+ */
+flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
+                                   const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
+                                   const flashc_tensor *out, float *lse, const flashc_tensor *dout,
+                                   const flashc_tensor *dq, const flashc_tensor *dk, const flashc_tensor *dv,
+                                   flashc_problem *p);
+
+/*
+ * The naive oracle: materializes S and P for each (sequence, head) and reads inputs through the problem's
+ * views (host memory) converted exactly to double.
+ *
+ * round: FLASHC_DTYPE_F32 computes in fp64 throughout (the reference). F16 / BF16 emulate the plain
+ * low-precision algorithm instead (S, P, O and the backward's intermediates rounded to that dtype after each
+ * step, accumulation in fp32), which gives the "naive_lowp" error of the CONVENTIONS.md rule.
+ *
+ * Outputs are contiguous doubles: out (total rows, H, D) i.e. (B, Nq, H, D) or (1, total_q, H, D);
+ * lse (B, H, Nq) (varlen: (H, total_q)), +inf for rows that see no key;
+ * dq like out; dk, dv (B, Nk, Hkv, D) or (1, total_k, Hkv, D). Any output pointer may be NULL.
+ * The backward reads dout from p->dout and computes its own P (it does not use p->lse or p->out).
+ * Returns 0, or -1 when memory runs out.
+ */
+int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out, double *lse);
+int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq, double *dk, double *dv);
+
+/* Layout of the test tensors. */
+typedef enum flashc_case_layout {
+    FLASHC_LAYOUT_BNHD = 0,    /* contiguous (B, N, H, D) */
+    FLASHC_LAYOUT_BHND = 1,    /* (B, H, N, D) storage viewed through permuted strides */
+    FLASHC_LAYOUT_PADDED = 2   /* (B, N, H, D) with padding after D and after H (non-contiguous strides) */
+} flashc_case_layout;
+
+/* One row of the case table. */
+typedef struct flashc_case {
+    const char *name;
+    flashc_dtype dtype;
+    int64_t B, Nq, Nk, H, Hkv, D;
+    int causal;
+    int64_t window_left, window_right; /* -1 unbounded */
+    float softcap;
+    int alibi;                         /* 0 off, 1 per head, 2 per batch x head */
+    int64_t block_q, block_k;          /* block-sparse mask block sizes; 0 = no mask */
+    int varlen;                        /* 1: B sequences of random lengths <= Nq/Nk packed, one of length 0 */
+    flashc_case_layout layout;
+    int backward;                      /* 1: also check gradients */
+} flashc_case;
+
+/* Result of running one case. Errors are max-abs against the fp64 oracle. */
+typedef struct flashc_case_result {
+    int pass;
+    double err_out, tol_out;  /* ours vs ref, and the allowed bound */
+    double err_lse, tol_lse;
+    double err_grad, tol_grad; /* worst of dq, dk, dv (each compared with its own bound) */
+    int unwritten;            /* elements still holding the poison after the call */
+    int nonfinite;            /* NaN/inf where a finite value was expected */
+    flashc_status status;     /* status of the library call */
+    char message[256];        /* why it failed, if it did */
+} flashc_case_result;
+
+/* The shared case table: full = every row; otherwise a reduced table for quick runs (sanitizers, racecheck). */
+const flashc_case *flashc_case_table(int full, size_t *count);
+
+/*
+ * Runs one case on ctx with fresh random inputs drawn from seed: allocates the tensors (host memory, or device
+ * memory through the hooks below when ctx is a CUDA context), poisons outputs, calls flashc_forward (and
+ * flashc_backward when c->backward), and compares with the oracle using the CONVENTIONS.md rule:
+ *   fp32:     relative error ||ours - ref|| / ||ref|| <= 1e-5 (gradients 1e-4)
+ *   f16/bf16: max|ours - ref| <= 2 * max|naive_lowp - ref| + 1e-5 (gradients 3x).
+ * Returns 0 when the case ran (pass or fail is in res), -1 when it could not be set up.
+ */
+int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, flashc_case_result *res);
+
+/* Memory hooks for backends whose tensors are not host memory (set by the GPU test program / CLI). */
+typedef struct flashc_case_memory {
+    void *(*alloc)(size_t bytes);
+    void (*free)(void *ptr);
+    int (*to_device)(void *dst, const void *src, size_t bytes);
+    int (*to_host)(void *dst, const void *src, size_t bytes);
+} flashc_case_memory;
+void flashc_case_set_memory(const flashc_case_memory *mem); /* NULL: host malloc/memcpy */
+
+/* Deterministic random numbers for tests: splitmix64 + Box-Muller. */
+uint64_t flashc_rand_u64(uint64_t *state);
+double flashc_rand_normal(uint64_t *state);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHC_TESTKIT_H */
