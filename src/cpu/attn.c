@@ -1,18 +1,23 @@
 /*
  * The CPU attention drivers: FlashAttention-2 (Dao 2023, Algorithms 1 and 2) on fp32 tiles.
  *
- * Forward: one task per (sequence, head, block of br query rows). The query block stays resident while key/value
- * blocks of bc rows stream past it; the online-softmax state (running max m, running sum l, output accumulator
- * O) is updated per block in base 2, and only O and the lse are written. Causal and window masks bound the key
- * range of each query block and the block-sparse mask skips whole tiles; partial tiles mask element-wise.
+ * Forward: one task per (sequence, head, block of br query rows). The query block stays resident (as scale*Q^T)
+ * while key/value blocks of bc rows stream past it; scores are kept key-major (St[key][query]) so K and V are
+ * read in place when they are fp32 with unit stride along D, and so the online-softmax state (running max m,
+ * running sum l, output O) updates with vector operations across query rows. Scores are in base 2 (log2(e)
+ * folded into the Q scale). Causal and window masks bound the key range of each query block, the block-sparse
+ * mask skips whole tiles, and partial tiles mask element-wise. When there are fewer tasks than threads (decode:
+ * few queries, long keys) the key range of each task is split across threads and the partial (m, l, O) merge by
+ * log-sum-exp (flash-decoding).
  *
  * Backward: P is recomputed from q, k and the saved lse, never stored. D_i = rowsum(dO o O) is computed first;
  * then one pass per (sequence, kv head, key block) accumulates dK, dV over every query head of its group and
  * every query block, and a second pass per (sequence, head, query block) accumulates dQ over the key blocks.
- * Every gradient element has exactly one writer and a fixed summation order, so the result is deterministic
- * and race-free at the cost of recomputing S and dP twice.
+ * Every gradient element has exactly one writer and a fixed summation order, so results are deterministic and
+ * race-free for any thread count, at the cost of computing S and dP twice.
  *
- * Extra memory: per thread a few tiles (see workspace sizes below), plus D (B x H x Nq floats) in backward.
+ * Extra memory: per thread a few tiles (sizes below, O(br * D + bc * D + br * bc)); split-KV partials
+ * (O(threads * br * D)); and D (B * H * Nq floats) in backward.
  */
 #include "cpu.h"
 
@@ -24,154 +29,161 @@
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int imin(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
 
-/* Per-thread buffer layout, in floats; every piece starts 64-byte aligned. */
+/* Per-thread tiles; every piece 64-byte aligned (sizes are multiples of 16 floats). */
 typedef struct tile_bufs {
-    float *q, *o, *s, *kt, *v, *m, *l;           /* forward */
-    float *k, *vt, *dk, *dv, *dout, *dp, *t, *lse, *di, *dq; /* backward */
+    float *qt, *dot;    /* (scale Q)^T, dO^T: dp x br */
+    float *o, *dq;      /* br x dp */
+    float *st, *dpt, *t; /* bc x br: scores / P, dP / dS, tanh for softcap */
+    float *kbuf, *vbuf; /* bc x dp: converted K, V rows */
+    float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
+    float *dk, *dv;     /* bc x dp */
+    float *m, *l, *alpha, *lse2, *di; /* br */
 } tile_bufs;
 
 typedef struct layout {
     int br, bc, dp;
+    int64_t nqb, nkb;
     size_t per_thread; /* floats */
 } layout;
 
 static layout make_layout(const flashc_problem *p, int backward) {
-    flashc_cpu_tiles t = flashc_cpu_choose_tiles(p->D);
+    flashc_cpu_tiles t = flashc_cpu_choose_tiles(p->D, backward);
     layout L;
     L.br = t.br;
     L.bc = t.bc;
     L.dp = (int)round_up(p->D, 16);
+    L.nqb = (p->Nq + L.br - 1) / L.br;
+    L.nkb = (p->Nk + L.bc - 1) / L.bc;
     size_t br = (size_t)L.br, bc = (size_t)L.bc, dp = (size_t)L.dp;
     if (!backward)
-        L.per_thread = 2 * br * dp + 2 * bc * dp + br * bc + 2 * round_up(L.br, 16);
+        L.per_thread = 2 * dp * br + bc * br + 2 * bc * dp + 3 * br;
     else
-        L.per_thread = 3 * br * dp + 5 * bc * dp + 3 * br * bc + 2 * round_up(L.br, 16);
+        L.per_thread = 2 * dp * br + br * dp + 3 * bc * br + 4 * bc * dp + 2 * br * dp + 2 * br;
     return L;
 }
 
 static float *align64(void *ptr) { return (float *)(((uintptr_t)ptr + 63) & ~(uintptr_t)63); }
 
-static tile_bufs carve(float *base, const layout *L, int backward) {
+static tile_bufs carve(float *x, const layout *L, int backward) {
     tile_bufs b;
     memset(&b, 0, sizeof b);
-    size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp, vr = (size_t)round_up(L->br, 16);
-    float *x = base;
+    size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp;
 #define TAKE(ptr, n) (ptr = x, x += (n))
-    TAKE(b.q, br * dp);
-    TAKE(b.s, br * bc);
-    TAKE(b.kt, bc * dp);
+    TAKE(b.qt, dp * br);
+    TAKE(b.st, bc * br);
+    TAKE(b.kbuf, bc * dp);
+    TAKE(b.vbuf, bc * dp);
     if (!backward) {
         TAKE(b.o, br * dp);
-        TAKE(b.v, bc * dp);
-        TAKE(b.m, vr);
-        TAKE(b.l, vr);
+        TAKE(b.m, br);
+        TAKE(b.l, br);
+        TAKE(b.alpha, br);
     } else {
-        TAKE(b.k, bc * dp);
-        TAKE(b.vt, bc * dp);
+        TAKE(b.dot, dp * br);
+        TAKE(b.dq, br * dp);
+        TAKE(b.dpt, bc * br);
+        TAKE(b.t, bc * br);
         TAKE(b.dk, bc * dp);
         TAKE(b.dv, bc * dp);
-        TAKE(b.dout, br * dp);
-        TAKE(b.dq, br * dp);
-        TAKE(b.dp, br * bc);
-        TAKE(b.t, br * bc);
-        TAKE(b.lse, vr);
-        TAKE(b.di, vr);
+        TAKE(b.qbuf, br * dp);
+        TAKE(b.dobuf, br * dp);
+        TAKE(b.lse2, br);
+        TAKE(b.di, br);
     }
 #undef TAKE
     return b;
 }
 
-size_t flashc_cpu_forward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
-    layout L = make_layout(p, 0);
-    return (size_t)flashc_cpu_thread_count(ctx) * L.per_thread * sizeof(float) + 64;
-}
-
-static size_t di_floats(const flashc_problem *p) {
-    return (size_t)round_up(p->varlen ? p->H * p->total_q : p->B * p->H * p->Nq, 16);
-}
-
-size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
-    layout L = make_layout(p, 1);
-    return ((size_t)flashc_cpu_thread_count(ctx) * L.per_thread + di_floats(p)) * sizeof(float) + 64;
-}
-
-/* Key range [*lo, *hi) any row of the query block [i0, i0 + rows) may see through causal/window masks. */
-static void block_key_range(const flashc_problem *p, int64_t i0, int rows, int64_t nq, int64_t nk, int64_t *lo,
-                            int64_t *hi) {
-    int64_t l0, h0, l1, h1;
-    flashc_row_key_range(p, i0, nq, nk, &l0, &h0);
-    flashc_row_key_range(p, i0 + rows - 1, nq, nk, &l1, &h1);
-    *lo = l0 < 0 ? 0 : l0;
-    *hi = h1 > nk ? nk : h1;
-}
-
 /* ---- forward ---------------------------------------------------------------------------------------------- */
 
-/* Online-softmax update for one tile: s (log2 units) becomes P, the running max/sum move, O rows rescale. */
-static void softmax_update(float *s, int lds, int rows, int cols, float *m, float *l, float *o, int ldo, int D) {
-    for (int r = 0; r < rows; r++) {
-        float *row = s + (size_t)r * lds;
-        float mx = m[r];
-        for (int c = 0; c < cols; c++) mx = row[c] > mx ? row[c] : mx;
-        if (mx == -INFINITY) { /* nothing visible yet in this row */
-            for (int c = 0; c < cols; c++) row[c] = 0.0f;
-            continue;
-        }
-        const float alpha = exp2f(m[r] - mx); /* 0 when m was -inf */
-        float sum = 0.0f;
-        for (int c = 0; c < cols; c++) {
-            row[c] = exp2f(row[c] - mx);
-            sum += row[c];
-        }
-        l[r] = l[r] * alpha + sum;
-        m[r] = mx;
-        if (alpha != 1.0f) {
-            float *orow = o + (size_t)r * ldo;
-            for (int d = 0; d < D; d++) orow[d] *= alpha;
-        }
-    }
+/* Split-KV plan: how many pieces each task's key range is cut into. */
+static int64_t kv_splits(const flashc_problem *p, const layout *L, int nthreads) {
+    const int64_t tasks = p->B * p->H * L->nqb;
+    if (tasks >= nthreads || L->nkb < 2) return 1;
+    int64_t s = (nthreads + tasks - 1) / tasks;
+    return s < L->nkb ? s : L->nkb;
 }
 
-static void forward_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                         int64_t b, int64_t h, int64_t qb) {
+static size_t partial_floats(const layout *L) { return (size_t)L->br * L->dp + 2 * (size_t)L->br; }
+
+size_t flashc_cpu_forward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
+    const layout L = make_layout(p, 0);
+    const int nthreads = flashc_cpu_thread_count(ctx);
+    const int64_t splits = kv_splits(p, &L, nthreads);
+    size_t partials = splits > 1 ? (size_t)(p->B * p->H * L.nqb * splits) * partial_floats(&L) : 0;
+    return ((size_t)nthreads * L.per_thread + partials) * sizeof(float) + 64;
+}
+
+/*
+ * Streams key blocks [jlo, jhi) (already clipped to the visible range) past query block qb of (b, h), leaving
+ * the unnormalized O, m and l of its rows in t.
+ */
+static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                          int64_t b, int64_t h, int64_t i0, int rows, int64_t jlo, int64_t jhi) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int64_t i0 = qb * L->br;
-    if (i0 >= nq) return;
-    const int rows = imin(L->br, nq - i0), D = (int)p->D, dp = L->dp, bc = L->bc;
+    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
 
-    flashc_cpu_load_rows(t->q, dp, &p->q, tb, q0 + i0, rows, rows, h, D, p->scale);
-    memset(t->o, 0, sizeof(float) * (size_t)rows * dp);
-    for (int r = 0; r < rows; r++) {
+    flashc_cpu_load_t(kern, t->qt, br, &p->q, tb, q0 + i0, rows, br, h, D, flashc_cpu_qscale(p));
+    memset(t->o, 0, sizeof(float) * (size_t)br * dp);
+    for (int r = 0; r < br; r++) {
         t->m[r] = -INFINITY;
         t->l[r] = 0.0f;
     }
-    int64_t lo, hi;
-    block_key_range(p, i0, rows, nq, nk, &lo, &hi);
-    for (int64_t j0 = lo; j0 < hi; j0 += bc) {
-        const int cols = imin(bc, hi - j0);
+    for (int64_t j0 = jlo; j0 < jhi; j0 += bc) {
+        const int cols = imin(bc, jhi - j0);
         if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-        flashc_cpu_load_rows_t(t->kt, bc, &p->k, tb, k0 + j0, cols, cols, hk, D);
-        flashc_cpu_load_rows(t->v, dp, &p->v, tb, k0 + j0, cols, cols, hk, D, 1.0f);
-        kern->gemm_nn(rows, cols, D, t->q, dp, t->kt, bc, t->s, bc, 0); /* S = (scale Q) K^T */
-        flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->s, bc, NULL);
-        softmax_update(t->s, bc, rows, cols, t->m, t->l, t->o, dp, D);
-        kern->gemm_nn(rows, D, cols, t->s, bc, t->v, dp, t->o, dp, 1); /* O += P V */
+        int64_t ldk, ldv;
+        const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
+        const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+        kern->gemm(cols, br, D, k, ldk, 1, t->qt, br, t->st, br, 0); /* S^T = K (scale Q)^T */
+        if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
+            flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, br, NULL);
+        kern->softmax(cols, br, t->st, br, t->m, t->l, t->alpha);
+        for (int r = 0; r < rows; r++)
+            if (t->alpha[r] != 1.0f) {
+                float *orow = t->o + (size_t)r * dp;
+                for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
+            }
+        kern->gemm(rows, D, cols, t->st, 1, br, v, ldv, t->o, dp, 1); /* O += P V */
     }
+}
+
+/* Normalizes O by l and writes out and lse; rows that saw no key get 0 and +inf. */
+static void forward_store(const flashc_problem *p, const layout *L, float *o, const float *m, const float *l,
+                          int64_t b, int64_t h, int64_t i0, int rows) {
+    int64_t q0, nq, k0, nk;
+    flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+    const int D = (int)p->D, dp = L->dp;
     float *lse = p->lse ? p->lse + flashc_cpu_lse_offset(p, b, h, q0) + i0 : NULL;
     for (int r = 0; r < rows; r++) {
-        float *orow = t->o + (size_t)r * dp;
-        if (t->l[r] == 0.0f) { /* no visible key: output 0, lse +inf */
+        float *orow = o + (size_t)r * dp;
+        if (l[r] == 0.0f) {
             memset(orow, 0, sizeof(float) * (size_t)D);
             if (lse) lse[r] = INFINITY;
             continue;
         }
-        const float inv = 1.0f / t->l[r];
+        const float inv = 1.0f / l[r];
         for (int d = 0; d < D; d++) orow[d] *= inv;
-        if (lse) lse[r] = (t->m[r] + log2f(t->l[r])) * FLASHC_LN2;
+        if (lse) lse[r] = (m[r] + log2f(l[r])) * FLASHC_LN2;
     }
-    flashc_cpu_store_rows(&p->out, tb, q0 + i0, rows, h, D, t->o, dp);
+    flashc_cpu_store_rows(&p->out, flashc_cpu_tensor_batch(p, b), q0 + i0, rows, h, D, o, dp, 1.0f);
+}
+
+/* Query rows [*i0, *i0 + *rows) of task index task (b, h, qb); 0 when the block lies past the sequence. */
+static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int64_t *b, int64_t *h, int64_t *i0,
+                     int *rows, int64_t *lo, int64_t *hi) {
+    const int64_t qb = task % L->nqb, bh = task / L->nqb;
+    *b = bh / p->H;
+    *h = bh % p->H;
+    int64_t q0, nq, k0, nk;
+    flashc_seq_bounds(p, *b, &q0, &nq, &k0, &nk);
+    *i0 = qb * L->br;
+    if (*i0 >= nq) return 0;
+    *rows = imin(L->br, nq - *i0);
+    flashc_cpu_block_key_range(p, *i0, *rows, nq, nk, lo, hi);
+    return 1;
 }
 
 flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
@@ -179,8 +191,9 @@ flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_proble
     const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
     const layout L = make_layout(p, 0);
     const int nthreads = flashc_cpu_thread_count(ctx);
-    const int64_t nqb = (p->Nq + L.br - 1) / L.br, ntasks = p->B * p->H * nqb;
-    float *base = align64(workspace);
+    const int64_t ntasks = p->B * p->H * L.nqb, splits = kv_splits(p, &L, nthreads);
+    float *base = align64(workspace), *partials = base + (size_t)nthreads * L.per_thread;
+    const size_t pf = partial_floats(&L);
 #ifdef _OPENMP
 #  pragma omp parallel num_threads(nthreads)
 #endif
@@ -194,9 +207,57 @@ flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_proble
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < ntasks; task++) {
-            const int64_t qb = task % nqb, bh = task / nqb;
-            forward_task(p, kern, &L, &t, bh / p->H, bh % p->H, qb);
+        for (int64_t work = 0; work < ntasks * splits; work++) {
+            const int64_t task = work / splits, s = work % splits;
+            int64_t b, h, i0, lo, hi;
+            int rows;
+            if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
+            if (splits == 1) {
+                forward_range(p, kern, &L, &t, b, h, i0, rows, lo, hi);
+                forward_store(p, &L, t.o, t.m, t.l, b, h, i0, rows);
+                continue;
+            }
+            /* Piece s of the visible key range, cut at key-block boundaries. */
+            const int64_t nblk = hi > lo ? (hi - lo + L.bc - 1) / L.bc : 0, per = (nblk + splits - 1) / splits;
+            const int64_t jlo = lo + s * per * L.bc, jhi = jlo + per * L.bc < hi ? jlo + per * L.bc : hi;
+            forward_range(p, kern, &L, &t, b, h, i0, rows, jlo, jhi > jlo ? jhi : jlo);
+            float *part = partials + (size_t)work * pf;
+            memcpy(part, t.o, sizeof(float) * (size_t)rows * L.dp);
+            memcpy(part + (size_t)L.br * L.dp, t.m, sizeof(float) * (size_t)rows);
+            memcpy(part + (size_t)L.br * L.dp + L.br, t.l, sizeof(float) * (size_t)rows);
+        }
+        if (splits > 1) {
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+            for (int64_t task = 0; task < ntasks; task++) {
+                int64_t b, h, i0, lo, hi;
+                int rows;
+                if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
+                /* Merge by log-sum-exp: m = max_s m_s, l = sum_s l_s 2^(m_s - m), O = sum_s O_s 2^(m_s - m). */
+                memset(t.o, 0, sizeof(float) * (size_t)L.br * L.dp);
+                for (int r = 0; r < rows; r++) {
+                    float mx = -INFINITY;
+                    for (int64_t s = 0; s < splits; s++) {
+                        const float *part = partials + (size_t)(task * splits + s) * pf;
+                        mx = fmaxf(mx, part[(size_t)L.br * L.dp + r]);
+                    }
+                    float l = 0.0f;
+                    float *orow = t.o + (size_t)r * L.dp;
+                    for (int64_t s = 0; s < splits && mx != -INFINITY; s++) {
+                        const float *part = partials + (size_t)(task * splits + s) * pf;
+                        const float ms = part[(size_t)L.br * L.dp + r], ls = part[(size_t)L.br * L.dp + L.br + r];
+                        if (ms == -INFINITY) continue;
+                        const float w = exp2f(ms - mx);
+                        l += ls * w;
+                        const float *prow = part + (size_t)r * L.dp;
+                        for (int d = 0; d < (int)p->D; d++) orow[d] += w * prow[d];
+                    }
+                    t.m[r] = mx;
+                    t.l[r] = l;
+                }
+                forward_store(p, &L, t.o, t.m, t.l, b, h, i0, rows);
+            }
         }
     }
     (void)nthreads;
@@ -205,60 +266,65 @@ flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_proble
 
 /* ---- backward --------------------------------------------------------------------------------------------- */
 
-/* Recomputes P (into s) and dS (into dp) for one tile; s holds scale * q.k on entry. */
-static void recompute_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                         int64_t b, int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0, int cols) {
-    const int bc = L->bc, dp = L->dp, D = (int)p->D;
-    flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->s, bc, p->softcap > 0.0f ? t->t : NULL);
-    for (int r = 0; r < rows; r++) {
-        float *row = t->s + (size_t)r * bc;
-        const float l2 = t->lse[r] * FLASHC_LOG2E;
-        for (int c = 0; c < cols; c++) row[c] = row[c] == -INFINITY ? 0.0f : exp2f(row[c] - l2);
+static size_t di_floats(const flashc_problem *p) {
+    return (size_t)round_up(p->varlen ? p->H * p->total_q : p->B * p->H * p->Nq, 16);
+}
+
+size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
+    const layout L = make_layout(p, 1);
+    return ((size_t)flashc_cpu_thread_count(ctx) * L.per_thread + di_floats(p)) * sizeof(float) + 64;
+}
+
+/* Query-side tiles of one block: (scale Q)^T, dO^T, lse (log2 units; +inf on padding rows) and D. */
+static void load_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                            const float *dvec, int64_t b, int64_t h, int64_t q0, int64_t i0, int rows) {
+    const int64_t tb = flashc_cpu_tensor_batch(p, b);
+    flashc_cpu_load_t(kern, t->qt, L->br, &p->q, tb, q0 + i0, rows, L->br, h, p->D, flashc_cpu_qscale(p));
+    flashc_cpu_load_t(kern, t->dot, L->br, &p->dout, tb, q0 + i0, rows, L->br, h, p->D, 1.0f);
+    const int64_t off = flashc_cpu_lse_offset(p, b, h, q0) + i0;
+    for (int r = 0; r < L->br; r++) {
+        t->lse2[r] = r < rows ? p->lse[off + r] * FLASHC_LOG2E : INFINITY;
+        t->di[r] = r < rows ? dvec[off + r] : 0.0f;
     }
-    kern->gemm_nn(rows, cols, D, t->dout, dp, t->vt, bc, t->dp, bc, 0); /* dP = dO V^T */
-    for (int r = 0; r < rows; r++) {
-        const float *prow = t->s + (size_t)r * bc;
-        float *dsrow = t->dp + (size_t)r * bc;
-        const float di = t->di[r];
-        for (int c = 0; c < cols; c++) dsrow[c] = prow[c] * (dsrow[c] - di);
-        if (p->softcap > 0.0f) { /* d(c tanh(x/c))/dx = 1 - tanh^2 */
-            const float *trow = t->t + (size_t)r * bc;
-            for (int c = 0; c < cols; c++) dsrow[c] *= 1.0f - trow[c] * trow[c];
+}
+
+/*
+ * One (query block, key block) tile of the backward: P (into st) and dS (into dpt), key-major. k and v are the
+ * key-side rows; the query side is in t.
+ */
+static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                    const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b, int64_t h, int64_t nq,
+                    int64_t nk, int64_t i0, int rows, int64_t j0, int cols) {
+    const int br = L->br, D = (int)p->D;
+    kern->gemm(cols, br, D, k, ldk, 1, t->qt, br, t->st, br, 0);   /* S^T = K (scale Q)^T */
+    if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
+        flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, br, p->softcap > 0.0f ? t->t : NULL);
+    kern->exp2_sub(cols, br, t->st, br, t->lse2);                  /* P = 2^(S - lse) */
+    kern->gemm(cols, br, D, v, ldv, 1, t->dot, br, t->dpt, br, 0); /* dP^T = V dO^T */
+    for (int c = 0; c < cols; c++) {
+        const float *pc = t->st + (size_t)c * br;
+        float *dsc = t->dpt + (size_t)c * br;
+        for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - t->di[r]); /* dS = P (dP - D) */
+        if (p->softcap > 0.0f) { /* d(c tanh(x / c)) / dx = 1 - tanh^2 */
+            const float *tc = t->t + (size_t)c * br;
+            for (int r = 0; r < rows; r++) dsc[r] *= 1.0f - tc[r] * tc[r];
         }
     }
 }
 
-/* Loads the query-side tiles of one block: scale*Q, dO, lse and D. */
-static void load_query_side(const flashc_problem *p, const layout *L, tile_bufs *t, const float *dvec, int64_t b,
-                            int64_t h, int64_t q0, int64_t i0, int rows) {
-    const int64_t tb = flashc_cpu_tensor_batch(p, b);
-    flashc_cpu_load_rows(t->q, L->dp, &p->q, tb, q0 + i0, rows, rows, h, p->D, p->scale);
-    flashc_cpu_load_rows(t->dout, L->dp, &p->dout, tb, q0 + i0, rows, rows, h, p->D, 1.0f);
-    const int64_t off = flashc_cpu_lse_offset(p, b, h, q0) + i0;
-    memcpy(t->lse, p->lse + off, sizeof(float) * (size_t)rows);
-    memcpy(t->di, dvec + off, sizeof(float) * (size_t)rows);
-}
-
-/* Loads the key-side tiles of one block: K, K^T and V^T. */
-static void load_key_side(const flashc_problem *p, const layout *L, tile_bufs *t, int64_t b, int64_t hk,
-                          int64_t k0, int64_t j0, int cols) {
-    const int64_t tb = flashc_cpu_tensor_batch(p, b);
-    flashc_cpu_load_rows(t->k, L->dp, &p->k, tb, k0 + j0, cols, cols, hk, p->D, 1.0f);
-    flashc_cpu_load_rows_t(t->kt, L->bc, &p->k, tb, k0 + j0, cols, cols, hk, p->D);
-    flashc_cpu_load_rows_t(t->vt, L->bc, &p->v, tb, k0 + j0, cols, cols, hk, p->D);
-}
-
 /* D_i = rowsum(dO o O) for every row of (b, h). */
-static void dvec_task(const flashc_problem *p, float *dvec, float *o, float *dout, int64_t b, int64_t h) {
+static void dvec_task(const flashc_problem *p, const flashc_cpu_kernels *kern, float *dvec, float *o, float *dout,
+                      int64_t b, int64_t h) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int64_t tb = flashc_cpu_tensor_batch(p, b), D = p->D;
     float *dst = dvec + flashc_cpu_lse_offset(p, b, h, q0);
     for (int64_t i = 0; i < nq; i++) {
-        flashc_cpu_load_rows(o, (int)D, &p->out, tb, q0 + i, 1, 1, h, D, 1.0f);
-        flashc_cpu_load_rows(dout, (int)D, &p->dout, tb, q0 + i, 1, 1, h, D, 1.0f);
+        int64_t ld;
+        const float *orow = flashc_cpu_rows(kern, &p->out, tb, q0 + i, 1, h, D, o, D, &ld);
+        const float *drow = flashc_cpu_rows(kern, &p->dout, tb, q0 + i, 1, h, D, dout, D, &ld);
         float acc = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc += o[d] * dout[d];
+        for (int64_t d = 0; d < D; d++) acc += orow[d] * drow[d];
         dst[i] = acc;
     }
 }
@@ -269,52 +335,54 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int64_t j0 = kb * L->bc;
     if (j0 >= nk) return;
-    const int cols = imin(L->bc, nk - j0), D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
+    const int cols = imin(L->bc, nk - j0), D = (int)p->D, dp = L->dp, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), group = p->H / p->Hkv;
-    load_key_side(p, L, t, b, hk, k0, j0, cols);
+    int64_t ldk, ldv;
+    const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
+    const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
     memset(t->dk, 0, sizeof(float) * (size_t)cols * dp);
     memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
         for (int64_t i0 = 0; i0 < nq; i0 += br) {
             const int rows = imin(br, nq - i0);
             int64_t lo, hi;
-            block_key_range(p, i0, rows, nq, nk, &lo, &hi);
+            flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
             if (hi <= j0 || lo >= j0 + cols) continue;
             if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-            load_query_side(p, L, t, dvec, b, h, q0, i0, rows);
-            kern->gemm_nn(rows, cols, D, t->q, dp, t->kt, bc, t->s, bc, 0);
-            recompute_ds(p, kern, L, t, b, h, nq, nk, i0, rows, j0, cols);
-            kern->gemm_tn(cols, D, rows, t->s, bc, t->dout, dp, t->dv, dp, 1); /* dV += P^T dO */
-            kern->gemm_tn(cols, D, rows, t->dp, bc, t->q, dp, t->dk, dp, 1);   /* dK += dS^T (scale Q) */
+            load_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
+            tile_ds(p, kern, L, t, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
+            int64_t ldq, ldo;
+            const float *q = flashc_cpu_rows(kern, &p->q, tb, q0 + i0, rows, h, D, t->qbuf, dp, &ldq);
+            const float *dout = flashc_cpu_rows(kern, &p->dout, tb, q0 + i0, rows, h, D, t->dobuf, dp, &ldo);
+            kern->gemm(cols, D, rows, t->st, br, 1, dout, ldo, t->dv, dp, 1); /* dV += P^T dO */
+            kern->gemm(cols, D, rows, t->dpt, br, 1, q, ldq, t->dk, dp, 1);   /* dK += dS^T Q */
         }
     }
-    flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp);
-    flashc_cpu_store_rows(&p->dv, tb, k0 + j0, cols, hk, D, t->dv, dp);
+    flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);
+    flashc_cpu_store_rows(&p->dv, tb, k0 + j0, cols, hk, D, t->dv, dp, 1.0f);
 }
 
 static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                    const float *dvec, int64_t b, int64_t h, int64_t qb) {
+                    const float *dvec, int64_t task) {
+    int64_t b, h, i0, lo, hi;
+    int rows;
+    if (!task_rows(p, L, task, &b, &h, &i0, &rows, &lo, &hi)) return;
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int64_t i0 = qb * L->br;
-    if (i0 >= nq) return;
-    const int rows = imin(L->br, nq - i0), D = (int)p->D, dp = L->dp, bc = L->bc;
+    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
-    load_query_side(p, L, t, dvec, b, h, q0, i0, rows);
+    load_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
     memset(t->dq, 0, sizeof(float) * (size_t)rows * dp);
-    int64_t lo, hi;
-    block_key_range(p, i0, rows, nq, nk, &lo, &hi);
     for (int64_t j0 = lo; j0 < hi; j0 += bc) {
         const int cols = imin(bc, hi - j0);
         if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-        load_key_side(p, L, t, b, hk, k0, j0, cols);
-        kern->gemm_nn(rows, cols, D, t->q, dp, t->kt, bc, t->s, bc, 0);
-        recompute_ds(p, kern, L, t, b, h, nq, nk, i0, rows, j0, cols);
-        kern->gemm_nn(rows, D, cols, t->dp, bc, t->k, dp, t->dq, dp, 1); /* dQ += dS K */
+        int64_t ldk, ldv;
+        const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
+        const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+        tile_ds(p, kern, L, t, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
+        kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, t->dq, dp, 1); /* dQ += dS K */
     }
-    for (int r = 0; r < rows; r++)
-        for (int d = 0; d < D; d++) t->dq[(size_t)r * dp + d] *= p->scale;
-    flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp);
+    flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp, p->scale);
 }
 
 flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
@@ -322,10 +390,8 @@ flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_probl
     const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
     const layout L = make_layout(p, 1);
     const int nthreads = flashc_cpu_thread_count(ctx);
-    const int64_t nqb = (p->Nq + L.br - 1) / L.br, nkb = (p->Nk + L.bc - 1) / L.bc;
     float *dvec = align64(workspace);
     float *base = dvec + di_floats(p);
-
 #ifdef _OPENMP
 #  pragma omp parallel num_threads(nthreads)
 #endif
@@ -339,21 +405,19 @@ flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_probl
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t bh = 0; bh < p->B * p->H; bh++) dvec_task(p, dvec, t.q, t.dout, bh / p->H, bh % p->H);
+        for (int64_t bh = 0; bh < p->B * p->H; bh++)
+            dvec_task(p, kern, dvec, t.qbuf, t.dobuf, bh / p->H, bh % p->H);
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < p->B * p->Hkv * nkb; task++) {
-            const int64_t kb = task % nkb, bh = task / nkb;
+        for (int64_t task = 0; task < p->B * p->Hkv * L.nkb; task++) {
+            const int64_t kb = task % L.nkb, bh = task / L.nkb;
             dkdv_task(p, kern, &L, &t, dvec, bh / p->Hkv, bh % p->Hkv, kb);
         }
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < p->B * p->H * nqb; task++) {
-            const int64_t qb = task % nqb, bh = task / nqb;
-            dq_task(p, kern, &L, &t, dvec, bh / p->H, bh % p->H, qb);
-        }
+        for (int64_t task = 0; task < p->B * p->H * L.nqb; task++) dq_task(p, kern, &L, &t, dvec, task);
     }
     (void)nthreads;
     return FLASHC_STATUS_OK;

@@ -2,10 +2,12 @@
  * The CPU backend's vtable and shared pieces: feature detection, thread count, tile sizes, strided tile loads
  * and stores with dtype conversion, the score epilogue (softcap, ALiBi, masks) and varlen checks.
  */
+#define _GNU_SOURCE /* sysconf cache sizes */
 #include "cpu.h"
 
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #  include <omp.h>
 #endif
@@ -37,7 +39,33 @@ const char *flashc_cpu_features(void) {
     return buf;
 }
 
-const flashc_cpu_kernels *flashc_cpu_select_kernels(void) { return &flashc_cpu_kernels_generic; }
+static int cpu_has(const char *feature) {
+#if defined(FLASHC_CPU_X86)
+    __builtin_cpu_init();
+    if (!strcmp(feature, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                         __builtin_cpu_supports("f16c");
+    if (!strcmp(feature, "avx512"))
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#endif
+    (void)feature;
+    return 0;
+}
+
+const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
+    static const flashc_cpu_kernels *chosen;
+    if (chosen) return chosen;
+    const flashc_cpu_kernels *k = &flashc_cpu_kernels_generic;
+#if defined(FLASHC_CPU_X86)
+    const char *force = getenv("FLASHC_CPU_KERNELS");
+    if (force && !strcmp(force, "generic")) k = &flashc_cpu_kernels_generic;
+    else if (force && !strcmp(force, "avx2") && cpu_has("avx2")) k = &flashc_cpu_kernels_avx2;
+    else if (force && !strcmp(force, "avx512") && cpu_has("avx512")) k = &flashc_cpu_kernels_avx512;
+    else if (cpu_has("avx512")) k = &flashc_cpu_kernels_avx512;
+    else if (cpu_has("avx2")) k = &flashc_cpu_kernels_avx2;
+#endif
+    chosen = k;
+    return k;
+}
 
 int flashc_cpu_thread_count(const struct flashc_context *ctx) {
 #ifdef _OPENMP
@@ -48,11 +76,39 @@ int flashc_cpu_thread_count(const struct flashc_context *ctx) {
 #endif
 }
 
-/* Keep the per-thread working set (Q, K, V, O tiles and S) inside a typical 256 KiB-1 MiB L2. */
-flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D) {
+static long cache_bytes(int name, long fallback) {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    long v = sysconf(name);
+    if (v > 0) return v;
+#endif
+    (void)name;
+    return fallback;
+}
+
+/*
+ * The forward's per-thread working set is Q^T and O (2 * br * D floats, resident) plus the score tile (bc * br)
+ * and, for converted inputs, K and V tiles (2 * bc * D). br is the largest multiple of 16 (<= 128) that keeps
+ * it in half of L2; bc keeps a K or V tile within L1 where possible (64 keys at D <= 64, else 32-64).
+ */
+flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward) {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    long l2 = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 1L << 20), l1 = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32L << 10);
+#else
+    long l2 = 1L << 20, l1 = 32L << 10;
+#endif
+    if (l2 < (256L << 10)) l2 = 256L << 10;
+    if (l2 > (2L << 20)) l2 = 2L << 20;
     flashc_cpu_tiles t;
-    t.br = D <= 128 ? 64 : 32;
-    t.bc = 64;
+    int64_t dpad = (D + 15) / 16 * 16;
+    t.bc = dpad * 4 * 64 <= l1 ? 64 : 32;
+    if (t.bc < 64 && dpad <= 128) t.bc = 64;
+    long budget = l2 / 2 / 4; /* floats */
+    int br = 128;
+    for (; br > 16; br -= 16) {
+        long need = (long)(backward ? 4 : 2) * br * dpad + (long)(backward ? 3 : 1) * t.bc * br + 2L * t.bc * dpad;
+        if (need <= budget) break;
+    }
+    t.br = br;
     return t;
 }
 
@@ -66,52 +122,56 @@ static inline float load_elem(const void *base, flashc_dtype dt, int64_t off) {
     }
 }
 
-static void load_row(float *dst, const flashc_tensor *t, int64_t off, int64_t D, float scale) {
+/* One row of D values to fp32; contiguous rows go through the ISA's converters. */
+static void load_row(const flashc_cpu_kernels *kern, float *dst, const flashc_tensor *t, int64_t off, int64_t D) {
     const int64_t sd = t->stride[3];
-    if (t->dtype == FLASHC_DTYPE_F32 && sd == 1) {
-        const float *src = (const float *)t->data + off;
-        for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
-    } else {
-        for (int64_t d = 0; d < D; d++) dst[d] = load_elem(t->data, t->dtype, off + d * sd) * scale;
+    if (sd == 1) {
+        switch (t->dtype) {
+        case FLASHC_DTYPE_F32: memcpy(dst, (const float *)t->data + off, sizeof(float) * (size_t)D); return;
+        case FLASHC_DTYPE_F16: kern->f16_to_f32((int)D, (const uint16_t *)t->data + off, dst); return;
+        default: kern->bf16_to_f32((int)D, (const uint16_t *)t->data + off, dst); return;
+        }
     }
+    for (int64_t d = 0; d < D; d++) dst[d] = load_elem(t->data, t->dtype, off + d * sd);
 }
 
-void flashc_cpu_load_rows(float *dst, int ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
-                          int pad_rows, int64_t h, int64_t D, float scale) {
-    for (int r = 0; r < rows; r++) {
-        float *row = dst + (size_t)r * ld;
-        load_row(row, t, flashc_cpu_offset(t, b, row0 + r, h), D, scale);
-        for (int d = (int)D; d < ld; d++) row[d] = 0.0f;
+const float *flashc_cpu_rows(const flashc_cpu_kernels *kern, const flashc_tensor *t, int64_t b, int64_t row0,
+                             int rows, int64_t h, int64_t D, float *buf, int64_t buf_ld, int64_t *ld) {
+    if (t->dtype == FLASHC_DTYPE_F32 && t->stride[3] == 1) {
+        *ld = t->stride[1];
+        return (const float *)t->data + flashc_cpu_offset(t, b, row0, h);
     }
-    for (int r = rows; r < pad_rows; r++) memset(dst + (size_t)r * ld, 0, sizeof(float) * (size_t)ld);
+    for (int r = 0; r < rows; r++) load_row(kern, buf + (size_t)r * buf_ld, t, flashc_cpu_offset(t, b, row0 + r, h), D);
+    *ld = buf_ld;
+    return buf;
 }
 
-void flashc_cpu_load_rows_t(float *dst, int ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
-                            int pad_rows, int64_t h, int64_t D) {
+void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, const flashc_tensor *t, int64_t b,
+                       int64_t row0, int rows, int pad_rows, int64_t h, int64_t D, float scale) {
     float tmp[FLASHC_MAX_HEAD_DIM];
     for (int r = 0; r < rows; r++) {
-        load_row(tmp, t, flashc_cpu_offset(t, b, row0 + r, h), D, 1.0f);
-        for (int64_t d = 0; d < D; d++) dst[(size_t)d * ld + r] = tmp[d];
+        load_row(kern, tmp, t, flashc_cpu_offset(t, b, row0 + r, h), D);
+        for (int64_t d = 0; d < D; d++) dst[(size_t)d * ld + r] = tmp[d] * scale;
     }
     for (int64_t d = 0; d < D; d++)
         for (int r = rows; r < pad_rows; r++) dst[(size_t)d * ld + r] = 0.0f;
 }
 
 void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
-                           const float *src, int ld) {
+                           const float *src, int64_t ld, float scale) {
     const int64_t sd = t->stride[3];
     for (int r = 0; r < rows; r++) {
         const float *row = src + (size_t)r * ld;
         int64_t off = flashc_cpu_offset(t, b, row0 + r, h);
         switch (t->dtype) {
         case FLASHC_DTYPE_F32:
-            for (int64_t d = 0; d < D; d++) ((float *)t->data)[off + d * sd] = row[d];
+            for (int64_t d = 0; d < D; d++) ((float *)t->data)[off + d * sd] = row[d] * scale;
             break;
         case FLASHC_DTYPE_F16:
-            for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_f16(row[d]);
+            for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_f16(row[d] * scale);
             break;
         default:
-            for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_bf16(row[d]);
+            for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_bf16(row[d] * scale);
             break;
         }
     }
@@ -130,33 +190,58 @@ int flashc_cpu_tile_visible(const flashc_problem *p, int64_t b, int64_t h, int64
     return 0;
 }
 
+void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, int64_t nq, int64_t nk, int64_t *lo,
+                                int64_t *hi) {
+    int64_t l0, h0, l1, h1;
+    flashc_row_key_range(p, i0, nq, nk, &l0, &h0);
+    flashc_row_key_range(p, i0 + rows - 1, nq, nk, &l1, &h1);
+    *lo = l0 < 0 ? 0 : l0;
+    *hi = h1 > nk ? nk : h1;
+}
+
+int flashc_cpu_tile_needs_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
+                                   int64_t i0, int rows, int64_t j0, int cols) {
+    if (p->softcap > 0.0f || flashc_alibi_slope(p, b, h) != 0.0f) return 1;
+    int64_t lo_last, hi_last, lo_first, hi_first;
+    flashc_row_key_range(p, i0 + rows - 1, nq, nk, &lo_last, &hi_last);
+    flashc_row_key_range(p, i0, nq, nk, &lo_first, &hi_first);
+    if (lo_last > j0 || hi_first < j0 + cols) return 1; /* lo and hi grow with the row */
+    if (p->block_mask) {
+        int64_t mb = p->bm_batch == 1 ? 0 : b, mh = p->bm_heads == 1 ? 0 : h;
+        const uint8_t *m = p->block_mask + (mb * p->bm_heads + mh) * p->bm_nqb * p->bm_nkb;
+        for (int64_t qb = i0 / p->bm_q; qb <= (i0 + rows - 1) / p->bm_q; qb++)
+            for (int64_t kb = j0 / p->bm_k; kb <= (j0 + cols - 1) / p->bm_k; kb++)
+                if (!m[qb * p->bm_nkb + kb]) return 1;
+    }
+    return 0;
+}
+
 void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
-                               int64_t i0, int rows, int64_t j0, int cols, float *s, int lds, float *tanh_out) {
-    const float cap = p->softcap, slope = flashc_alibi_slope(p, b, h);
+                               int64_t i0, int rows, int64_t j0, int cols, float *st, int64_t ld, float *tanh_out) {
+    const float cap = p->softcap, slope2 = flashc_alibi_slope(p, b, h) * FLASHC_LOG2E;
     const float neg_inf = -INFINITY;
-    for (int r = 0; r < rows; r++) {
-        const int64_t i = i0 + r;
-        float *row = s + (size_t)r * lds;
-        float *trow = tanh_out ? tanh_out + (size_t)r * lds : NULL;
-        int64_t lo, hi;
-        flashc_row_key_range(p, i, nq, nk, &lo, &hi);
-        const uint8_t *mrow = NULL;
-        if (p->block_mask) {
-            int64_t mb = p->bm_batch == 1 ? 0 : b, mh = p->bm_heads == 1 ? 0 : h;
-            mrow = p->block_mask + ((mb * p->bm_heads + mh) * p->bm_nqb + i / p->bm_q) * p->bm_nkb;
-        }
-        const int64_t diag = i + nk - nq;
-        for (int c = 0; c < cols; c++) {
-            const int64_t j = j0 + c;
-            float x = row[c];
-            if (cap > 0.0f) {
-                float t = tanhf(x / cap);
-                if (trow) trow[c] = t;
-                x = cap * t;
+    const uint8_t *mbase = NULL;
+    if (p->block_mask) {
+        int64_t mb = p->bm_batch == 1 ? 0 : b, mh = p->bm_heads == 1 ? 0 : h;
+        mbase = p->block_mask + (mb * p->bm_heads + mh) * p->bm_nqb * p->bm_nkb;
+    }
+    for (int c = 0; c < cols; c++) {
+        const int64_t j = j0 + c;
+        float *col = st + (size_t)c * ld;
+        float *tcol = tanh_out ? tanh_out + (size_t)c * ld : NULL;
+        if (cap > 0.0f) {
+            for (int r = 0; r < rows; r++) {
+                float t = tanhf(col[r] / cap);
+                if (tcol) tcol[r] = t;
+                col[r] = cap * t * FLASHC_LOG2E;
             }
-            if (slope != 0.0f) x -= slope * (float)llabs(diag - j);
-            if (j < lo || j >= hi || (mrow && !mrow[j / p->bm_k])) x = neg_inf;
-            row[c] = x * FLASHC_LOG2E;
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t i = i0 + r, diag = i + nk - nq;
+            if (slope2 != 0.0f) col[r] -= slope2 * (float)llabs(diag - j);
+            int64_t lo, hi;
+            flashc_row_key_range(p, i, nq, nk, &lo, &hi);
+            if (j < lo || j >= hi || (mbase && !mbase[(i / p->bm_q) * p->bm_nkb + j / p->bm_k])) col[r] = neg_inf;
         }
     }
 }

@@ -12,28 +12,59 @@ extern "C" {
 #endif
 
 /*
- * Tile products on fp32 row-major tiles. Every product of the forward and backward is one of these two:
- *   gemm_nn: C[m][n] (+)= A[m][k] . B[k][n]      S = Q.K^T (K stored transposed), O += P.V, dQ += dS.K
- *   gemm_tn: C[m][n] (+)= A[k][m]^T . B[k][n]    dV += P^T.dO, dK += dS^T.Q
+ * Microkernels. Every product of the forward and backward is one call of gemm:
+ *   C[i][j] (+)= sum_p A(i, p) * B[p][j],   A(i, p) = a[i * rs_a + p * cs_a],   B and C rows unit-stride.
+ * General A strides let the same kernel take A as given or transposed (BLIS's rs/cs), so K and V tiles are read
+ * in place when they are fp32 with unit stride along D:
+ *   S^T = K . (scale Q)^T      O += P . V          (forward, scores kept key-major: St[key][query])
+ *   dP^T = V . dO^T   dV += P^T . dO   dK += dS^T . Q   dQ += dS . K     (backward)
  * accumulate = 0 overwrites C.
  */
-typedef void (*flashc_cpu_gemm_fn)(int m, int n, int k, const float *a, int lda, const float *b, int ldb,
-                                   float *c, int ldc, int accumulate);
+typedef void (*flashc_cpu_gemm_fn)(int m, int n, int k, const float *a, int64_t rs_a, int64_t cs_a,
+                                   const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate);
+
+/*
+ * Online-softmax step on a key-major score tile st[c][r] (cols keys x rows queries, log2 units, rows a
+ * multiple of 16): for each query r, m' = max(m, max_c st), alpha = 2^(m - m'), st = 2^(st - m'),
+ * l = l * alpha + sum_c st, m = m'. Rows that have seen no key keep m = -inf, alpha 1 and p = 0.
+ */
+typedef void (*flashc_cpu_softmax_fn)(int cols, int rows, float *st, int64_t ld, float *m, float *l,
+                                      float *alpha);
+
+/* st[c][r] = 2^(st[c][r] - sub[r]) in place (-inf gives 0): the backward's P from the lse. */
+typedef void (*flashc_cpu_exp2_sub_fn)(int cols, int rows, float *st, int64_t ld, const float *sub);
+
+/* dst[i] = exp2(src[i]) for n values (vectorized where the ISA allows): exposed for the accuracy test. */
+typedef void (*flashc_cpu_exp2_fn)(int n, const float *src, float *dst);
+
+/* Contiguous conversions to fp32 (F16C / shifts where available). */
+typedef void (*flashc_cpu_cvt_fn)(int n, const uint16_t *src, float *dst);
 
 typedef struct flashc_cpu_kernels {
-    const char *name;
-    flashc_cpu_gemm_fn gemm_nn;
-    flashc_cpu_gemm_fn gemm_tn;
+    const char *name; /* e.g. "avx2_6x16" */
+    int mr, nr;       /* register tile of gemm */
+    flashc_cpu_gemm_fn gemm;
+    flashc_cpu_softmax_fn softmax;
+    flashc_cpu_exp2_sub_fn exp2_sub;
+    flashc_cpu_exp2_fn exp2;
+    flashc_cpu_cvt_fn f16_to_f32;
+    flashc_cpu_cvt_fn bf16_to_f32;
 } flashc_cpu_kernels;
 
 extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
+#if defined(FLASHC_CPU_X86)
+extern const flashc_cpu_kernels flashc_cpu_kernels_avx2;
+extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
+#endif
+/* The best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a choice). */
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void);
 
-/* Tile sizes: query rows resident per task, key rows streamed per step. */
+/* Tile sizes: query rows resident per task (a multiple of 16), key rows streamed per step. */
 typedef struct flashc_cpu_tiles {
     int br, bc;
 } flashc_cpu_tiles;
-flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D);
+/* Chosen from the head dim and the L1/L2 sizes of this CPU so the per-thread working set stays in L2. */
+flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward);
 
 int flashc_cpu_thread_count(const struct flashc_context *ctx);
 
@@ -42,16 +73,18 @@ static inline int64_t flashc_cpu_offset(const flashc_tensor *t, int64_t b, int64
     return b * t->stride[0] + n * t->stride[1] + h * t->stride[2];
 }
 
-/* Loads rows [row0, row0 + rows) of head h into dst[r][0..D) (fp32, leading dim ld), zero-filling up to ld
- * columns and rows up to pad_rows; scale multiplies every value. */
-void flashc_cpu_load_rows(float *dst, int ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
-                          int pad_rows, int64_t h, int64_t D, float scale);
-/* Loads rows transposed: dst[d][r] for d < D, r < rows (leading dim ld >= pad_rows), zero-filled. */
-void flashc_cpu_load_rows_t(float *dst, int ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
-                            int pad_rows, int64_t h, int64_t D);
-/* Stores src[r][0..D) into rows [row0, row0 + rows) of head h, converting to the view's dtype. */
+/*
+ * fp32 rows [row0, row0 + rows) of head h: a pointer into the tensor itself when it is fp32 with unit stride
+ * along D (then *ld is its row stride), otherwise the rows converted into buf (leading dim buf_ld).
+ */
+const float *flashc_cpu_rows(const flashc_cpu_kernels *kern, const flashc_tensor *t, int64_t b, int64_t row0,
+                             int rows, int64_t h, int64_t D, float *buf, int64_t buf_ld, int64_t *ld);
+/* Transposed load dst[d][r] = scale * t(row0 + r, d) for r < rows, zero for rows <= r < pad_rows. */
+void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, const flashc_tensor *t, int64_t b,
+                       int64_t row0, int rows, int pad_rows, int64_t h, int64_t D, float scale);
+/* Stores scale * src[r][0..D) into rows [row0, row0 + rows) of head h, converting to the view's dtype. */
 void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
-                           const float *src, int ld);
+                           const float *src, int64_t ld, float scale);
 
 /* Batch index of sequence b inside the tensors (0 with varlen, which packs along N). */
 static inline int64_t flashc_cpu_tensor_batch(const flashc_problem *p, int64_t b) { return p->varlen ? 0 : b; }
@@ -60,17 +93,27 @@ static inline int64_t flashc_cpu_lse_offset(const flashc_problem *p, int64_t b, 
     return p->varlen ? h * p->total_q + q0 : (b * p->H + h) * p->Nq;
 }
 
+/* Scale applied to q before the product: scale, times log2(e) when no softcap needs the natural units. */
+static inline float flashc_cpu_qscale(const flashc_problem *p) {
+    return p->softcap > 0.0f ? p->scale : p->scale * 1.4426950408889634f;
+}
+
 /*
- * Fills S[r][c] (log2 units) for query rows i0 + r, keys j0 + c of one tile: applies softcap, ALiBi, the
- * causal/window range and the block mask. S holds scale * q.k on entry; masked entries become -inf.
- * With softcap, tanh_out (if not NULL) receives tanh(s / softcap) for the backward's derivative.
+ * Finishes a key-major score tile st[c][r] (keys j0 + c, queries i0 + r) into log2 units: softcap, ALiBi, and
+ * -inf outside the causal/window range or the block mask. st holds qscale * q.k on entry. With softcap,
+ * tanh_out (if not NULL) receives tanh(s / softcap) for the backward's derivative.
  */
 void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
-                               int64_t i0, int rows, int64_t j0, int cols, float *s, int lds, float *tanh_out);
-
+                               int64_t i0, int rows, int64_t j0, int cols, float *st, int64_t ld, float *tanh_out);
+/* Whether the epilogue has work on this tile (softcap, ALiBi, or some element masked). */
+int flashc_cpu_tile_needs_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
+                                   int64_t i0, int rows, int64_t j0, int cols);
 /* 1 when some mask block overlapping the tile [i0, i0+rows) x [j0, j0+cols) is non-zero (or no mask). */
 int flashc_cpu_tile_visible(const flashc_problem *p, int64_t b, int64_t h, int64_t i0, int rows, int64_t j0,
                             int cols);
+/* Key range [lo, hi) that any row of the query block [i0, i0 + rows) may see through causal/window masks. */
+void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, int64_t nq, int64_t nk, int64_t *lo,
+                                int64_t *hi);
 
 /* Checks cu_seqlens (host memory) against the problem; sets the error on ctx. */
 flashc_status flashc_cpu_check_varlen(struct flashc_context *ctx, const flashc_problem *p);

@@ -1,40 +1,69 @@
 /*
- * Portable microkernels: plain C written so that the compiler vectorizes the inner loop over n (unit stride in
- * B and C). The per-ISA kernels of the CPU speed work plug into the same table.
+ * Portable microkernels: plain C whose inner loops run over unit-stride j (B and C rows) so the compiler can
+ * vectorize them for whatever the build targets. The per-ISA kernels implement the same table.
  */
 #include "cpu.h"
 
-static void gemm_nn_generic(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
-                            int ldc, int accumulate) {
+#include <string.h>
+
+static void gemm_generic(int m, int n, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b,
+                         int64_t ldb, float *c, int64_t ldc, int accumulate) {
     for (int i = 0; i < m; i++) {
         float *restrict ci = c + (size_t)i * ldc;
-        if (!accumulate)
-            for (int j = 0; j < n; j++) ci[j] = 0.0f;
-        const float *ai = a + (size_t)i * lda;
+        if (!accumulate) memset(ci, 0, sizeof(float) * (size_t)n);
+        const float *ai = a + (size_t)i * rs_a;
         for (int p = 0; p < k; p++) {
-            const float aip = ai[p];
-            if (aip == 0.0f) continue; /* masked probabilities are exact zeros */
+            const float aip = ai[(size_t)p * cs_a];
             const float *restrict bp = b + (size_t)p * ldb;
             for (int j = 0; j < n; j++) ci[j] += aip * bp[j];
         }
     }
 }
 
-static void gemm_tn_generic(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
-                            int ldc, int accumulate) {
-    if (!accumulate)
-        for (int i = 0; i < m; i++)
-            for (int j = 0; j < n; j++) c[(size_t)i * ldc + j] = 0.0f;
-    for (int p = 0; p < k; p++) {
-        const float *ap = a + (size_t)p * lda;
-        const float *restrict bp = b + (size_t)p * ldb;
-        for (int i = 0; i < m; i++) {
-            const float api = ap[i];
-            if (api == 0.0f) continue;
-            float *restrict ci = c + (size_t)i * ldc;
-            for (int j = 0; j < n; j++) ci[j] += api * bp[j];
+static void softmax_generic(int cols, int rows, float *st, int64_t ld, float *m, float *l, float *alpha) {
+    float mx[16], sub[16], sum[16];
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        for (int r = 0; r < 16; r++) mx[r] = m[r0 + r];
+        for (int c = 0; c < cols; c++)
+            for (int r = 0; r < 16; r++) mx[r] = fmaxf(mx[r], st[(size_t)c * ld + r0 + r]);
+        for (int r = 0; r < 16; r++) {
+            sub[r] = mx[r] == -INFINITY ? 0.0f : mx[r];
+            alpha[r0 + r] = mx[r] == -INFINITY ? 1.0f : exp2f(m[r0 + r] - sub[r]);
+            sum[r] = 0.0f;
+        }
+        for (int c = 0; c < cols; c++) {
+            float *col = st + (size_t)c * ld + r0;
+            for (int r = 0; r < 16; r++) {
+                col[r] = exp2f(col[r] - sub[r]);
+                sum[r] += col[r];
+            }
+        }
+        for (int r = 0; r < 16; r++) {
+            l[r0 + r] = l[r0 + r] * alpha[r0 + r] + sum[r];
+            m[r0 + r] = mx[r];
         }
     }
 }
 
-const flashc_cpu_kernels flashc_cpu_kernels_generic = {"generic", gemm_nn_generic, gemm_tn_generic};
+static void exp2_sub_generic(int cols, int rows, float *st, int64_t ld, const float *sub) {
+    for (int c = 0; c < cols; c++) {
+        float *col = st + (size_t)c * ld;
+        for (int r = 0; r < rows; r++) col[r] = exp2f(col[r] - sub[r]);
+    }
+}
+
+static void exp2_generic(int n, const float *src, float *dst) {
+    for (int i = 0; i < n; i++) dst[i] = exp2f(src[i]);
+}
+
+static void f16_generic(int n, const uint16_t *src, float *dst) {
+    for (int i = 0; i < n; i++) dst[i] = flashc_f16_to_f32(src[i]);
+}
+
+static void bf16_generic(int n, const uint16_t *src, float *dst) {
+    for (int i = 0; i < n; i++) dst[i] = flashc_bf16_to_f32(src[i]);
+}
+
+const flashc_cpu_kernels flashc_cpu_kernels_generic = {
+    "generic", 1, 1, gemm_generic, softmax_generic, exp2_sub_generic, exp2_generic, f16_generic, bf16_generic,
+};

@@ -1,0 +1,175 @@
+/*
+ * AVX2 + FMA + F16C microkernels (built with -mavx2 -mfma -mf16c, chosen at run time).
+ * gemm: a 6x16 register tile (12 ymm accumulators, 2 for the B row, 1 for the A broadcast: 15 of 16 ymm), the
+ * shape of BLIS's haswell sgemm kernel, with masked loads/stores for the last columns.
+ * exp2: 2^x = 2^n * 2^f, n = round(x), f in [-1/2, 1/2], 2^f by its degree-7 Taylor polynomial in f*ln2
+ * (truncation below 6e-9 relative); inputs below -126 (and -inf, NaN) give 0.
+ */
+#include "cpu.h"
+
+#if defined(FLASHC_CPU_X86)
+#include <immintrin.h>
+
+#define AI __attribute__((always_inline)) static inline
+
+static const int32_t mask_table[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* First n (0..8) lanes set. */
+AI __m256i lanes(int n) {
+    n = n < 0 ? 0 : n > 8 ? 8 : n;
+    return _mm256_loadu_si256((const __m256i *)(mask_table + 8 - n));
+}
+
+AI void ukr_6x16(const int MR, int nr, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b,
+                 int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    __m256 c0[6], c1[6];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm256_setzero_ps();
+    const float *ap[6];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) ap[i] = a + (size_t)i * rs_a;
+    if (nr == 16) {
+        for (int p = 0; p < k; p++) {
+            const float *bp = b + (size_t)p * ldb;
+            const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
+            const size_t off = (size_t)p * cs_a;
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; i++) {
+                const __m256 ai = _mm256_broadcast_ss(ap[i] + off);
+                c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
+                c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
+            }
+        }
+    } else {
+        const __m256i m0 = lanes(nr), m1 = lanes(nr - 8);
+        for (int p = 0; p < k; p++) {
+            const float *bp = b + (size_t)p * ldb;
+            const __m256 b0 = _mm256_maskload_ps(bp, m0), b1 = _mm256_maskload_ps(bp + 8, m1);
+            const size_t off = (size_t)p * cs_a;
+#pragma GCC unroll 6
+            for (int i = 0; i < MR; i++) {
+                const __m256 ai = _mm256_broadcast_ss(ap[i] + off);
+                c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
+                c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
+            }
+        }
+    }
+    const __m256i m0 = lanes(nr), m1 = lanes(nr - 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        float *ci = c + (size_t)i * ldc;
+        if (nr == 16) {
+            if (accumulate) {
+                c0[i] = _mm256_add_ps(c0[i], _mm256_loadu_ps(ci));
+                c1[i] = _mm256_add_ps(c1[i], _mm256_loadu_ps(ci + 8));
+            }
+            _mm256_storeu_ps(ci, c0[i]);
+            _mm256_storeu_ps(ci + 8, c1[i]);
+        } else {
+            if (accumulate) {
+                c0[i] = _mm256_add_ps(c0[i], _mm256_maskload_ps(ci, m0));
+                c1[i] = _mm256_add_ps(c1[i], _mm256_maskload_ps(ci + 8, m1));
+            }
+            _mm256_maskstore_ps(ci, m0, c0[i]);
+            _mm256_maskstore_ps(ci + 8, m1, c1[i]);
+        }
+    }
+}
+
+static void gemm_avx2(int m, int n, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b, int64_t ldb,
+                      float *c, int64_t ldc, int accumulate) {
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int nr = n - j0 < 16 ? n - j0 : 16;
+        const float *bj = b + j0;
+        float *cj = c + j0;
+        int i0 = 0;
+        for (; i0 + 6 <= m; i0 += 6)
+            ukr_6x16(6, nr, k, a + (size_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, accumulate);
+        const float *ai = a + (size_t)i0 * rs_a;
+        float *ci = cj + (size_t)i0 * ldc;
+        switch (m - i0) {
+        case 5: ukr_6x16(5, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 4: ukr_6x16(4, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 3: ukr_6x16(3, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 2: ukr_6x16(2, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 1: ukr_6x16(1, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        default: break;
+        }
+    }
+}
+
+AI __m256 exp2_ps(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(127.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.6931471805599453f)); /* f ln2 */
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+static void softmax_avx2(int cols, int rows, float *st, int64_t ld, float *m, float *l, float *alpha) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    for (int r = 0; r < rows; r += 8) {
+        const __m256 m_old = _mm256_loadu_ps(m + r);
+        __m256 mx = m_old;
+        for (int c = 0; c < cols; c++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + (size_t)c * ld + r));
+        const __m256 empty = _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ);
+        const __m256 sub = _mm256_blendv_ps(mx, zero, empty);
+        const __m256 a = _mm256_blendv_ps(exp2_ps(_mm256_sub_ps(m_old, sub)), one, empty);
+        __m256 sum = zero;
+        for (int c = 0; c < cols; c++) {
+            float *x = st + (size_t)c * ld + r;
+            const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(x), sub));
+            _mm256_storeu_ps(x, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(alpha + r, a);
+        _mm256_storeu_ps(l + r, _mm256_fmadd_ps(_mm256_loadu_ps(l + r), a, sum));
+        _mm256_storeu_ps(m + r, mx);
+    }
+}
+
+static void exp2_sub_avx2(int cols, int rows, float *st, int64_t ld, const float *sub) {
+    for (int c = 0; c < cols; c++) {
+        float *col = st + (size_t)c * ld;
+        for (int r = 0; r < rows; r += 8)
+            _mm256_storeu_ps(col + r, exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(col + r), _mm256_loadu_ps(sub + r))));
+    }
+}
+
+static void exp2_avx2(int n, const float *src, float *dst) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, exp2_ps(_mm256_loadu_ps(src + i)));
+    if (i < n) {
+        const __m256i m = lanes(n - i);
+        _mm256_maskstore_ps(dst + i, m, exp2_ps(_mm256_maskload_ps(src + i, m)));
+    }
+}
+
+static void f16_avx2(int n, const uint16_t *src, float *dst) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < n; i++) dst[i] = flashc_f16_to_f32(src[i]);
+}
+
+static void bf16_avx2(int n, const uint16_t *src, float *dst) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) dst[i] = flashc_bf16_to_f32(src[i]);
+}
+
+const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
+    "avx2_6x16", 6, 16, gemm_avx2, softmax_avx2, exp2_sub_avx2, exp2_avx2, f16_avx2, bf16_avx2,
+};
+#endif

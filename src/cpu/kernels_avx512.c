@@ -1,0 +1,146 @@
+/*
+ * AVX-512F microkernels (built with -mavx512f -mfma -mf16c, chosen at run time).
+ * gemm: a 12x32 register tile (24 zmm accumulators, 2 for the B row, 1 for the A broadcast), masked for the
+ * last columns. exp2: as the AVX2 kernel (degree-7 polynomial of 2^f), scaled by 2^n with vscalefps.
+ */
+#include "cpu.h"
+
+#if defined(FLASHC_CPU_X86)
+#include <immintrin.h>
+
+#define AI __attribute__((always_inline)) static inline
+
+AI __mmask16 first(int n) { return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
+AI void ukr_12x32(const int MR, int nr, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b,
+                  int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    __m512 c0[12], c1[12];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    const float *ap[12];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) ap[i] = a + (size_t)i * rs_a;
+    const __mmask16 m0 = first(nr), m1 = first(nr - 16);
+    for (int p = 0; p < k; p++) {
+        const float *bp = b + (size_t)p * ldb;
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, bp), b1 = _mm512_maskz_loadu_ps(m1, bp + 16);
+        const size_t off = (size_t)p * cs_a;
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            const __m512 ai = _mm512_set1_ps(ap[i][off]);
+            c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
+            c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        float *ci = c + (size_t)i * ldc;
+        if (accumulate) {
+            c0[i] = _mm512_add_ps(c0[i], _mm512_maskz_loadu_ps(m0, ci));
+            c1[i] = _mm512_add_ps(c1[i], _mm512_maskz_loadu_ps(m1, ci + 16));
+        }
+        _mm512_mask_storeu_ps(ci, m0, c0[i]);
+        _mm512_mask_storeu_ps(ci + 16, m1, c1[i]);
+    }
+}
+
+static void gemm_avx512(int m, int n, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b,
+                        int64_t ldb, float *c, int64_t ldc, int accumulate) {
+    for (int j0 = 0; j0 < n; j0 += 32) {
+        const int nr = n - j0 < 32 ? n - j0 : 32;
+        const float *bj = b + j0;
+        float *cj = c + j0;
+        int i0 = 0;
+        for (; i0 + 12 <= m; i0 += 12)
+            ukr_12x32(12, nr, k, a + (size_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, accumulate);
+        const float *ai = a + (size_t)i0 * rs_a;
+        float *ci = cj + (size_t)i0 * ldc;
+        switch (m - i0) {
+        case 11: ukr_12x32(11, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 10: ukr_12x32(10, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 9: ukr_12x32(9, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 8: ukr_12x32(8, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 7: ukr_12x32(7, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 6: ukr_12x32(6, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 5: ukr_12x32(5, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 4: ukr_12x32(4, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 3: ukr_12x32(3, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 2: ukr_12x32(2, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        case 1: ukr_12x32(1, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;
+        default: break;
+        }
+    }
+}
+
+AI __m512 exp2_ps(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(127.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+static void softmax_avx512(int cols, int rows, float *st, int64_t ld, float *m, float *l, float *alpha) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    for (int r = 0; r < rows; r += 16) {
+        const __m512 m_old = _mm512_loadu_ps(m + r);
+        __m512 mx = m_old;
+        for (int c = 0; c < cols; c++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + (size_t)c * ld + r));
+        const __mmask16 empty = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
+        const __m512 sub = _mm512_mask_mov_ps(mx, empty, zero);
+        const __m512 a = _mm512_mask_mov_ps(exp2_ps(_mm512_sub_ps(m_old, sub)), empty, one);
+        __m512 sum = zero;
+        for (int c = 0; c < cols; c++) {
+            float *x = st + (size_t)c * ld + r;
+            const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(x), sub));
+            _mm512_storeu_ps(x, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(alpha + r, a);
+        _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
+        _mm512_storeu_ps(m + r, mx);
+    }
+}
+
+static void exp2_sub_avx512(int cols, int rows, float *st, int64_t ld, const float *sub) {
+    for (int c = 0; c < cols; c++) {
+        float *col = st + (size_t)c * ld;
+        for (int r = 0; r < rows; r += 16)
+            _mm512_storeu_ps(col + r, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(col + r), _mm512_loadu_ps(sub + r))));
+    }
+}
+
+static void exp2_avx512(int n, const float *src, float *dst) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = first(n - i);
+        _mm512_mask_storeu_ps(dst + i, m, exp2_ps(_mm512_maskz_loadu_ps(m, src + i)));
+    }
+}
+
+static void f16_avx512(int n, const uint16_t *src, float *dst) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+    for (; i < n; i++) dst[i] = flashc_f16_to_f32(src[i]);
+}
+
+static void bf16_avx512(int n, const uint16_t *src, float *dst) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) dst[i] = flashc_bf16_to_f32(src[i]);
+}
+
+const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
+    "avx512_12x32", 12, 32, gemm_avx512, softmax_avx512, exp2_sub_avx512, exp2_avx512, f16_avx512, bf16_avx512,
+};
+#endif
