@@ -51,18 +51,24 @@ static int cpu_has(const char *feature) {
     return 0;
 }
 
+const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name) {
+    if (!strcmp(name, "generic")) return &flashc_cpu_kernels_generic;
+#if defined(FLASHC_CPU_X86)
+    if (!strcmp(name, "avx2") && cpu_has("avx2")) return &flashc_cpu_kernels_avx2;
+    if (!strcmp(name, "avx512") && cpu_has("avx512")) return &flashc_cpu_kernels_avx512;
+#endif
+    return NULL;
+}
+
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
     static const flashc_cpu_kernels *chosen;
     if (chosen) return chosen;
-    const flashc_cpu_kernels *k = &flashc_cpu_kernels_generic;
-#if defined(FLASHC_CPU_X86)
-    const char *force = getenv("FLASHC_CPU_KERNELS");
-    if (force && !strcmp(force, "generic")) k = &flashc_cpu_kernels_generic;
-    else if (force && !strcmp(force, "avx2") && cpu_has("avx2")) k = &flashc_cpu_kernels_avx2;
-    else if (force && !strcmp(force, "avx512") && cpu_has("avx512")) k = &flashc_cpu_kernels_avx512;
-    else if (cpu_has("avx512")) k = &flashc_cpu_kernels_avx512;
-    else if (cpu_has("avx2")) k = &flashc_cpu_kernels_avx2;
-#endif
+    const flashc_cpu_kernels *k = NULL;
+    const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512, when this CPU runs it */
+    if (force) k = flashc_cpu_kernels_by_name(force);
+    if (!k) k = flashc_cpu_kernels_by_name("avx512");
+    if (!k) k = flashc_cpu_kernels_by_name("avx2");
+    if (!k) k = &flashc_cpu_kernels_generic;
     chosen = k;
     return k;
 }

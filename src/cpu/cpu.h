@@ -58,6 +58,8 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
 #endif
 /* The best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a choice). */
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void);
+/* Kernels by name ("generic", "avx2", "avx512"); NULL when not built in or this CPU lacks the ISA. */
+const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name);
 
 /* Tile sizes: query rows resident per task (a multiple of 16), key rows streamed per step. */
 typedef struct flashc_cpu_tiles {

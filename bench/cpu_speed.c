@@ -1,0 +1,298 @@
+/*
+ * cpu_speed: GFLOP/s of the CPU backend's forward and backward over N, D, causal, dtype and thread count, beside
+ * the machine's sgemm rate (the ceiling) and standard attention (sgemm + softmax with the N x N matrix
+ * materialized, one head at a time) as the baseline. Also the peak extra memory at a long N.
+ *
+ *   cpu_speed [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] [--no-bwd] [--memory]
+ *
+ * FLOPs: forward 4 * B * H * N^2 * D (halved when causal), backward 2.5x forward. Times are the median of
+ * several runs after a warm-up, wall clock.
+ */
+#include "flashc.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#  include <omp.h>
+#endif
+#ifdef FLASHC_BENCH_CBLAS
+#  include <cblas.h>
+void openblas_set_num_threads(int) __attribute__((weak));
+#endif
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+#define MAX_REPS 9
+typedef int (*bench_fn)(void *arg);
+
+/* Median seconds of reps runs after one warm-up; negative when the function fails. */
+static double time_median(bench_fn fn, void *arg, int reps) {
+    double t[MAX_REPS];
+    if (fn(arg) != 0) return -1.0;
+    for (int i = 0; i < reps; i++) {
+        double t0 = now();
+        if (fn(arg) != 0) return -1.0;
+        t[i] = now() - t0;
+    }
+    qsort(t, (size_t)reps, sizeof(double), cmp_double);
+    return t[reps / 2];
+}
+
+static int reps_for(double flops) { return flops > 2e11 ? 3 : flops > 2e10 ? 5 : MAX_REPS; }
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static float frand(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+typedef struct attn_case {
+    flashc_context_t ctx;
+    flashc_tensor q, k, v, o, dout, dq, dk, dv;
+    float *lse;
+    flashc_params params;
+    void *ws;
+    size_t ws_bytes;
+} attn_case;
+
+static int run_fwd(void *arg) {
+    attn_case *c = (attn_case *)arg;
+    return flashc_forward(c->ctx, &c->q, &c->k, &c->v, &c->params, &c->o, c->lse, c->ws, c->ws_bytes) != 0;
+}
+
+static int run_bwd(void *arg) {
+    attn_case *c = (attn_case *)arg;
+    return flashc_backward(c->ctx, &c->q, &c->k, &c->v, &c->o, &c->dout, c->lse, &c->params, &c->dq, &c->dk, &c->dv,
+                           c->ws, c->ws_bytes) != 0;
+}
+
+static void *alloc_tensor(flashc_tensor *t, flashc_dtype dt, int64_t B, int64_t N, int64_t H, int64_t D, int fill) {
+    size_t n = (size_t)(B * N * H * D), esz = dt == FLASHC_DTYPE_F32 ? 4 : 2;
+    void *p = malloc(n * esz);
+    if (!p) return NULL;
+    if (fill)
+        for (size_t i = 0; i < n; i++) {
+            float x = frand();
+            if (dt == FLASHC_DTYPE_F32) ((float *)p)[i] = x;
+            else ((uint16_t *)p)[i] = to_bf16(x);
+        }
+    *t = flashc_tensor_contiguous(p, dt, B, N, H, D);
+    return p;
+}
+
+#ifdef FLASHC_BENCH_CBLAS
+typedef struct sgemm_case {
+    int n;
+    float *a, *b, *c;
+} sgemm_case;
+
+static int run_sgemm(void *arg) {
+    sgemm_case *s = (sgemm_case *)arg;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, s->n, s->n, s->n, 1.0f, s->a, s->n, s->b, s->n, 0.0f, s->c,
+                s->n);
+    return 0;
+}
+
+/* Standard attention, f32, (B, N, H, D) inputs: per head S = scale Q K^T (N x N), row softmax, O = P V. */
+typedef struct std_case {
+    int N, H, D, causal;
+    const float *q, *k, *v;
+    float *o, *s;
+} std_case;
+
+static int run_standard(void *arg) {
+    std_case *c = (std_case *)arg;
+    const int N = c->N, H = c->H, D = c->D, ld = H * D;
+    const float scale = 1.0f / sqrtf((float)D);
+    for (int h = 0; h < H; h++) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, N, D, scale, c->q + h * D, ld, c->k + h * D, ld, 0.0f,
+                    c->s, N);
+#  pragma omp parallel for schedule(static)
+        for (int i = 0; i < N; i++) {
+            float *row = c->s + (size_t)i * N;
+            const int last = c->causal ? i : N - 1;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int j = 0; j <= last; j++) mx = fmaxf(mx, row[j]);
+            for (int j = 0; j <= last; j++) sum += (row[j] = expf(row[j] - mx));
+            const float inv = 1.0f / sum;
+            for (int j = 0; j <= last; j++) row[j] *= inv;
+            for (int j = last + 1; j < N; j++) row[j] = 0.0f;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, D, N, 1.0f, c->s, N, c->v + h * D, ld, 0.0f,
+                    c->o + h * D, ld);
+    }
+    return 0;
+}
+#endif
+
+static void set_threads(flashc_context_t ctx, int t) {
+    flashc_context_set_threads(ctx, t);
+#ifdef _OPENMP
+    omp_set_num_threads(t);
+#endif
+#ifdef FLASHC_BENCH_CBLAS
+    if (openblas_set_num_threads) openblas_set_num_threads(t);
+#endif
+}
+
+static int parse_list(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        out[n++] = atoi(s);
+        const char *c = strchr(s, ',');
+        if (!c) break;
+        s = c + 1;
+    }
+    return n;
+}
+
+static void memory_report(flashc_context_t ctx) {
+    const int64_t N = 32768, H = 8, D = 128;
+    flashc_tensor q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 1, N, H, D);
+    flashc_params p = flashc_params_default();
+    size_t fwd = 0, bwd = 0;
+    flashc_forward_workspace_size(ctx, &q, &q, &q, &p, &fwd);
+    flashc_backward_workspace_size(ctx, &q, &q, &q, &p, &bwd);
+    double lse = (double)(H * N) * 4, tensors = (double)(N * H * D) * 4;
+    printf("\npeak extra memory, N = 32768, H = 8, D = 128, f32 (inputs/outputs %.0f MiB each):\n", tensors / 1048576);
+    printf("  flashc forward : %8.2f MiB workspace + %.2f MiB lse\n", (double)fwd / 1048576, lse / 1048576);
+    printf("  flashc backward: %8.2f MiB workspace (D_i and per-thread tiles)\n", (double)bwd / 1048576);
+    printf("  standard       : %8.0f MiB for S of one head, %.0f MiB for all 8 heads (plus P if kept for backward)\n",
+           (double)N * N * 4 / 1048576, (double)N * N * 4 * H / 1048576);
+}
+
+int main(int argc, char **argv) {
+    int nmax = 8192, dims[4] = {64, 128}, ndims = 2, threads[8], nthreads = 0, do_bwd = 1, memory = 0;
+    int dt_f32 = 1, dt_bf16 = 1;
+#ifdef _OPENMP
+    const int all = omp_get_max_threads();
+#else
+    const int all = 1;
+#endif
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) nmax = 2048;
+        else if (!strcmp(argv[i], "--nmax") && i + 1 < argc) nmax = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) nthreads = parse_list(argv[++i], threads, 8);
+        else if (!strcmp(argv[i], "--dims") && i + 1 < argc) ndims = parse_list(argv[++i], dims, 4);
+        else if (!strcmp(argv[i], "--dtypes") && i + 1 < argc) {
+            dt_f32 = strstr(argv[i + 1], "f32") != NULL;
+            dt_bf16 = strstr(argv[i + 1], "bf16") != NULL;
+            i++;
+        } else if (!strcmp(argv[i], "--no-bwd")) do_bwd = 0;
+        else if (!strcmp(argv[i], "--memory")) memory = 1;
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] "
+                            "[--no-bwd] [--memory]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (nthreads == 0) {
+        threads[nthreads++] = 1;
+        if (all > 1) threads[nthreads++] = all;
+    }
+    flashc_context_t ctx;
+    if (flashc_context_create(&ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK) {
+        fprintf(stderr, "cpu_speed: %s\n", flashc_context_last_error(NULL));
+        return 1;
+    }
+    printf("flashc %s cpu backend, features: %s\n", flashc_version(), flashc_cpu_features());
+    double sgemm_rate[8] = {0};
+#ifdef FLASHC_BENCH_CBLAS
+    for (int ti = 0; ti < nthreads; ti++) {
+        sgemm_case s = {2048, NULL, NULL, NULL};
+        size_t n = (size_t)s.n * s.n;
+        s.a = malloc(n * 4);
+        s.b = malloc(n * 4);
+        s.c = malloc(n * 4);
+        for (size_t i = 0; i < n; i++) s.a[i] = frand(), s.b[i] = frand();
+        set_threads(ctx, threads[ti]);
+        double t = time_median(run_sgemm, &s, 5);
+        sgemm_rate[ti] = 2.0 * s.n * (double)s.n * s.n / t * 1e-9;
+        printf("sgemm 2048^3 on %d thread(s): %.1f GFLOP/s\n", threads[ti], sgemm_rate[ti]);
+        free(s.a), free(s.b), free(s.c);
+    }
+#else
+    printf("sgemm: no CBLAS in this build\n");
+#endif
+    printf("\n%-5s %4s %6s %3s %6s | %9s %8s %7s | %9s %8s %6s | %9s %8s\n", "dtype", "D", "causal", "thr", "N",
+           "fwd ms", "GFLOP/s", "%sgemm", "std ms", "GFLOP/s", "ratio", "bwd ms", "GFLOP/s");
+    const int64_t B = 1, H = 8;
+    for (int di = 0; di < 2; di++) {
+        flashc_dtype dt = di == 0 ? FLASHC_DTYPE_F32 : FLASHC_DTYPE_BF16;
+        if ((dt == FLASHC_DTYPE_F32 && !dt_f32) || (dt == FLASHC_DTYPE_BF16 && !dt_bf16)) continue;
+        for (int d = 0; d < ndims; d++)
+            for (int causal = 0; causal < 2; causal++)
+                for (int ti = 0; ti < nthreads; ti++)
+                    for (int64_t N = 512; N <= nmax; N *= 2) {
+                        const int64_t D = dims[d];
+                        set_threads(ctx, threads[ti]);
+                        fprintf(stderr, "cpu_speed: %s D=%lld causal=%d threads=%d N=%lld\r", flashc_dtype_name(dt),
+                                (long long)D, causal, threads[ti], (long long)N);
+                        attn_case c;
+                        memset(&c, 0, sizeof c);
+                        c.ctx = ctx;
+                        c.params = flashc_params_default();
+                        c.params.causal = causal;
+                        void *bufs[8] = {alloc_tensor(&c.q, dt, B, N, H, D, 1), alloc_tensor(&c.k, dt, B, N, H, D, 1),
+                                         alloc_tensor(&c.v, dt, B, N, H, D, 1), alloc_tensor(&c.o, dt, B, N, H, D, 0),
+                                         alloc_tensor(&c.dout, dt, B, N, H, D, 1),
+                                         alloc_tensor(&c.dq, dt, B, N, H, D, 0), alloc_tensor(&c.dk, dt, B, N, H, D, 0),
+                                         alloc_tensor(&c.dv, dt, B, N, H, D, 0)};
+                        c.lse = malloc(sizeof(float) * (size_t)(B * H * N));
+                        size_t wf = 0, wb = 0;
+                        flashc_forward_workspace_size(ctx, &c.q, &c.k, &c.v, &c.params, &wf);
+                        flashc_backward_workspace_size(ctx, &c.q, &c.k, &c.v, &c.params, &wb);
+                        c.ws_bytes = wf > wb ? wf : wb;
+                        c.ws = malloc(c.ws_bytes);
+                        const double flops = 4.0 * B * H * (double)N * N * D * (causal ? 0.5 : 1.0);
+                        const double tf = time_median(run_fwd, &c, reps_for(flops));
+                        double tb = -1.0, ts = -1.0;
+                        if (do_bwd) tb = time_median(run_bwd, &c, reps_for(2.5 * flops));
+#ifdef FLASHC_BENCH_CBLAS
+                        if (dt == FLASHC_DTYPE_F32) {
+                            std_case sc = {(int)N, (int)H, (int)D, causal, c.q.data, c.k.data, c.v.data, c.o.data,
+                                           malloc(sizeof(float) * (size_t)(N * N))};
+                            if (sc.s) ts = time_median(run_standard, &sc, reps_for(flops));
+                            free(sc.s);
+                        }
+#endif
+                        printf("%-5s %4lld %6d %3d %6lld | %9.2f %8.1f %6.0f%% |", flashc_dtype_name(dt),
+                               (long long)D, causal, threads[ti], (long long)N, tf * 1e3, flops / tf * 1e-9,
+                               sgemm_rate[ti] > 0 ? 100.0 * flops / tf * 1e-9 / sgemm_rate[ti] : 0.0);
+                        if (ts > 0) printf(" %9.2f %8.1f %5.2fx |", ts * 1e3, flops / ts * 1e-9, ts / tf);
+                        else printf(" %9s %8s %6s |", "-", "-", "-");
+                        if (tb > 0) printf(" %9.2f %8.1f\n", tb * 1e3, 2.5 * flops / tb * 1e-9);
+                        else printf(" %9s %8s\n", "-", "-");
+                        fflush(stdout);
+                        for (int i = 0; i < 8; i++) free(bufs[i]);
+                        free(c.lse);
+                        free(c.ws);
+                    }
+    }
+    fprintf(stderr, "%60s\r", "");
+    if (memory) memory_report(ctx);
+    flashc_context_destroy(ctx);
+    return 0;
+}
