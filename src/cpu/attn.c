@@ -10,14 +10,18 @@
  * few queries, long keys) the key range of each task is split across threads and the partial (m, l, O) merge by
  * log-sum-exp (flash-decoding).
  *
- * Backward: P is recomputed from q, k and the saved lse, never stored. D_i = rowsum(dO o O) is computed first;
- * then one pass per (sequence, kv head, key block) accumulates dK, dV over every query head of its group and
- * every query block, and a second pass per (sequence, head, query block) accumulates dQ over the key blocks.
- * Every gradient element has exactly one writer and a fixed summation order, so results are deterministic and
- * race-free for any thread count, at the cost of computing S and dP twice.
+ * Backward: P is recomputed from q, k and the saved lse, never stored. D_i = rowsum(dO o O) is computed first.
+ * When there are at least as many (sequence, head) pairs as threads, one task per pair walks the key blocks; for
+ * each it accumulates dK_j, dV_j in a tile over all query blocks and adds dS K_j into a per-thread fp32 dQ of the
+ * whole sequence (five products per tile). With GQA, each head's dK, dV go to a per-head fp32 buffer that a last
+ * pass sums over the group in head order. With fewer pairs than threads (long sequences, few heads), two passes
+ * share the work finer: one per (sequence, kv head, key block) for dK, dV, one per (sequence, head, query block)
+ * for dQ, at the cost of computing S and dP twice. Either way every gradient element has one writer and a fixed
+ * summation order, so results are deterministic and race-free for any thread count.
  *
  * Extra memory: per thread a few tiles (sizes below, O(br * D + bc * D + br * bc)); split-KV partials
- * (O(threads * br * D)); and D (B * H * Nq floats) in backward.
+ * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode a dQ of one sequence per
+ * thread (Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats).
  */
 #include "cpu.h"
 
@@ -270,9 +274,24 @@ static size_t di_floats(const flashc_problem *p) {
     return (size_t)round_up(p->varlen ? p->H * p->total_q : p->B * p->H * p->Nq, 16);
 }
 
+/* Single pass per (sequence, head) when that alone fills the threads. */
+static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p->H >= nthreads; }
+
+static size_t dq_seq_floats(const flashc_problem *p, const layout *L) { return (size_t)(L->nqb * L->br) * L->dp; }
+
+static size_t dkv_head_floats(const flashc_problem *p, const layout *L) {
+    return (size_t)(p->varlen ? p->total_k : p->Nk) * L->dp;
+}
+
 size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
     const layout L = make_layout(p, 1);
-    return ((size_t)flashc_cpu_thread_count(ctx) * L.per_thread + di_floats(p)) * sizeof(float) + 64;
+    const int nthreads = flashc_cpu_thread_count(ctx);
+    size_t floats = (size_t)nthreads * L.per_thread + di_floats(p);
+    if (single_pass(p, nthreads)) {
+        floats += (size_t)nthreads * dq_seq_floats(p, &L);
+        if (p->H != p->Hkv) floats += 2 * (size_t)(p->varlen ? 1 : p->B) * p->H * dkv_head_floats(p, &L);
+    }
+    return floats * sizeof(float) + 64;
 }
 
 /* Query-side tiles of one block: (scale Q)^T, dO^T, lse (log2 units; +inf on padding rows) and D. */
@@ -385,13 +404,81 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp, p->scale);
 }
 
+/*
+ * Single-pass backward of one (sequence, head): dK, dV per key block, dQ of the whole sequence in dq_seq.
+ * dk_out/dv_out: where this head's dK, dV rows go (the gradients themselves, or per-head fp32 rows with GQA).
+ */
+static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                      const float *dvec, float *dq_seq, float *dkv_heads, int64_t b, int64_t h) {
+    int64_t q0, nq, k0, nk;
+    flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
+    const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
+    memset(dq_seq, 0, sizeof(float) * (size_t)nq * dp);
+    for (int64_t j0 = 0; j0 < nk; j0 += bc) {
+        const int cols = imin(bc, nk - j0);
+        int64_t ldk, ldv;
+        const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
+        const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+        memset(t->dk, 0, sizeof(float) * (size_t)cols * dp);
+        memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
+        for (int64_t i0 = 0; i0 < nq; i0 += br) {
+            const int rows = imin(br, nq - i0);
+            int64_t lo, hi;
+            flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
+            if (hi <= j0 || lo >= j0 + cols) continue;
+            if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
+            load_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
+            tile_ds(p, kern, L, t, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
+            int64_t ldq, ldo;
+            const float *q = flashc_cpu_rows(kern, &p->q, tb, q0 + i0, rows, h, D, t->qbuf, dp, &ldq);
+            const float *dout = flashc_cpu_rows(kern, &p->dout, tb, q0 + i0, rows, h, D, t->dobuf, dp, &ldo);
+            kern->gemm(cols, D, rows, t->st, br, 1, dout, ldo, t->dv, dp, 1);                     /* dV += P^T dO */
+            kern->gemm(cols, D, rows, t->dpt, br, 1, q, ldq, t->dk, dp, 1);                       /* dK += dS^T Q */
+            kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1);    /* dQ += dS K */
+        }
+        if (!dkv_heads) {
+            flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);
+            flashc_cpu_store_rows(&p->dv, tb, k0 + j0, cols, hk, D, t->dv, dp, 1.0f);
+        } else { /* this head's share; summed over the group afterwards */
+            const size_t hf = dkv_head_floats(p, L);
+            float *dkh = dkv_heads + ((size_t)tb * p->H + h) * 2 * hf + (size_t)(k0 + j0) * dp;
+            memcpy(dkh, t->dk, sizeof(float) * (size_t)cols * dp);
+            memcpy(dkh + hf, t->dv, sizeof(float) * (size_t)cols * dp);
+        }
+    }
+    flashc_cpu_store_rows(&p->dq, tb, q0, (int)nq, h, D, dq_seq, dp, p->scale);
+}
+
+/* GQA: dK, dV of kv head hk (rows of sequence b) = sum over its query heads, in head order. */
+static void reduce_group(const flashc_problem *p, const layout *L, const float *dkv_heads, float *acc, int64_t b,
+                         int64_t hk) {
+    int64_t q0, nq, k0, nk;
+    flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+    const int64_t tb = flashc_cpu_tensor_batch(p, b), group = p->H / p->Hkv;
+    const size_t hf = dkv_head_floats(p, L), dp = (size_t)L->dp;
+    for (int which = 0; which < 2; which++)
+        for (int64_t j = 0; j < nk; j++) {
+            memset(acc, 0, sizeof(float) * dp);
+            for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+                const float *src = dkv_heads + ((size_t)tb * p->H + h) * 2 * hf + which * hf + (size_t)(k0 + j) * dp;
+                for (size_t d = 0; d < dp; d++) acc[d] += src[d];
+            }
+            flashc_cpu_store_rows(which ? &p->dv : &p->dk, tb, k0 + j, 1, hk, p->D, acc, (int64_t)dp,
+                                  which ? 1.0f : p->scale);
+        }
+}
+
 flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
     FLASHC_TRY(flashc_cpu_check_varlen(ctx, p));
     const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
     const layout L = make_layout(p, 1);
     const int nthreads = flashc_cpu_thread_count(ctx);
+    const int single = single_pass(p, nthreads);
     float *dvec = align64(workspace);
     float *base = dvec + di_floats(p);
+    float *extra = base + (size_t)nthreads * L.per_thread; /* single pass: per-thread dQ, then per-head dK, dV */
+    float *dkv_heads = single && p->H != p->Hkv ? extra + (size_t)nthreads * dq_seq_floats(p, &L) : NULL;
 #ifdef _OPENMP
 #  pragma omp parallel num_threads(nthreads)
 #endif
@@ -407,17 +494,32 @@ flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_probl
 #endif
         for (int64_t bh = 0; bh < p->B * p->H; bh++)
             dvec_task(p, kern, dvec, t.qbuf, t.dobuf, bh / p->H, bh % p->H);
+        if (single) {
+            float *dq_seq = extra + (size_t)tid * dq_seq_floats(p, &L);
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < p->B * p->Hkv * L.nkb; task++) {
+            for (int64_t bh = 0; bh < p->B * p->H; bh++)
+                head_task(p, kern, &L, &t, dvec, dq_seq, dkv_heads, bh / p->H, bh % p->H);
+            if (dkv_heads) {
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+                for (int64_t bh = 0; bh < p->B * p->Hkv; bh++)
+                    reduce_group(p, &L, dkv_heads, dq_seq, bh / p->Hkv, bh % p->Hkv);
+            }
+        }
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t task = 0; task < (single ? 0 : p->B * p->Hkv * L.nkb); task++) {
             const int64_t kb = task % L.nkb, bh = task / L.nkb;
             dkdv_task(p, kern, &L, &t, dvec, bh / p->Hkv, bh % p->Hkv, kb);
         }
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t task = 0; task < p->B * p->H * L.nqb; task++) dq_task(p, kern, &L, &t, dvec, task);
+        for (int64_t task = 0; task < (single ? 0 : p->B * p->H * L.nqb); task++) dq_task(p, kern, &L, &t, dvec, task);
     }
     (void)nthreads;
     return FLASHC_STATUS_OK;
