@@ -115,7 +115,7 @@ flashc_status flashc_device_name(flashc_backend backend, int device, char *buf, 
     buf[0] = '\0';
     if (backend == FLASHC_BACKEND_CPU) {
         if (device != 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "cpu device %d does not exist", device);
-        snprintf(buf, len, "cpu (%s)", flashc_cpu_features());
+        snprintf(buf, len, "cpu");
         return FLASHC_STATUS_OK;
     }
     if (backend == FLASHC_BACKEND_CUDA) {

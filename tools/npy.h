@@ -1,0 +1,44 @@
+/*
+ * npy.h - reading and writing NumPy .npy files (format versions 1.0, 2.0 and 3.0) for the flashc command.
+ *
+ * Only what attention needs: C-ordered, little-endian '<f4' (float32), '<f2' (float16) and '<u2', which
+ * flashc reads as bfloat16 bits because NumPy has no bfloat16 of its own. Every failure returns -1 with a
+ * message that starts with the file's name, so the command can print it as is.
+ */
+#ifndef FLASHC_TOOLS_NPY_H
+#define FLASHC_TOOLS_NPY_H
+
+#include "flashc.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+/* NumPy allows up to 64 dimensions; anything past 32 is refused as a malformed header. */
+#define NPY_MAX_NDIM 32
+
+typedef struct npy_array {
+    flashc_dtype dtype;
+    int ndim;
+    int64_t shape[NPY_MAX_NDIM];
+    size_t count; /* elements: the product of shape (1 for a 0-d array) */
+    void *data;   /* count elements of dtype, host byte order; owned, release with npy_free */
+} npy_array;
+
+/* The .npy descr written for a dtype: "<f4", "<f2" or "<u2". */
+const char *npy_descr(flashc_dtype dtype);
+
+/* Reads a whole .npy file. On failure *a is left empty and err holds "name: why". */
+int npy_read(const char *path, npy_array *a, char *err, size_t errlen);
+/* Same from an open stream positioned at the magic; name is used in messages only. */
+int npy_read_stream(FILE *f, const char *name, npy_array *a, char *err, size_t errlen);
+
+/* Writes a C-ordered array of ndim dimensions (0..NPY_MAX_NDIM). */
+int npy_write(const char *path, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data,
+              char *err, size_t errlen);
+int npy_write_stream(FILE *f, const char *name, flashc_dtype dtype, int ndim, const int64_t *shape,
+                     const void *data, char *err, size_t errlen);
+
+void npy_free(npy_array *a);
+
+#endif /* FLASHC_TOOLS_NPY_H */
