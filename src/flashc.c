@@ -211,9 +211,12 @@ flashc_status flashc_context_set_stream(flashc_context_t ctx, void *stream) {
     if (!ctx->ops->set_stream) {
         if (stream) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no streams",
                                       flashc_backend_name(ctx->backend));
+        ctx->error[0] = '\0';
         return FLASHC_STATUS_OK;
     }
-    return ctx->ops->set_stream(ctx, stream);
+    FLASHC_TRY(ctx->ops->set_stream(ctx, stream));
+    ctx->error[0] = '\0';
+    return FLASHC_STATUS_OK;
 }
 
 flashc_status flashc_context_set_threads(flashc_context_t ctx, int threads) {
@@ -497,6 +500,7 @@ static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const fl
     FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
     FLASHC_TRY(supported_problem(ctx, &p));
     *bytes = ctx->ops->workspace_size(ctx, &p);
+    ctx->error[0] = '\0';
     return FLASHC_STATUS_OK;
 }
 
