@@ -1,0 +1,115 @@
+"""flashc: exact, IO-aware softmax attention (FlashAttention) from a C library, for numpy and torch.
+
+Two ways to call it:
+
+* flashc's own: ``out, lse = flashc.attention(q, k, v, causal=True, ...)`` on numpy arrays (CPU) or torch tensors
+  (CPU or CUDA, differentiable), layout (B, N, H, D); ``flashc.attention_backward(dout, q, k, v, out, lse, ...)``
+  gives dq, dk, dv without autograd.
+* drop-in: flash-attn 2.x's functions (``flashc.flash_attn_func`` and friends, also importable from
+  ``flashc.flash_attn_interface``) and ``flashc.scaled_dot_product_attention`` with torch's (B, H, N, D) layout.
+
+Importing flashc loads libflashc (from $FLASHC_LIBRARY, the installed package, or the repository's build tree)
+but not torch; torch is imported when a torch tensor is first passed in.
+"""
+
+import sys as _sys
+
+from . import _lib
+from ._core import FlashcCopyWarning
+from ._lib import FlashcError, cpu_features, get_num_threads, library_path, set_num_threads
+from .flash_attn_interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FlashcError", "FlashcCopyWarning", "attention", "attention_backward", "scaled_dot_product_attention",
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
+    "library_version", "library_path", "cuda_available", "cpu_features", "set_num_threads", "get_num_threads",
+]
+
+
+def library_version():
+    """The loaded libflashc's version string."""
+    return _lib.version()
+
+
+def cuda_available():
+    """True when the loaded libflashc has the CUDA backend and sees at least one GPU."""
+    return _lib.backend_compiled(_lib.BACKEND_CUDA) and _lib.device_count(_lib.BACKEND_CUDA) > 0
+
+
+def _is_torch(x):
+    torch = _sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+              max_seqlen_k=None, dropout_p=0.0, deterministic=False):
+    """Attention forward: returns (out, softmax_lse).
+
+    q (B, Nq, H, D), k and v (B, Nk, Hkv, D), any strides; or, with cu_seqlens_q / cu_seqlens_k (int32, B + 1
+    offsets), packed q (total_q, H, D), k and v (total_k, Hkv, D). numpy arrays (float32, float16) run on the CPU;
+    torch tensors (float32, float16, bfloat16) run where they live and are differentiable w.r.t. q, k, v.
+
+    softmax_scale: None for 1/sqrt(D). causal: bottom-right aligned (query i sees key j iff j <= i + Nk - Nq).
+    window_size (left, right), -1 unbounded. softcap > 0: s = softcap * tanh(s / softcap). alibi_slopes: (H,)
+    or (B, H) fp32, s -= slope * |i + Nk - Nq - j|. block_mask: bytes (nqb, nkb), (H, nqb, nkb) or
+    (B, H, nqb, nkb) with block_size=(rows, keys) per byte; 0 skips the block. max_seqlen_*: computed from
+    cu_seqlens when left out. deterministic: bitwise-reproducible backward (torch autograd).
+
+    out has q's shape and dtype ((B, Nq, H, D) or (total_q, H, D)); softmax_lse is fp32 (B, H, Nq) or (H, total_q),
+    natural log; rows that see no key get out 0 and lse +inf.
+    """
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+              alibi_slopes=alibi_slopes, block_mask=block_mask, block_size=block_size, cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p)
+    if _is_torch(q):
+        from . import _torch
+
+        varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        return _torch.apply("q,k,v", (q, k, v), varlen=varlen, deterministic=deterministic, **kw)
+    from . import _numpy
+
+    # deterministic only concerns the backward; the numpy forward has nothing to do with it.
+    return _numpy.attention(q, k, v, **kw)
+
+
+def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, deterministic=False):
+    """Attention backward: returns (dq, dk, dv) for the upstream gradient dout, given attention()'s out and
+    softmax_lse and the same options (numpy arrays or torch tensors, no autograd). With GQA, dk/dv sum the
+    gradients of the query heads that share a kv head."""
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+              alibi_slopes=alibi_slopes, block_mask=block_mask, block_size=block_size, cu_seqlens_q=cu_seqlens_q,
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+              deterministic=deterministic)
+    if _is_torch(q):
+        from . import _torch
+
+        return _torch.attention_backward(dout, q, k, v, out, softmax_lse, **kw)
+    from . import _numpy
+
+    return _numpy.attention_backward(dout, q, k, v, out, softmax_lse, **kw)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention's interface: query (..., H, Nq, D), key/value
+    (..., Hkv, Nk, D) -> (..., H, Nq, D), differentiable. is_causal is top-left aligned as in torch (query i sees
+    keys j <= i). The (B, H, N, D) tensors are passed with permuted strides, not copied. attn_mask and
+    dropout_p > 0 raise NotImplementedError."""
+    from . import _torch
+
+    return _torch.sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                       scale=scale, enable_gqa=enable_gqa)

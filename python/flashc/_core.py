@@ -1,0 +1,114 @@
+"""What the numpy and torch front ends share: argument checks that do not depend on the array type, the
+flashc_params builder, and the calls into the library with their error handling."""
+
+import math
+
+from . import _lib
+
+class FlashcCopyWarning(UserWarning):
+    """The library refused a tensor layout, so flashc copied the inputs to contiguous tensors for that call."""
+
+
+# Feature names used in NotImplementedError messages, so that callers can see exactly what is missing.
+DROPOUT_MSG = (
+    "flashc: dropout (dropout_p > 0) is not supported yet; pass dropout_p=0.0 (e.g. in eval mode) or use "
+    "another attention implementation for training with attention dropout"
+)
+
+
+def check_dropout(dropout_p):
+    if dropout_p is None:
+        return
+    p = float(dropout_p)
+    if p < 0.0 or p >= 1.0 or math.isnan(p):
+        raise ValueError("dropout_p must be in [0, 1), got %r" % (dropout_p,))
+    if p > 0.0:
+        raise NotImplementedError(DROPOUT_MSG)
+
+
+def window_pair(window_size):
+    if window_size is None:
+        return -1, -1
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError("window_size must be a pair (left, right), got %r" % (window_size,)) from None
+    return int(left), int(right)
+
+
+def block_size_pair(block_size):
+    if block_size is None:
+        raise ValueError("block_mask needs block_size=(block_q, block_k): the rows and keys per mask byte")
+    if isinstance(block_size, int):
+        return block_size, block_size
+    bq, bk = block_size
+    return int(bq), int(bk)
+
+
+def mask_dims(shape):
+    """(batch, heads) of a block mask shaped (nqb, nkb), (heads, nqb, nkb) or (batch, heads, nqb, nkb)."""
+    if len(shape) == 2:
+        return 1, 1
+    if len(shape) == 3:
+        return 1, shape[0]
+    if len(shape) == 4:
+        return shape[0], shape[1]
+    raise ValueError("block_mask must have 2, 3 or 4 dimensions (batch, heads, q blocks, k blocks), got %d"
+                     % len(shape))
+
+
+def check_mask_shape(shape, bq, bk, nq, nk):
+    want = (-(-nq // bq), -(-nk // bk))
+    if tuple(shape[-2:]) != want:
+        raise ValueError(
+            "block_mask's last two dimensions must be (ceil(Nq / %d), ceil(Nk / %d)) = %s, got %s"
+            % (bq, bk, want, tuple(shape[-2:])))
+
+
+def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi_ptr=None,
+                alibi_batch_stride=0, block_mask_ptr=None, block_size=(0, 0), block_mask_dims=(1, 1),
+                cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False):
+    p = _lib.lib.flashc_params_default()
+    # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
+    # softmax_scale=None means everywhere in this package.
+    p.softmax_scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    p.causal = 1 if causal else 0
+    p.window_left, p.window_right = window
+    p.softcap = float(softcap or 0.0)
+    if alibi_ptr:
+        p.alibi_slopes = alibi_ptr
+        p.alibi_batch_stride = alibi_batch_stride
+    if block_mask_ptr:
+        p.block_mask = block_mask_ptr
+        p.block_mask_q, p.block_mask_k = block_size
+        p.block_mask_batch, p.block_mask_heads = block_mask_dims
+    if cu_q_ptr:
+        p.cu_seqlens_q = cu_q_ptr
+        p.cu_seqlens_k = cu_k_ptr
+        p.num_seqs = num_seqs
+        p.max_seqlen_q = max_seqlen_q
+        p.max_seqlen_k = max_seqlen_k
+    p.deterministic = 1 if deterministic else 0
+    return p
+
+
+def forward_status(ctx, q, k, v, params, out, lse_ptr, ws_ptr=None, ws_bytes=0):
+    """flashc_forward on flashc_tensor views; returns the status so callers can react to NOT_SUPPORTED."""
+    return _lib.lib.flashc_forward(ctx.handle, q, k, v, params, out, lse_ptr, ws_ptr, ws_bytes)
+
+
+def backward_status(ctx, q, k, v, out, dout, lse_ptr, params, dq, dk, dv, ws_ptr=None, ws_bytes=0):
+    return _lib.lib.flashc_backward(ctx.handle, q, k, v, out, dout, lse_ptr, params, dq, dk, dv, ws_ptr, ws_bytes)
+
+
+def workspace_size(ctx, op, q, k, v, params):
+    import ctypes
+
+    n = ctypes.c_size_t(0)
+    fn = _lib.lib.flashc_forward_workspace_size if op == _lib.OP_FORWARD else _lib.lib.flashc_backward_workspace_size
+    _lib.check(fn(ctx.handle, q, k, v, params, ctypes.byref(n)), fn.__name__, ctx.handle)
+    return n.value
+
+
+def last_error(ctx):
+    return _lib._s(_lib.lib.flashc_context_last_error(ctx.handle))

@@ -1,0 +1,145 @@
+"""Materialized attention in numpy (fp64, or rounding each stage to a low precision) for the tests.
+
+Semantics follow CONVENTIONS.md: bottom-right aligned causal and window, softcap before masks and ALiBi, ALiBi
+distance |i + Nk - Nq - j|, block mask bytes per (query block, key block), rows with no visible key give out 0,
+lse +inf and zero gradients. The backward is written out by hand (dV = P^T dO, dS = P * (dP - rowsum(dO * O)),
+softcap's chain rule, GQA sums), independently of the library's code.
+"""
+
+import numpy as np
+
+
+def _identity(x):
+    return x
+
+
+def visible(nq, nk, causal=False, window=(-1, -1)):
+    """Boolean (nq, nk): key j is kept for query i."""
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    diag = i + nk - nq
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    keep = np.ones((nq, nk), dtype=bool)
+    if left >= 0:
+        keep &= j >= diag - left
+    if right >= 0:
+        keep &= j <= diag + right
+    return keep
+
+
+def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask, block_size, rnd):
+    """One sequence: q (Nq, H, D), k/v (Nk, Hkv, D), do like q or None -> out, lse (H, Nq), grads."""
+    nq, h, d = q.shape
+    nk, hkv, _ = k.shape
+    g = h // hkv
+    kr = np.repeat(k, g, axis=1)  # query head h reads kv head h // g
+    vr = np.repeat(v, g, axis=1)
+    s = rnd(scale * np.einsum("ihd,jhd->hij", q, kr))
+    t = None
+    if softcap:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if alibi is not None:
+        slopes = alibi if alibi.ndim == 1 else alibi[b]
+        dist = np.abs(np.arange(nq)[:, None] + nk - nq - np.arange(nk)[None, :])
+        s = s - slopes[:, None, None] * dist[None]
+    keep = np.broadcast_to(visible(nq, nk, causal, window)[None], (h, nq, nk)).copy()
+    if block_mask is not None:
+        bq, bk = block_size
+        m = block_mask
+        m = m[None, None] if m.ndim == 2 else (m[None] if m.ndim == 3 else m)
+        mb = m[0 if m.shape[0] == 1 else b]
+        mb = np.broadcast_to(mb, (h,) + mb.shape[1:])
+        keep &= mb[:, np.arange(nq) // bq][:, :, np.arange(nk) // bk] != 0
+    s = np.where(keep, s, -np.inf)
+    empty = ~keep.any(axis=-1)  # (h, nq)
+    mx = np.where(empty, 0.0, s.max(axis=-1, initial=-np.inf))
+    e = np.where(keep, np.exp(s - mx[..., None]), 0.0)
+    den = e.sum(axis=-1)
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, np.inf, mx + np.log(np.where(empty, 1.0, den)))
+    p = rnd(e / np.where(empty, 1.0, den)[..., None])
+    out = rnd(np.einsum("hij,jhd->ihd", p, vr))
+    if do is None:
+        return out, lse, None
+    dvr = rnd(np.einsum("hij,ihd->jhd", p, do))
+    dp = rnd(np.einsum("ihd,jhd->hij", do, vr))
+    di = np.einsum("ihd,ihd->hi", do, out)
+    ds = rnd(p * (dp - di[..., None]))
+    if softcap:
+        ds = ds * (1.0 - t * t)
+    dq = rnd(scale * np.einsum("hij,jhd->ihd", ds, kr))
+    dkr = rnd(scale * np.einsum("hij,ihd->jhd", ds, q))
+    # The group sum is a stage of its own (the backward of repeating k/v over the heads), rounded like the others.
+    dk = rnd(dkr.reshape(nk, hkv, g, d).sum(axis=2))
+    dv = rnd(dvr.reshape(nk, hkv, g, d).sum(axis=2))
+    return out, lse, (dq, dk, dv)
+
+
+def attention(q, k, v, dout=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              rnd=_identity):
+    """(out, lse, grads or None) in fp64 for the layouts of flashc.attention: (B, N, H, D), or (total, H, D)
+    with cu_seqlens. rnd rounds after each materialized stage (identity: the fp64 oracle)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    do = None if dout is None else np.asarray(dout, dtype=np.float64)
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    alibi = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+    if isinstance(block_size, int):
+        block_size = (block_size, block_size)
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+        seqs = [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+        out = np.zeros(q.shape)
+        lse = np.zeros((q.shape[1], q.shape[0]))
+    else:
+        seqs = [(b, b) for b in range(q.shape[0])]
+        out = np.zeros(q.shape)
+        lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    grads = None if do is None else (np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape))
+    for b, (sq, sk) in enumerate(seqs):
+        qb, kb, vb = q[sq], k[sk], v[sk]
+        if qb.shape[0] == 0:
+            continue
+        if kb.shape[0] == 0:
+            lse_b = np.full((q.shape[-2], qb.shape[0]), np.inf)
+            o, g = np.zeros(qb.shape), None
+        else:
+            o, lse_b, g = _sequence(qb, kb, vb, None if do is None else do[sq], b, scale, causal, window_size,
+                                    softcap, alibi, block_mask, block_size, rnd)
+        out[sq] = o
+        if varlen:
+            lse[:, sq] = lse_b
+        else:
+            lse[b] = lse_b
+        if g is not None:
+            for acc, gi, s in zip(grads, g, (sq, sk, sk)):
+                acc[s] = gi
+    return out, lse, grads
+
+
+def rounder(dtype):
+    """Rounds to dtype and back to float64 (numpy has float16; bfloat16 goes through torch in its tests)."""
+    return lambda x: np.asarray(x).astype(dtype).astype(np.float64)
+
+
+def rel_err(got, ref):
+    """||got - ref|| / ||ref|| over the finite entries (lse's +inf rows are compared separately)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    num = np.linalg.norm((got - ref).ravel())
+    den = np.linalg.norm(ref.ravel())
+    return num / den if den > 0 else num
+
+
+def check_lowp(name, got, ref, naive, factor):
+    """CONVENTIONS.md's rule: max|got - ref| <= factor * max|naive - ref| + 1e-5."""
+    got = np.asarray(got, dtype=np.float64)
+    err = np.abs(got - ref).max()
+    base = np.abs(naive - ref).max()
+    assert err <= factor * base + 1e-5, "%s: max error %.3g > %g x naive low-precision error %.3g + 1e-5" % (
+        name, err, factor, base)
