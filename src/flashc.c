@@ -116,6 +116,20 @@ flashc_status flashc_device_name(flashc_backend backend, int device, char *buf, 
     if (backend == FLASHC_BACKEND_CPU) {
         if (device != 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "cpu device %d does not exist", device);
         snprintf(buf, len, "cpu");
+        FILE *f = fopen("/proc/cpuinfo", "r"); /* the model name where the OS tells it */
+        if (f) {
+            char line[256];
+            while (fgets(line, sizeof line, f)) {
+                char *colon = strchr(line, ':');
+                if (strncmp(line, "model name", 10) == 0 && colon) {
+                    colon += strspn(colon + 1, " \t") + 1;
+                    colon[strcspn(colon, "\n")] = '\0';
+                    snprintf(buf, len, "%s", colon);
+                    break;
+                }
+            }
+            fclose(f);
+        }
         return FLASHC_STATUS_OK;
     }
     if (backend == FLASHC_BACKEND_CUDA) {
