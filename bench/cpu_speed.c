@@ -178,7 +178,7 @@ static void memory_report(flashc_context_t ctx) {
     double lse = (double)(H * N) * 4, tensors = (double)(N * H * D) * 4;
     printf("\npeak extra memory, N = 32768, H = 8, D = 128, f32 (inputs/outputs %.0f MiB each):\n", tensors / 1048576);
     printf("  flashc forward : %8.2f MiB workspace + %.2f MiB lse\n", (double)fwd / 1048576, lse / 1048576);
-    printf("  flashc backward: %8.2f MiB workspace (D_i and per-thread tiles)\n", (double)bwd / 1048576);
+    printf("  flashc backward: %8.2f MiB workspace (D_i, per-thread tiles, per-thread dQ of one sequence)\n", (double)bwd / 1048576);
     printf("  standard       : %8.0f MiB for S of one head, %.0f MiB for all 8 heads (plus P if kept for backward)\n",
            (double)N * N * 4 / 1048576, (double)N * N * 4 * H / 1048576);
 }
