@@ -20,8 +20,8 @@
  * summation order, so results are deterministic and race-free for any thread count.
  *
  * Extra memory: per thread a few tiles (sizes below, O(br * D + bc * D + br * bc)); split-KV partials
- * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode a dQ of one sequence per
- * thread (Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats).
+ * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode dQ, Q^T and dO^T of one
+ * sequence per thread (3 * Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats).
  */
 #include "cpu.h"
 
@@ -277,7 +277,11 @@ static size_t di_floats(const flashc_problem *p) {
 /* Single pass per (sequence, head) when that alone fills the threads. */
 static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p->H >= nthreads; }
 
-static size_t dq_seq_floats(const flashc_problem *p, const layout *L) { return (size_t)(L->nqb * L->br) * L->dp; }
+/* Per thread in the single-pass mode: dQ, (scale Q)^T and dO^T of one sequence, its lse and D. */
+static size_t dq_seq_floats(const flashc_problem *p, const layout *L) {
+    const size_t npad = (size_t)(L->nqb * L->br);
+    return 3 * npad * L->dp + 2 * npad;
+}
 
 static size_t dkv_head_floats(const flashc_problem *p, const layout *L) {
     return (size_t)(p->varlen ? p->total_k : p->Nk) * L->dp;
@@ -294,36 +298,53 @@ size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const fla
     return floats * sizeof(float) + 64;
 }
 
-/* Query-side tiles of one block: (scale Q)^T, dO^T, lse (log2 units; +inf on padding rows) and D. */
-static void load_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                            const float *dvec, int64_t b, int64_t h, int64_t q0, int64_t i0, int rows) {
+/* The query side of a backward tile: (scale Q)^T and dO^T (D x br, leading dim ld), lse in log2 units (+inf on
+ * padding rows) and D_i, for br rows. */
+typedef struct query_side {
+    const float *qt, *dot, *lse2, *di;
+    int64_t ld;
+} query_side;
+
+/* Fills the query side of rows [i0, i0 + rows) of (b, h) into qt, dot (leading dim ld), lse2 and di, padding to
+ * pad_rows; the whole sequence at once in the single-pass mode, one block otherwise. */
+static query_side load_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, float *qt, float *dot,
+                                  float *lse2, float *di, int64_t ld, const float *dvec, int64_t b, int64_t h,
+                                  int64_t q0, int64_t i0, int rows, int pad_rows) {
     const int64_t tb = flashc_cpu_tensor_batch(p, b);
-    flashc_cpu_load_t(kern, t->qt, L->br, &p->q, tb, q0 + i0, rows, L->br, h, p->D, flashc_cpu_qscale(p));
-    flashc_cpu_load_t(kern, t->dot, L->br, &p->dout, tb, q0 + i0, rows, L->br, h, p->D, 1.0f);
+    flashc_cpu_load_t(kern, qt, ld, &p->q, tb, q0 + i0, rows, pad_rows, h, p->D, flashc_cpu_qscale(p));
+    flashc_cpu_load_t(kern, dot, ld, &p->dout, tb, q0 + i0, rows, pad_rows, h, p->D, 1.0f);
     const int64_t off = flashc_cpu_lse_offset(p, b, h, q0) + i0;
-    for (int r = 0; r < L->br; r++) {
-        t->lse2[r] = r < rows ? p->lse[off + r] * FLASHC_LOG2E : INFINITY;
-        t->di[r] = r < rows ? dvec[off + r] : 0.0f;
+    for (int r = 0; r < pad_rows; r++) {
+        lse2[r] = r < rows ? p->lse[off + r] * FLASHC_LOG2E : INFINITY;
+        di[r] = r < rows ? dvec[off + r] : 0.0f;
     }
+    query_side qs = {qt, dot, lse2, di, ld};
+    return qs;
+}
+
+static query_side block_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
+                                   tile_bufs *t, const float *dvec, int64_t b, int64_t h, int64_t q0, int64_t i0,
+                                   int rows) {
+    return load_query_side(p, kern, t->qt, t->dot, t->lse2, t->di, L->br, dvec, b, h, q0, i0, rows, L->br);
 }
 
 /*
  * One (query block, key block) tile of the backward: P (into st) and dS (into dpt), key-major. k and v are the
- * key-side rows; the query side is in t.
+ * key-side rows, qs the query side.
  */
 static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                    const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b, int64_t h, int64_t nq,
-                    int64_t nk, int64_t i0, int rows, int64_t j0, int cols) {
+                    const query_side *qs, const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b,
+                    int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0, int cols) {
     const int br = L->br, D = (int)p->D;
-    kern->gemm(cols, br, D, k, ldk, 1, t->qt, br, t->st, br, 0);   /* S^T = K (scale Q)^T */
+    kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, br, 0);   /* S^T = K (scale Q)^T */
     if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, br, p->softcap > 0.0f ? t->t : NULL);
-    kern->exp2_sub(cols, br, t->st, br, t->lse2);                  /* P = 2^(S - lse) */
-    kern->gemm(cols, br, D, v, ldv, 1, t->dot, br, t->dpt, br, 0); /* dP^T = V dO^T */
+    kern->exp2_sub(cols, br, t->st, br, qs->lse2);                      /* P = 2^(S - lse) */
+    kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, br, 0); /* dP^T = V dO^T */
     for (int c = 0; c < cols; c++) {
         const float *pc = t->st + (size_t)c * br;
         float *dsc = t->dpt + (size_t)c * br;
-        for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - t->di[r]); /* dS = P (dP - D) */
+        for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - qs->di[r]); /* dS = P (dP - D) */
         if (p->softcap > 0.0f) { /* d(c tanh(x / c)) / dx = 1 - tanh^2 */
             const float *tc = t->t + (size_t)c * br;
             for (int r = 0; r < rows; r++) dsc[r] *= 1.0f - tc[r] * tc[r];
@@ -368,8 +389,8 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
             if (hi <= j0 || lo >= j0 + cols) continue;
             if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-            load_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
-            tile_ds(p, kern, L, t, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
+            const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
+            tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
             int64_t ldq, ldo;
             const float *q = flashc_cpu_rows(kern, &p->q, tb, q0 + i0, rows, h, D, t->qbuf, dp, &ldq);
             const float *dout = flashc_cpu_rows(kern, &p->dout, tb, q0 + i0, rows, h, D, t->dobuf, dp, &ldo);
@@ -390,7 +411,7 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
-    load_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
+    const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
     memset(t->dq, 0, sizeof(float) * (size_t)rows * dp);
     for (int64_t j0 = lo; j0 < hi; j0 += bc) {
         const int cols = imin(bc, hi - j0);
@@ -398,7 +419,7 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
         int64_t ldk, ldv;
         const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
         const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
-        tile_ds(p, kern, L, t, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
+        tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
         kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, t->dq, dp, 1); /* dQ += dS K */
     }
     flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp, p->scale);
@@ -409,11 +430,16 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
  * dk_out/dv_out: where this head's dK, dV rows go (the gradients themselves, or per-head fp32 rows with GQA).
  */
 static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                      const float *dvec, float *dq_seq, float *dkv_heads, int64_t b, int64_t h) {
+                      const float *dvec, float *seq, float *dkv_heads, int64_t b, int64_t h) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
-    const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
+    const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv), npad = L->nqb * L->br;
+    /* The query side of the whole sequence, transposed once: dQ (npad x dp), Q^T, dO^T (dp x npad), lse, D. */
+    float *dq_seq = seq, *qt = dq_seq + (size_t)npad * dp, *dot = qt + (size_t)npad * dp;
+    float *lse2 = dot + (size_t)npad * dp, *di = lse2 + npad;
+    const int padded = (int)((nq + br - 1) / br * br);
+    const query_side whole = load_query_side(p, kern, qt, dot, lse2, di, npad, dvec, b, h, q0, 0, (int)nq, padded);
     memset(dq_seq, 0, sizeof(float) * (size_t)nq * dp);
     for (int64_t j0 = 0; j0 < nk; j0 += bc) {
         const int cols = imin(bc, nk - j0);
@@ -428,8 +454,8 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
             if (hi <= j0 || lo >= j0 + cols) continue;
             if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-            load_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
-            tile_ds(p, kern, L, t, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
+            const query_side qs = {whole.qt + i0, whole.dot + i0, whole.lse2 + i0, whole.di + i0, whole.ld};
+            tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
             int64_t ldq, ldo;
             const float *q = flashc_cpu_rows(kern, &p->q, tb, q0 + i0, rows, h, D, t->qbuf, dp, &ldq);
             const float *dout = flashc_cpu_rows(kern, &p->dout, tb, q0 + i0, rows, h, D, t->dobuf, dp, &ldo);
