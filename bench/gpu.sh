@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# bench/gpu.sh - everything the GPU machine has to do, in one call: build with the CUDA backend (build-gpu, all
+# cores), the gpu tests, compute-sanitizer memcheck + racecheck on `gpu_fwd --quick`, then compare_torch.py.
+# Logs go to $OUT (or build-gpu/logs); a short summary table comes last.
+#
+#   bench/gpu.sh                  everything, the full benchmark sweep
+#   bench/gpu.sh --quick          the reduced benchmark (compare_torch.py --quick)
+#   bench/gpu.sh --no-test        build + benchmark only;   --no-sanitize, --no-bench likewise
+#   bench/gpu.sh --lab F.h ...    also build each tile-table variant F.h (bench/tiles/) and time it (flashc only)
+#   bench/gpu.sh -- ARGS          extra arguments for compare_torch.py
+# Each step has a time limit (GPU_TEST_LIMIT, SANITIZE_LIMIT, BENCH_LIMIT seconds) so that one call ends in time.
+set -u
+cd "$(dirname "$0")/.."
+LOG=${OUT:-$PWD/build-gpu/logs}
+mkdir -p "$LOG"
+quick=0 test=1 sanitize=1 bench=1
+bench_args=()
+lab=()
+lab_args=(--dtypes bf16 --dims ${LAB_DIMS:-64,128,256} --lens 1024,4096,16384 --no-memory --no-peers --runs 20)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=1 ;;
+    --no-test) test=0 ;;
+    --no-sanitize) sanitize=0 ;;
+    --no-bench) bench=0 ;;
+    --lab) while [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; do lab+=("$2"); shift; done ;;
+    --) shift; bench_args=("$@"); break ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ $quick = 1 ] && bench_args+=(--quick)
+
+summary=()
+status=0
+step() { # step NAME LOGFILE LIMIT_S CMD...: runs CMD (killed after LIMIT_S), logs to LOGFILE, records status/time
+  local name=$1 log=$2 limit=$3; shift 3
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-28s %-6s %5ds  %s' "$name" "$([ $rc = 0 ] && echo ok || echo FAIL:$rc)" $((SECONDS - t0)) "$(basename "$log")")")
+  [ $rc = 0 ] || status=1
+  return $rc
+}
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
+  nvcc --version | tail -2
+  git rev-parse --short HEAD 2>/dev/null || echo "no commit"
+  git status --short 2>/dev/null | head -20
+} >"$LOG/machine.txt" 2>&1
+
+step configure "$LOG/configure.log" 120 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DFLASHC_CUDA=on \
+  -DFLASHC_CUDA_PTXAS_VERBOSE=ON
+if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
+  grep -E "spill" "$LOG/build.log" | sort | uniq -c >"$LOG/spills.txt"
+  gpu_fwd=$(find build-gpu -name gpu_fwd -type f -perm -u+x | head -1)
+  if [ $test = 1 ]; then
+    step "ctest -L gpu" "$LOG/gpu_tests.log" "${GPU_TEST_LIMIT:-300}" bash -c "cd build-gpu && ctest -L gpu -V"
+  fi
+  if [ $sanitize = 1 ] && [ -n "$gpu_fwd" ]; then
+    step "memcheck gpu_fwd --quick" "$LOG/memcheck.log" "${SANITIZE_LIMIT:-150}" \
+      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 3 "$gpu_fwd" --quick
+    step "racecheck gpu_fwd --quick" "$LOG/racecheck.log" "${SANITIZE_LIMIT:-150}" \
+      compute-sanitizer --tool racecheck --error-exitcode 3 "$gpu_fwd" --quick
+  fi
+  if [ $bench = 1 ]; then
+    step "compare_torch.py" "$LOG/bench.log" "${BENCH_LIMIT:-400}" env PYTHONUNBUFFERED=1 python3 bench/compare_torch.py \
+      --lib build-gpu/libflashc.so "${bench_args[@]}"
+  fi
+  for f in ${lab[@]+"${lab[@]}"}; do
+    name=$(basename "$f" .h)
+    dir=build-gpu-lab-$name
+    step "lab $name: build" "$LOG/lab_$name.build.log" 300 bash -c "cmake -S . -B $dir -DCMAKE_BUILD_TYPE=Release \
+      -DFLASHC_CUDA=on -DFLASHC_BUILD_TESTS=OFF -DFLASHC_BUILD_TOOLS=OFF -DFLASHC_CUDA_PTXAS_VERBOSE=ON \
+      '-DFLASHC_CUDA_HEAD_DIMS=64;128;256' -DFLASHC_CUDA_TILES_FILE=$PWD/$f && cmake --build $dir -j $(nproc)" &&
+      step "lab $name: bench" "$LOG/lab_$name.log" 200 env PYTHONUNBUFFERED=1 python3 bench/compare_torch.py \
+        --lib $dir/libflashc.so "${lab_args[@]}"
+  done
+fi
+
+echo "== $(head -1 "$LOG/machine.txt" >/dev/null; sed -n 2p "$LOG/machine.txt")"
+echo "== spills:"; cat "$LOG/spills.txt" 2>/dev/null
+echo "== gpu tests (failures and extras):"
+grep -E ": (FAIL|table|PASSED|FAILED|ok   (splitkv|determinism|n64k|over_2e31))|: +(splitkv|n64k|over)" "$LOG/gpu_tests.log" 2>/dev/null | cut -d' ' -f2- | tail -30
+for f in memcheck racecheck; do
+  [ -f "$LOG/$f.log" ] && echo "== $f: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$LOG/$f.log" | tr '\n' ' ')"
+done
+if [ -f "$LOG/bench.log" ]; then
+  echo "== benchmark"
+  sed -n '/^device:/p; /^peak memory/p; /^| dtype/,$p' "$LOG/bench.log"
+  grep -E "Error|error" "$LOG/bench.log" | head -5
+fi
+for f in ${lab[@]+"${lab[@]}"}; do
+  name=$(basename "$f" .h)
+  echo "== lab $name ($(grep -h spill "$LOG/lab_$name.build.log" 2>/dev/null | sort | uniq -c | awk '{print $1"x "$2" B stack"}' | tr '\n' ' '))"
+  grep -E "^  (bfloat16|float16)" "$LOG/lab_$name.log" 2>/dev/null | sed 's/  max|flashc-flash|.*//; s/flash +nan  cudnn +nan  //'
+done
+echo "== steps"
+printf '%s\n' "${summary[@]}"
+exit $status

@@ -1,0 +1,3 @@
+/* lab: 4 cp.async stages for d64 and d128 on Hopper */
+#define FC_TILE_64_SM90 fc_tile{64, 128, 64, 4, 4, 1, 2}
+#define FC_TILE_128_SM90 fc_tile{128, 128, 32, 4, 4, 0, 2}

@@ -1,0 +1,333 @@
+/*
+ * cuda.cu - the CUDA backend: device set-up, what the GPU kernels support, workspace, and the dispatch of a
+ * validated problem to the forward kernel of the smallest compiled head dim that holds it (fwd_sm80.cuh).
+ * Host code only, C style. Every CUDA call and every launch is checked; failures come back as
+ * FLASHC_STATUS_DEVICE_ERROR (OUT_OF_MEMORY for allocations) with the CUDA error text, never an abort.
+ */
+#include "../internal.h"
+#include "fwd_sm80.h"
+
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct cuda_state {
+    int sm_count;
+    size_t smem_optin;      /* shared memory a block may opt in to */
+    int pools;              /* stream-ordered allocation (cudaMallocAsync) available */
+    /* per forward entry and operand type (f16, bf16), asked once: the kernel's tile and resident blocks per SM */
+    int info_known[8][2];
+    fc_tile tile[8][2];
+    int occupancy[8][2];
+} cuda_state;
+
+/* The forward kernels compiled into this build (sources.cmake defines FLASHC_FWD_D<d> for each). */
+static const struct {
+    int d;
+    fc_fwd_entry fn;
+} fwd_entries[] = {
+#ifdef FLASHC_FWD_D32
+    {32, flashc_fwd_sm80_d32},
+#endif
+#ifdef FLASHC_FWD_D64
+    {64, flashc_fwd_sm80_d64},
+#endif
+#ifdef FLASHC_FWD_D96
+    {96, flashc_fwd_sm80_d96},
+#endif
+#ifdef FLASHC_FWD_D128
+    {128, flashc_fwd_sm80_d128},
+#endif
+#ifdef FLASHC_FWD_D160
+    {160, flashc_fwd_sm80_d160},
+#endif
+#ifdef FLASHC_FWD_D192
+    {192, flashc_fwd_sm80_d192},
+#endif
+#ifdef FLASHC_FWD_D256
+    {256, flashc_fwd_sm80_d256},
+#endif
+    {0, NULL}};
+#define FWD_ENTRIES ((int)(sizeof fwd_entries / sizeof fwd_entries[0]) - 1)
+
+/* Largest query / key length the kernels index with 32-bit row arithmetic (sums of two stay below 2^31). */
+#define CUDA_MAX_LEN (INT64_C(1) << 29)
+
+static flashc_status cuda_fail(struct flashc_context *ctx, cudaError_t e, const char *file, int line,
+                               const char *what) {
+    cudaGetLastError(); /* clear a non-sticky error so that later calls start clean */
+    flashc_status st = e == cudaErrorMemoryAllocation ? FLASHC_STATUS_OUT_OF_MEMORY : FLASHC_STATUS_DEVICE_ERROR;
+    return flashc_set_error(ctx, st, file, line, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+#define CUDA_TRY(ctx, call)                                                                                  \
+    do {                                                                                                     \
+        cudaError_t cuda_try_e_ = (call);                                                                    \
+        if (cuda_try_e_ != cudaSuccess) return cuda_fail((ctx), cuda_try_e_, __FILE__, __LINE__, #call);     \
+    } while (0)
+
+static cuda_state *state_of(struct flashc_context *ctx) { return (cuda_state *)ctx->backend_state; }
+
+/* ---- devices ------------------------------------------------------------------------------------------- */
+
+extern "C" int flashc_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0; /* no driver or no GPU: simply none */
+    }
+    return n;
+}
+
+extern "C" flashc_status flashc_cuda_device_name(int device, char *buf, size_t len) {
+    if (!buf || len == 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "name buffer is empty");
+    buf[0] = '\0';
+    const int n = flashc_cuda_device_count();
+    if (device < 0 || device >= n)
+        return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "CUDA device %d does not exist (%d found)", device, n);
+    cudaDeviceProp prop;
+    CUDA_TRY(NULL, cudaGetDeviceProperties(&prop, device));
+    snprintf(buf, len, "%s (sm_%d%d, %d SMs, %.0f GiB)", prop.name, prop.major, prop.minor,
+             prop.multiProcessorCount, (double)prop.totalGlobalMem / (1024.0 * 1024.0 * 1024.0));
+    return FLASHC_STATUS_OK;
+}
+
+/* ---- context ------------------------------------------------------------------------------------------- */
+
+static flashc_status cuda_init(struct flashc_context *ctx) {
+    const int n = flashc_cuda_device_count();
+    if (n == 0) return FLASHC_ERR(ctx, FLASHC_STATUS_DEVICE_ERROR, "no CUDA device found (or no driver)");
+    if (ctx->device < 0 || ctx->device >= n)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "CUDA device %d does not exist (%d found)",
+                          ctx->device, n);
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    cudaDeviceProp prop;
+    CUDA_TRY(ctx, cudaGetDeviceProperties(&prop, ctx->device));
+    if (prop.major < 8)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "%s has compute capability %d.%d; the CUDA kernels need 8.0 or later", prop.name,
+                          prop.major, prop.minor);
+    int pools = 0;
+    CUDA_TRY(ctx, cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ctx->device));
+    cuda_state *s = (cuda_state *)calloc(1, sizeof *s);
+    if (!s) return FLASHC_ERR(ctx, FLASHC_STATUS_OUT_OF_MEMORY, "out of host memory for the CUDA state");
+    s->sm_count = prop.multiProcessorCount;
+    s->smem_optin = prop.sharedMemPerBlockOptin;
+    s->pools = pools;
+    ctx->backend_state = s;
+    ctx->stream = NULL;
+    return FLASHC_STATUS_OK;
+}
+
+static void cuda_fini(struct flashc_context *ctx) {
+    free(ctx->backend_state);
+    ctx->backend_state = NULL;
+}
+
+static flashc_status cuda_set_stream(struct flashc_context *ctx, void *stream) {
+    ctx->stream = stream;
+    return FLASHC_STATUS_OK;
+}
+
+/* ---- what the kernels run ------------------------------------------------------------------------------ */
+
+static int fwd_entry_index(int64_t D) {
+    for (int i = 0; i < FWD_ENTRIES; i++)
+        if (fwd_entries[i].d >= D) return i;
+    return -1;
+}
+
+/* 16-byte aligned base and row strides that are multiples of 8 elements (dims of extent 1 never move). */
+static int rows_aligned16(const flashc_tensor *t, int skip_batch) {
+    if ((uintptr_t)t->data % 16) return 0;
+    for (int d = skip_batch ? 1 : 0; d < 3; d++)
+        if (t->shape[d] > 1 && t->stride[d] % 8) return 0;
+    return 1;
+}
+
+/* The tile a forward kernel was built with (by the architecture of the code the GPU loads) and its resident
+ * blocks per SM, asked once per context. */
+static flashc_status fwd_info(struct flashc_context *ctx, int e, int bf16) {
+    cuda_state *s = state_of(ctx);
+    if (s->info_known[e][bf16]) return FLASHC_STATUS_OK;
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    flashc_fwd_args a;
+    memset(&a, 0, sizeof a);
+    a.bf16 = bf16;
+    int occ = 0;
+    fc_tile t;
+    cudaError_t err = fwd_entries[e].fn(&a, NULL, 1, &t, &occ);
+    if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel attributes");
+    s->tile[e][bf16] = t;
+    s->occupancy[e][bf16] = occ;
+    s->info_known[e][bf16] = 1;
+    return FLASHC_STATUS_OK;
+}
+
+static flashc_status cuda_supported(struct flashc_context *ctx, const flashc_problem *p) {
+    if (p->op == FLASHC_OP_BACKWARD)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the CUDA backend has no backward yet (forward only)");
+    if (p->dropout_p > 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "dropout is not supported by the CUDA backend");
+    const int e = fwd_entry_index(p->D);
+    if (e < 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "head dim %lld: this build's CUDA kernels go up to %d (FLASHC_CUDA_HEAD_DIMS)",
+                          (long long)p->D, FWD_ENTRIES ? fwd_entries[FWD_ENTRIES - 1].d : 0);
+    const flashc_tensor *ts[4] = {&p->q, &p->k, &p->v, &p->out};
+    static const char *names[4] = {"q", "k", "v", "out"};
+    for (int i = 0; i < 4; i++)
+        if ((i < 3 || ts[i]->data) && p->D > 1 && ts[i]->stride[3] != 1)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                              "%s: the CUDA backend needs the head dim contiguous (stride[3] == 1, got %lld)",
+                              names[i], (long long)ts[i]->stride[3]);
+    if (p->Nq > CUDA_MAX_LEN || p->Nk > CUDA_MAX_LEN || p->total_q > CUDA_MAX_LEN * 8 ||
+        p->total_k > CUDA_MAX_LEN * 8)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "sequence lengths beyond 2^29 are not supported on CUDA");
+    const int bf16 = p->dtype != FLASHC_DTYPE_F16;
+    FLASHC_TRY(fwd_info(ctx, e, bf16));
+    const fc_tile t = state_of(ctx)->tile[e][bf16];
+    const size_t smem = fc_fwd_smem_bytes(t);
+    if (smem > state_of(ctx)->smem_optin || state_of(ctx)->occupancy[e][bf16] < 1)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "head dim %lld needs %zu bytes of shared memory per block; this GPU allows %zu",
+                          (long long)p->D, smem, state_of(ctx)->smem_optin);
+    const int64_t blocks = (p->Nq + t.br - 1) / t.br * p->H * p->B;
+    if (blocks > INT_MAX || p->H * p->total_q > (int64_t)INT_MAX * 4)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "problem too large for one launch (%lld blocks)",
+                          (long long)blocks);
+    return FLASHC_STATUS_OK;
+}
+
+/*
+ * Split-KV: split the keys only when the (query tile, head, sequence) blocks fill less than one wave, into as
+ * many splits as make about one wave, keeping at least 4 key tiles per split (the combine's traffic and the
+ * partials' rescaling must stay small next to the work saved).
+ */
+static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e) {
+    const int bf16 = p->dtype != FLASHC_DTYPE_F16;
+    if (fwd_info(ctx, e, bf16) != FLASHC_STATUS_OK) return 1;
+    const fc_tile t = state_of(ctx)->tile[e][bf16];
+    const int64_t blocks = (p->Nq + t.br - 1) / t.br * p->H * p->B;
+    const int64_t wave = (int64_t)state_of(ctx)->sm_count * state_of(ctx)->occupancy[e][bf16];
+    if (blocks <= 0 || blocks * 5 >= wave * 4) return 1;
+    const int64_t key_tiles = (p->Nk + t.bc - 1) / t.bc;
+    int64_t n = (wave + blocks - 1) / blocks;
+    if (n > key_tiles / 4) n = key_tiles / 4;
+    if (n > 128) n = 128;
+    return n < 2 ? 1 : (int)n;
+}
+
+static size_t cuda_workspace_size(struct flashc_context *ctx, const flashc_problem *p) {
+    const int e = fwd_entry_index(p->D);
+    if (p->op != FLASHC_OP_FORWARD || e < 0) return 0;
+    const int n = fwd_splits(ctx, p, e);
+    if (n < 2) return 0;
+    const int64_t rows = p->varlen ? p->total_q : p->B * p->Nq; /* the partials' (H, rows) layout */
+    return (size_t)n * (size_t)p->H * (size_t)rows * ((size_t)p->D + 1) * sizeof(float);
+}
+
+static flashc_status cuda_workspace_alloc(struct flashc_context *ctx, size_t bytes, void **ptr) {
+    *ptr = NULL;
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    /* Stream-ordered where possible: the front frees the buffer right after queueing the kernels. */
+    if (state_of(ctx)->pools)
+        CUDA_TRY(ctx, cudaMallocAsync(ptr, bytes, (cudaStream_t)ctx->stream));
+    else
+        CUDA_TRY(ctx, cudaMalloc(ptr, bytes));
+    return FLASHC_STATUS_OK;
+}
+
+static void cuda_workspace_free(struct flashc_context *ctx, void *ptr) {
+    if (!ptr) return;
+    cudaError_t e = state_of(ctx)->pools ? cudaFreeAsync(ptr, (cudaStream_t)ctx->stream) : cudaFree(ptr);
+    if (e != cudaSuccess) cudaGetLastError();
+}
+
+/* ---- forward ------------------------------------------------------------------------------------------- */
+
+static int clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 : (int)(w < limit ? w : limit); }
+
+static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
+    FLASHC_TRY(cuda_supported(ctx, p));
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    const int e = fwd_entry_index(p->D);
+    const fc_tile t = state_of(ctx)->tile[e][p->dtype != FLASHC_DTYPE_F16]; /* known since cuda_supported */
+
+    flashc_fwd_args a;
+    memset(&a, 0, sizeof a);
+    a.q = p->q.data;
+    a.k = p->k.data;
+    a.v = p->v.data;
+    a.out = p->out.data;
+    a.lse = p->lse;
+    a.q_sb = p->q.stride[0], a.q_sn = p->q.stride[1], a.q_sh = p->q.stride[2];
+    a.k_sb = p->k.stride[0], a.k_sn = p->k.stride[1], a.k_sh = p->k.stride[2];
+    a.v_sb = p->v.stride[0], a.v_sn = p->v.stride[1], a.v_sh = p->v.stride[2];
+    a.o_sb = p->out.stride[0], a.o_sn = p->out.stride[1], a.o_sh = p->out.stride[2];
+    a.B = (int)p->B, a.H = (int)p->H, a.Hkv = (int)p->Hkv, a.Nq = (int)p->Nq, a.Nk = (int)p->Nk, a.D = (int)p->D;
+    a.varlen = p->varlen;
+    a.total_q = p->varlen ? p->total_q : p->B * p->Nq;
+    a.cu_q = p->cu_q, a.cu_k = p->cu_k;
+    const float log2e = 1.4426950408889634f;
+    if (p->softcap > 0) {
+        a.score_mul = p->scale / p->softcap;
+        a.softcap2 = p->softcap * log2e;
+    } else {
+        a.score_mul = p->scale * log2e;
+        a.softcap2 = 0.f;
+    }
+    /* A window wider than both lengths is unbounded in effect; clamping keeps the kernel's sums in int32. */
+    a.win_left = clamp_window(p->win_left, p->Nq + p->Nk);
+    a.win_right = clamp_window(p->win_right, p->Nq + p->Nk);
+    a.alibi = p->alibi, a.alibi_bs = p->alibi_batch_stride;
+    if (p->block_mask) {
+        a.bm = p->block_mask;
+        a.bm_q = (int)(p->bm_q < p->Nq ? p->bm_q : (p->Nq > 0 ? p->Nq : 1));
+        a.bm_k = (int)(p->bm_k < p->Nk ? p->bm_k : (p->Nk > 0 ? p->Nk : 1));
+        a.bm_batch = (int)p->bm_batch, a.bm_heads = (int)p->bm_heads;
+        a.bm_nqb = (int)p->bm_nqb, a.bm_nkb = (int)p->bm_nkb;
+    }
+    const int f32 = p->dtype == FLASHC_DTYPE_F32;
+    a.bf16 = p->dtype != FLASHC_DTYPE_F16; /* f32 inputs run on bf16 operands: the f32 range, never inf */
+    a.out_f32 = f32;
+    if (f32)
+        a.in_mode = FC_IN_F32;
+    else if (p->D % 8 == 0 && rows_aligned16(&p->q, p->varlen) && rows_aligned16(&p->k, p->varlen) &&
+             rows_aligned16(&p->v, p->varlen))
+        a.in_mode = FC_IN_ASYNC16;
+    else
+        a.in_mode = FC_IN_ELEM16;
+    a.out_vec = !f32 && p->D % 8 == 0 && rows_aligned16(&p->out, p->varlen);
+    a.n_mblk = (int)((p->Nq + t.br - 1) / t.br);
+    a.nsplit = fwd_splits(ctx, p, e);
+    if (a.nsplit > 1) {
+        if (!workspace) a.nsplit = 1; /* cannot happen through the front, which sizes the workspace first */
+        else {
+            a.ws_o = (float *)workspace;
+            a.ws_lse = a.ws_o + (int64_t)a.nsplit * a.H * a.total_q * a.D;
+        }
+    }
+    if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
+
+    const cudaStream_t stream = (cudaStream_t)ctx->stream;
+    cudaError_t err = fwd_entries[e].fn(&a, stream, 0, NULL, NULL);
+    if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel launch");
+    if (a.nsplit > 1) {
+        err = flashc_fwd_sm80_combine(&a, stream);
+        if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "split-KV combine launch");
+    }
+    return FLASHC_STATUS_OK;
+}
+
+static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
+    (void)p;
+    (void)workspace;
+    return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the CUDA backend has no backward yet (forward only)");
+}
+
+extern "C" const flashc_backend_ops flashc_cuda_ops = {
+    FLASHC_BACKEND_CUDA, cuda_init,           cuda_fini,           cuda_set_stream, cuda_supported,
+    cuda_workspace_size, cuda_workspace_alloc, cuda_workspace_free, cuda_forward,    cuda_backward,
+};

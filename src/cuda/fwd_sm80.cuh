@@ -1,0 +1,626 @@
+/*
+ * fwd_sm80.cuh - the attention forward on tensor cores with mma.sync (sm_80 and later; built for sm_80 and
+ * sm_90a). Included once per head dim by the translation units that sources.cmake generates.
+ *
+ * Algorithm: FlashAttention-2 forward (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism
+ * and Work Partitioning", Algorithm 1 with the section 3.2 partitioning). One thread block owns a tile of br
+ * query rows of one (sequence, head); its warps split those rows (br / nw rows each, so no warp ever needs
+ * another warp's softmax statistics). The Q tile goes to registers once (or stays in shared memory for large
+ * head dims), K/V tiles of bc keys stream through a cp.async ring of st stages, S = Q K^T and O += P V run on
+ * mma.sync.m16n8k16 with fp32 accumulators, and the online softmax runs in base 2 on the S accumulators in
+ * registers: the running max m and sum l stay per row, O is rescaled by 2^(m_old - m_new), and O / l and
+ * lse = ln 2 * m + ln l are written once at the end. Nothing of size Nq x Nk touches global memory.
+ * Tile sizes (fc_tile_for in fwd_sm80.h, one column per architecture): br = 128 query rows for every head dim;
+ * bc = 64 keys, except 32 at d 128 (64 spills) and at d 256 on Ampere (64 needs 203 KB of shared memory,
+ * Hopper only); 4 warps of 2 m16 tiles up to d 128, 8 warps of 1 m16 tile above; 2 stages, 3 at d 64 and
+ * d 128 on Hopper.
+ *
+ * Masks: key tiles outside the causal / sliding-window band of the whole query tile are never visited; tiles
+ * whose every block-mask byte is 0 are never loaded; tiles cut by a band edge, the end of the keys, or a
+ * partly-zero block mask are masked element by element. Split-KV (flash-decoding) gives each split a range of
+ * key tiles and writes fp32 partials that fc_fwd_combine (fwd_sm80.cu) merges.
+ *
+ * Precision: fp32 accumulation everywhere; Q, K, V and P enter the tensor cores as f16 or bf16. fp32 inputs are
+ * rounded to bf16 on load (bf16 keeps fp32's range, so no input overflows) and the output is written in fp32:
+ * accuracy is that of bf16 operands, about 3 significant digits (relative error ~1e-3..1e-2 against fp64, the
+ * same rule as bf16 inputs), not fp32's 1e-5. Callers who need fp32 accuracy use the CPU backend.
+ */
+#ifndef FLASHC_CUDA_FWD_SM80_CUH
+#define FLASHC_CUDA_FWD_SM80_CUH
+
+#include "fwd_sm80.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdint.h>
+
+#define FC_LOG2E 1.4426950408889634f
+#define FC_LN2 0.6931471805599453f
+
+static __device__ __forceinline__ uint32_t fc_smem_addr(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* cp.async.cg.shared.global, 16 bytes global -> shared (L1 bypassed); bytes past src_bytes are zero-filled. */
+static __device__ __forceinline__ void fc_cp_async16(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+/* cp.async.commit_group: closes the group of this thread's cp.async issued since the last commit. */
+static __device__ __forceinline__ void fc_cp_async_commit(void) {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+/* cp.async.wait_group N: waits until at most N of this thread's groups are still in flight. */
+template <int N>
+static __device__ __forceinline__ void fc_cp_async_wait(void) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* ldmatrix.m8n8.x4.b16: lanes 8j..8j+7 give the 8 row addresses of matrix j; register j gets matrix j's
+ * elements (row lane/4, cols 2(lane%4), 2(lane%4)+1). */
+static __device__ __forceinline__ void fc_ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+/* ldmatrix.m8n8.x4.trans.b16: same addressing; register j gets matrix j transposed (rows 2(lane%4), +1 of
+ * column lane/4 of the stored matrix). */
+static __device__ __forceinline__ void fc_ldsm_x4_t(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+/* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D = A B + C. A 16x16 row-major, 4 regs of 2 elements:
+ * a0 (rows 0-7, k 0-7), a1 (rows 8-15, k 0-7), a2 (rows 0-7, k 8-15), a3 (rows 8-15, k 8-15), each thread
+ * holding row lane/4, k 2(lane%4)+{0,1}; B 16x8 "col": b0 k 0-7, b1 k 8-15, thread holds k 2(lane%4)+{0,1} of
+ * column lane/4; C/D fp32: c0,c1 row lane/4, c2,c3 row lane/4+8, columns 2(lane%4)+{0,1}. */
+template <int BF>
+static __device__ __forceinline__ void fc_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    if (BF) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+/* ex2.approx.ftz.f32: 2^x with ~2 ulp relative error; 2^-inf = +0, which the masked scores rely on. */
+static __device__ __forceinline__ float fc_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* tanh(x) = 1 - 2 / (e^2x + 1): absolute error ~1e-7 over the whole range (tends to +-1 at +-inf, no NaN),
+ * which is what the softcapped score needs, at a fraction of tanhf's registers and instructions. */
+static __device__ __forceinline__ float fc_tanh(float x) {
+    return 1.f - __fdividef(2.f, fc_exp2(x * (2.f * FC_LOG2E)) + 1.f);
+}
+
+/* Two floats to a packed pair of the operand type, round to nearest even; lo goes to the low half (lower k). */
+template <int BF>
+static __device__ __forceinline__ uint32_t fc_pack2(float lo, float hi) {
+    uint32_t u;
+    if (BF) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        u = *(const uint32_t *)&v;
+    } else {
+        __half2 v = __floats2half2_rn(lo, hi);
+        u = *(const uint32_t *)&v;
+    }
+    return u;
+}
+template <int BF>
+static __device__ __forceinline__ uint16_t fc_round16(float x) {
+    return BF ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
+
+/*
+ * Tile load, rows (R) x cols (D) into shared memory rows of fc_smem_row(D) elements. Row r of the tile starts
+ * at byte g + r * sn * element size. Rows >= nrows and columns >= dact read as zero, so padded head dims and
+ * ragged tile ends contribute nothing to S and O (and no stale shared memory can inject NaN through P = 0).
+ */
+template <int R, int D, int NT, int BF>
+static __device__ __forceinline__ void fc_load_tile(uint16_t *s, const char *g, int64_t sn, int nrows, int dact,
+                                                    int mode, int tid) {
+    constexpr int CH = D / 8, TOT = R * CH, ITER = (TOT + NT - 1) / NT, ROW = fc_smem_row(D);
+    if (mode == FC_IN_ASYNC16 && NT % CH == 0) {
+        /* Each thread copies one column chunk of every (NT / CH)-th row: one pointer, stepped. */
+        constexpr int RSTEP = NT / CH;
+        const int r0 = tid / CH, ch = tid % CH;
+        const char *p = g + (r0 * sn + ch * 8) * 2;
+        const int64_t step = RSTEP * sn * 2;
+        const uint32_t d0 = fc_smem_addr(s + r0 * ROW + ch * 8);
+        const bool colok = ch * 8 < dact;
+#pragma unroll
+        for (int it = 0; it < (R + RSTEP - 1) / RSTEP; ++it) {
+            const int r = r0 + it * RSTEP;
+            if (R % RSTEP == 0 || r < R) {
+                const bool ok = colok && r < nrows;
+                fc_cp_async16(d0 + it * RSTEP * ROW * 2, ok ? p : g, ok ? 16 : 0);
+            }
+            p += step;
+        }
+    } else if (mode == FC_IN_ASYNC16) {
+        /* Not unrolled: unrolled, the per-chunk offsets are loop-invariant and get hoisted out of the main
+         * loop into registers that the accumulators need. */
+#pragma unroll 1
+        for (int it = 0; it < ITER; ++it) {
+            const int c = tid + it * NT;
+            if (TOT % NT == 0 || c < TOT) {
+                const int r = c / CH, ch = c % CH;
+                const bool ok = r < nrows && ch * 8 < dact;
+                const char *src = ok ? g + (r * sn + ch * 8) * 2 : g;
+                fc_cp_async16(fc_smem_addr(s + r * ROW + ch * 8), src, ok ? 16 : 0);
+            }
+        }
+    } else {
+        /* Unaligned rows or f32 inputs: plain loads, rounded to the operand type (f32 -> bf16) on the way. */
+        const int esz = mode == FC_IN_F32 ? 4 : 2;
+#pragma unroll 1
+        for (int it = 0; it < ITER; ++it) {
+            const int c = tid + it * NT;
+            if (TOT % NT == 0 || c < TOT) {
+                const int r = c / CH, ch = c % CH;
+                uint32_t w[4];
+#pragma unroll
+                for (int e = 0; e < 8; e += 2) {
+                    uint32_t lo = 0, hi = 0;
+                    const int col = ch * 8 + e;
+                    if (r < nrows) {
+                        const char *p = g + (r * sn + col) * esz;
+                        if (mode == FC_IN_F32) {
+                            if (col < dact) lo = fc_round16<BF>(__ldg((const float *)p));
+                            if (col + 1 < dact) hi = fc_round16<BF>(__ldg((const float *)p + 1));
+                        } else {
+                            if (col < dact) lo = __ldg((const unsigned short *)p);
+                            if (col + 1 < dact) hi = __ldg((const unsigned short *)p + 1);
+                        }
+                    }
+                    w[e / 2] = lo | (hi << 16);
+                }
+                *(uint4 *)(s + r * ROW + ch * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+            }
+        }
+    }
+}
+
+/*
+ * The next key tile >= cand (and < te) that the block-sparse mask does not rule out entirely, and whether the
+ * mask cuts it (*partial: some mask block it overlaps is 0). Without a mask every tile is visited. The whole
+ * block takes part (the votes are barriers), so the answer is uniform.
+ */
+template <int BC, int NT>
+static __device__ int fc_next_tile(const flashc_fwd_args &a, const uint8_t *bmrow, int cand, int te, int m0,
+                                   int mlast, int nk, int tid, int *partial) {
+    *partial = 0;
+    if (!bmrow) return cand;
+    for (; cand < te; ++cand) {
+        const int n0 = cand * BC, nlast = min(n0 + BC, nk) - 1;
+        const int qb0 = m0 / a.bm_q, kb0 = n0 / a.bm_k;
+        const int nqb = mlast / a.bm_q - qb0 + 1, nkb = nlast / a.bm_k - kb0 + 1;
+        int on = 0, off = 0;
+        for (int e = tid; e < nqb * nkb; e += NT) {
+            const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * a.bm_nkb + kb0 + e % nkb];
+            on |= v != 0;
+            off |= v == 0;
+        }
+        on = __syncthreads_or(on);
+        off = __syncthreads_or(off);
+        if (on) {
+            *partial = off;
+            return cand;
+        }
+    }
+    return te;
+}
+
+/*
+ * Grid: one block per (query tile, split, head, sequence), flattened into x with the query tile fastest (the
+ * blocks of one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows
+ * start first). Block: nw warps; warp w owns query rows [w * 16 mt, (w + 1) * 16 mt) of the tile.
+ */
+template <int D, int BF>
+__global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D, FC_SM90).minb)
+    fc_fwd_kernel(const __grid_constant__ flashc_fwd_args a) {
+    constexpr fc_tile TL = fc_tile_for(D, FC_SM90);
+    constexpr int BR = TL.br, BC = TL.bc, NW = TL.nw, ST = TL.st, NT = NW * 32;
+    constexpr int MT = BR / (16 * NW);  /* m16 tiles per warp */
+    constexpr int ROW = fc_smem_row(D), ROWB = ROW * 2;
+    constexpr int NKT = BC / 8, NDT = D / 8, KD = D / 16, KC = BC / 16;
+    constexpr bool QREG = TL.qreg != 0;
+    static_assert(TL.d == D && D % 16 == 0 && BC % 16 == 0, "tile table");
+    static_assert(MT >= 1 && BR == MT * 16 * NW && ST >= 2, "tile table");
+
+    extern __shared__ __align__(16) uint16_t fc_smem[];
+    uint16_t *sQ = fc_smem, *sK = sQ + BR * ROW, *sV = sK + ST * BC * ROW;
+    __shared__ int s_tile[ST], s_part[ST];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tig = lane & 3;
+
+    int64_t bid = blockIdx.x;
+    const int mblk = a.n_mblk - 1 - (int)(bid % a.n_mblk);
+    bid /= a.n_mblk;
+    const int split = (int)(bid % a.nsplit);
+    bid /= a.nsplit;
+    const int h = (int)(bid % a.H), b = (int)(bid / a.H);
+
+    int64_t q0 = 0, k0 = 0;
+    int nq = a.Nq, nk = a.Nk;
+    if (a.varlen) {
+        q0 = a.cu_q[b];
+        nq = a.cu_q[b + 1] - a.cu_q[b];
+        k0 = a.cu_k[b];
+        nk = a.cu_k[b + 1] - a.cu_k[b];
+    }
+    const int m0 = mblk * BR;
+    if (m0 >= nq) return; /* varlen: this sequence is shorter than max_seqlen_q */
+    const int mlast = min(m0 + BR, nq) - 1;
+    const int hk = h / (a.H / a.Hkv);
+    const int bb = a.varlen ? 0 : b;
+    const int diag = nk - nq; /* query row i's diagonal key is i + diag (bottom-right alignment) */
+
+    /* Keys any row of this tile may see under the causal / window band; then this split's share of them. */
+    int lo = 0, hi = nk;
+    if (a.win_left >= 0) lo = max(lo, m0 + diag - a.win_left);
+    if (a.win_right >= 0) hi = min(hi, mlast + diag + a.win_right + 1);
+    int tb = 0, te = 0;
+    if (lo < hi) {
+        tb = lo / BC;
+        te = (hi + BC - 1) / BC;
+    }
+    if (a.nsplit > 1) {
+        const int per = (te - tb + a.nsplit - 1) / a.nsplit;
+        tb = min(tb + split * per, te);
+        te = min(tb + per, te);
+    }
+
+    const int esz = a.in_mode == FC_IN_F32 ? 4 : 2;
+    const char *gq = (const char *)a.q + ((int64_t)bb * a.q_sb + (q0 + m0) * a.q_sn + (int64_t)h * a.q_sh) * esz;
+    const int k0i = (int)k0; /* cu_seqlens are int32 */
+    const uint8_t *bmrow = NULL;
+    if (a.bm) {
+        const int mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
+        bmrow = a.bm + ((int64_t)mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
+    }
+
+    /* K/V ring: slot s holds tile s_tile[s] (-1: none left); written by thread 0 when the load is issued and
+     * read by everyone after the barrier that also publishes the data. */
+    int cand = tb;
+    auto issue_next = [&](int slot) {
+        int part;
+        const int t = fc_next_tile<BC, NT>(a, bmrow, cand, te, m0, mlast, nk, tid, &part);
+        if (tid == 0) {
+            s_tile[slot] = t < te ? t : -1;
+            s_part[slot] = part;
+        }
+        if (t < te) {
+            /* Tile addresses are rebuilt per tile: two 64-bit pointers kept live would cost registers that the
+             * accumulators need (d 128 with 64-key tiles spills with them). */
+            const int64_t kr = (int64_t)k0i + t * BC;
+            const char *gk = (const char *)a.k + ((int64_t)bb * a.k_sb + kr * a.k_sn + (int64_t)hk * a.k_sh) * esz;
+            const char *gv = (const char *)a.v + ((int64_t)bb * a.v_sb + kr * a.v_sn + (int64_t)hk * a.v_sh) * esz;
+            fc_load_tile<BC, D, NT, BF>(sK + slot * BC * ROW, gk, a.k_sn,
+                                        nk - t * BC, a.D, a.in_mode, tid);
+            fc_load_tile<BC, D, NT, BF>(sV + slot * BC * ROW, gv, a.v_sn,
+                                        nk - t * BC, a.D, a.in_mode, tid);
+            cand = t + 1;
+        } else {
+            cand = te;
+        }
+        fc_cp_async_commit();
+    };
+
+    /* Q joins the first K/V group. */
+    fc_load_tile<BR, D, NT, BF>(sQ, gq, a.q_sn, mlast - m0 + 1, a.D, a.in_mode, tid);
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) issue_next(s);
+
+    const int wr0 = warp * 16 * MT; /* this warp's first row in the tile */
+    /* Per-lane ldmatrix byte offsets: A operand (Q) and V (transposed B) read matrices (rows 0-7 | 8-15) x
+     * (cols 0-7 | 8-15) in the order a0..a3 / b0,b1 of two n8 tiles; K (B operand) reads keys 0-7 then 8-15. */
+    const uint32_t a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * ROWB + (lane >> 4) * 16;
+    const uint32_t b_off = ((lane & 7) + (lane >> 4) * 8) * ROWB + ((lane >> 3) & 1) * 16;
+    const uint32_t sQa = fc_smem_addr(sQ) + wr0 * ROWB + a_off;
+    const uint32_t sKa = fc_smem_addr(sK) + b_off, sVa = fc_smem_addr(sV) + a_off;
+
+    float o[MT][NDT][4];
+    float row_m[MT][2], row_l[MT][2];
+    uint32_t qf[QREG ? MT : 1][QREG ? KD : 1][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < NDT; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+        row_m[mt][0] = row_m[mt][1] = -INFINITY;
+        row_l[mt][0] = row_l[mt][1] = 0.f;
+    }
+    const bool score_plain = a.softcap2 == 0.f && !a.alibi && a.score_mul > 0.f;
+    const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+
+    for (int it = 0;; ++it) {
+        fc_cp_async_wait<ST - 2>();
+        __syncthreads();
+        const int slot = it % ST;
+        const int t = s_tile[slot];
+        if (t < 0) break;
+        const int part = s_part[slot];
+        if (QREG && it == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < KD; ++kk) fc_ldsm_x4(qf[mt][kk], sQa + mt * 16 * ROWB + kk * 32);
+        }
+        issue_next((it + ST - 1) % ST);
+
+        /* S = Q K^T for this warp's rows: MT x NKT accumulators of m16n8. */
+        float s[MT][NKT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NKT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+        const uint32_t kbase = sKa + slot * BC * ROWB, vbase = sVa + slot * BC * ROWB;
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            uint32_t af[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (QREG) {
+                    af[mt][0] = qf[QREG ? mt : 0][QREG ? kk : 0][0];
+                    af[mt][1] = qf[QREG ? mt : 0][QREG ? kk : 0][1];
+                    af[mt][2] = qf[QREG ? mt : 0][QREG ? kk : 0][2];
+                    af[mt][3] = qf[QREG ? mt : 0][QREG ? kk : 0][3];
+                } else {
+                    fc_ldsm_x4(af[mt], sQa + mt * 16 * ROWB + kk * 32);
+                }
+            }
+#pragma unroll
+            for (int nt2 = 0; nt2 < KC; ++nt2) {
+                uint32_t bf[4];
+                fc_ldsm_x4(bf, kbase + nt2 * 16 * ROWB + kk * 32);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    fc_mma<BF>(s[mt][2 * nt2], af[mt], bf[0], bf[1]);
+                    fc_mma<BF>(s[mt][2 * nt2 + 1], af[mt], bf[2], bf[3]);
+                }
+            }
+        }
+
+        /* Scores in base 2: scale (or softcap), ALiBi, masks. */
+        const int n0 = t * BC;
+        const bool need_mask = part || n0 + BC > nk ||
+                               (a.win_left >= 0 && n0 < mlast + diag - a.win_left) ||
+                               (a.win_right >= 0 && n0 + BC - 1 > m0 + diag + a.win_right);
+        /* Without softcap, ALiBi or a cutting block mask the raw scores stay: the scale folds into the exponent's
+         * FFMA (max(c s) = c max(s), c > 0), and the band only needs each row's kept column range. */
+        const bool raw = score_plain && !part;
+        const float smul = raw ? a.score_mul : 1.f;
+        if (raw && need_mask) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = m0 + wr0 + mt * 16 + g + hf * 8;
+                    int jlo = 0, jhi = nk - 1;
+                    if (a.win_left >= 0) jlo = max(jlo, i + diag - a.win_left);
+                    if (a.win_right >= 0) jhi = min(jhi, i + diag + a.win_right);
+                    const int clo = jlo - n0 - tig * 2, chi = jhi - n0 - tig * 2; /* in units of nt * 8 + e */
+#pragma unroll
+                    for (int nt = 0; nt < NKT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            if (nt * 8 + e < clo || nt * 8 + e > chi) s[mt][nt][2 * hf + e] = -INFINITY;
+                }
+        } else if (!raw) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    /* Row i keeps keys jlo..jhi of the band; the block mask, when it cuts the tile, per key. */
+                    const int i = m0 + wr0 + mt * 16 + g + hf * 8;
+                    int jlo = 0, jhi = nk - 1;
+                    if (a.win_left >= 0) jlo = max(jlo, i + diag - a.win_left);
+                    if (a.win_right >= 0) jhi = min(jhi, i + diag + a.win_right);
+                    const uint8_t *bmr = part && i < nq ? bmrow + (int64_t)(i / a.bm_q) * a.bm_nkb : NULL;
+                    const int jd = i + diag - n0 - tig * 2; /* i + diag - j at nt = 0, e = 0 */
+#pragma unroll
+                    for (int nt = 0; nt < NKT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = n0 + nt * 8 + tig * 2 + e;
+                            float x = s[mt][nt][2 * hf + e] * a.score_mul;
+                            if (a.softcap2 != 0.f) x = a.softcap2 * fc_tanh(x);
+                            if (a.alibi) x -= slope2 * fabsf((float)(jd - nt * 8 - e));
+                            if (need_mask) {
+                                bool vis = j >= jlo && j <= jhi;
+                                if (part) vis = vis && bmr && bmr[j / a.bm_k] != 0;
+                                if (!vis) x = -INFINITY;
+                            }
+                            s[mt][nt][2 * hf + e] = x;
+                        }
+                }
+        }
+
+        /* Online softmax; the four lanes of a quad share a row. A row that has seen no key yet keeps
+         * m = -inf, and exponents are then taken against 0 so that no inf - inf appears. */
+        float alpha[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float mx = -INFINITY;
+#pragma unroll
+                for (int nt = 0; nt < NKT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                mx = fmaxf(row_m[mt][hf], mx * smul);
+                const float mu = mx == -INFINITY ? 0.f : mx;
+                alpha[mt][hf] = fc_exp2(row_m[mt][hf] - mu);
+                row_m[mt][hf] = mx;
+                float rs = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NKT; ++nt) {
+                    s[mt][nt][2 * hf] = fc_exp2(fmaf(s[mt][nt][2 * hf], smul, -mu));
+                    s[mt][nt][2 * hf + 1] = fc_exp2(fmaf(s[mt][nt][2 * hf + 1], smul, -mu));
+                    rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
+                }
+                row_l[mt][hf] = row_l[mt][hf] * alpha[mt][hf] + rs; /* quad-partial; summed at the end */
+            }
+        /* Once the row maxima settle (most tiles of a long row), no row of the warp moves: skip the rescale. */
+        bool moved = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int dt = 0; dt < NDT; ++dt) {
+                    o[mt][dt][0] *= alpha[mt][0];
+                    o[mt][dt][1] *= alpha[mt][0];
+                    o[mt][dt][2] *= alpha[mt][1];
+                    o[mt][dt][3] *= alpha[mt][1];
+                }
+        }
+
+        /* O += P V: the S accumulators of n8 tiles 2c, 2c+1 are exactly the A fragment of k16 step c. */
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            uint32_t pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = fc_pack2<BF>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
+                pa[mt][1] = fc_pack2<BF>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
+                pa[mt][2] = fc_pack2<BF>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
+                pa[mt][3] = fc_pack2<BF>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
+            }
+#pragma unroll
+            for (int dt2 = 0; dt2 < KD; ++dt2) {
+                uint32_t bf[4];
+                fc_ldsm_x4_t(bf, vbase + kc * 16 * ROWB + dt2 * 32);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    fc_mma<BF>(o[mt][2 * dt2], pa[mt], bf[0], bf[1]);
+                    fc_mma<BF>(o[mt][2 * dt2 + 1], pa[mt], bf[2], bf[3]);
+                }
+            }
+        }
+    }
+    fc_cp_async_wait<0>();
+
+    /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf (a split's
+     * partial gets -inf, the neutral element of the combine). */
+    const int64_t grow0 = a.varlen ? q0 : (int64_t)b * a.Nq; /* row 0 of this sequence in (H, total_q) */
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float l = row_l[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+            for (int dt = 0; dt < NDT; ++dt) {
+                o[mt][dt][2 * hf] *= inv;
+                o[mt][dt][2 * hf + 1] *= inv;
+            }
+            const int i = m0 + wr0 + mt * 16 + g + hf * 8;
+            if (tig == 0 && i < nq) {
+                const float lse = l > 0.f ? row_m[mt][hf] * FC_LN2 + logf(l) : (a.nsplit > 1 ? -INFINITY : INFINITY);
+                if (a.nsplit > 1)
+                    a.ws_lse[((int64_t)split * a.H + h) * a.total_q + grow0 + i] = lse;
+                else if (a.lse)
+                    a.lse[(a.varlen ? (int64_t)h * a.total_q + q0 : ((int64_t)b * a.H + h) * a.Nq) + i] = lse;
+            }
+        }
+
+    if (a.nsplit == 1 && a.out_vec) {
+        /* Stage this warp's own rows of sQ (no other warp reads them), then store 16 bytes per lane. */
+        uint16_t *sO = sQ + wr0 * ROW;
+        __syncwarp(); /* the warp's last ldmatrix of these rows is behind every lane before they are overwritten */
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < NDT; ++dt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    *(uint32_t *)(sO + (mt * 16 + g + hf * 8) * ROW + dt * 8 + tig * 2) =
+                        fc_pack2<BF>(o[mt][dt][2 * hf], o[mt][dt][2 * hf + 1]);
+        __syncwarp();
+        char *go = (char *)a.out + ((int64_t)bb * a.o_sb + (q0 + m0 + wr0) * a.o_sn + (int64_t)h * a.o_sh) * 2;
+#pragma unroll
+        for (int c = lane; c < 16 * MT * NDT; c += 32) {
+            const int r = c / NDT, ch = c % NDT;
+            if (m0 + wr0 + r < nq && ch * 8 < a.D)
+                *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * ROW + ch * 8);
+        }
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = m0 + wr0 + mt * 16 + g + hf * 8;
+                if (i >= nq) continue;
+                const int64_t orow = (int64_t)bb * a.o_sb + (q0 + i) * a.o_sn + (int64_t)h * a.o_sh;
+                float *wrow = a.nsplit > 1 ? a.ws_o + (((int64_t)split * a.H + h) * a.total_q + grow0 + i) * a.D
+                                           : NULL;
+#pragma unroll
+                for (int dt = 0; dt < NDT; ++dt) {
+                    const int col = dt * 8 + tig * 2;
+                    if (col >= a.D) continue;
+                    const float v0 = o[mt][dt][2 * hf], v1 = o[mt][dt][2 * hf + 1];
+                    const bool has1 = col + 1 < a.D;
+                    if (wrow) {
+                        wrow[col] = v0;
+                        if (has1) wrow[col + 1] = v1;
+                    } else if (a.out_f32) {
+                        float *p = (float *)a.out + orow + col;
+                        p[0] = v0;
+                        if (has1) p[1] = v1;
+                    } else {
+                        uint16_t *p = (uint16_t *)a.out + orow + col;
+                        p[0] = fc_round16<BF>(v0);
+                        if (has1) p[1] = fc_round16<BF>(v1);
+                    }
+                }
+            }
+    }
+}
+
+template <int D, int BF>
+static cudaError_t fc_fwd_run(const flashc_fwd_args *a, cudaStream_t stream, int what, fc_tile *tile,
+                              int *occupancy) {
+    /* The tile column is the one the loaded kernel was compiled for (sm_90a binary, or sm_80 code/PTX). */
+    cudaFuncAttributes fa;
+    cudaError_t e = cudaFuncGetAttributes(&fa, fc_fwd_kernel<D, BF>);
+    if (e != cudaSuccess) return e;
+    const fc_tile t = fc_tile_for(D, fa.ptxVersion >= 90);
+    const int smem = (int)fc_fwd_smem_bytes(t);
+    e = cudaFuncSetAttribute(fc_fwd_kernel<D, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (what == 1) {
+        /* A GPU without enough shared memory for this tile reports occupancy 0 (the host refuses the problem). */
+        *tile = t;
+        *occupancy = 0;
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return cudaSuccess;
+        }
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, fc_fwd_kernel<D, BF>, t.nw * 32, smem);
+    }
+    if (e != cudaSuccess) return e;
+    const int64_t blocks = (int64_t)a->n_mblk * a->nsplit * a->H * a->B;
+    fc_fwd_kernel<D, BF><<<(unsigned)blocks, t.nw * 32, smem, stream>>>(*a);
+    return cudaGetLastError();
+}
+
+#define FLASHC_FWD_INSTANTIATE(D)                                                                            \
+    FC_FWD_ENTRY(D) {                                                                                        \
+        return a->bf16 ? fc_fwd_run<D, 1>(a, stream, what, tile, occupancy)                                  \
+                       : fc_fwd_run<D, 0>(a, stream, what, tile, occupancy);                                 \
+    }
+
+#endif /* FLASHC_CUDA_FWD_SM80_CUH */

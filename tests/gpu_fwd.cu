@@ -1,0 +1,305 @@
+/*
+ * gpu_fwd.cu - the CUDA forward against the fp64 oracle (ctest label gpu).
+ *
+ *   gpu_fwd            the full shared case table (forward only), then: split-KV decode shapes, bitwise-identical
+ *                      output over 100 reruns, N = 64k on one head, and a problem of more than 2^31 elements
+ *   gpu_fwd --quick    the reduced table only (for compute-sanitizer memcheck / racecheck)
+ *
+ * Every check uses the CONVENTIONS.md rule: max|ours - ref64| <= 2 max|naive_lowp - ref64| + 1e-5 (f32 runs on
+ * bf16 tensor-core operands, so the case runner holds it to the bf16 rule on CUDA). The long
+ * shapes are checked on blocks of rows (first and last, where causal masks and the largest offsets are) against
+ * the oracle run on exactly those rows. Exits non-zero on any failure.
+ */
+#include "flashc.h"
+#include "ref/testkit.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+
+#define CHECK_CUDA(call)                                                                                     \
+    do {                                                                                                     \
+        cudaError_t e_ = (call);                                                                             \
+        if (e_ != cudaSuccess) {                                                                             \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));           \
+            exit(2);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+#define CHECK_FC(ctx, call)                                                                                  \
+    do {                                                                                                     \
+        flashc_status s_ = (call);                                                                           \
+        if (s_ != FLASHC_STATUS_OK) {                                                                        \
+            fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #call, flashc_status_string(s_),     \
+                    flashc_context_last_error(ctx));                                                         \
+            exit(2);                                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+/* ---- memory hooks for the case runner ----------------------------------------------------------------- */
+
+static void *dev_alloc(size_t n) {
+    void *p = NULL;
+    if (cudaMalloc(&p, n) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+static void dev_free(void *p) { cudaFree(p); }
+static int to_device(void *d, const void *s, size_t n) {
+    return cudaMemcpy(d, s, n, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -1;
+}
+static int to_host(void *d, const void *s, size_t n) {
+    return cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost) == cudaSuccess ? 0 : -1;
+}
+
+/* ---- the shared table ------------------------------------------------------------------------------- */
+
+static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
+    size_t n = 0;
+    const flashc_case *table = flashc_case_table(full, &n);
+    int passed = 0;
+    for (size_t i = 0; i < n; i++) {
+        flashc_case c = table[i];
+        c.backward = 0; /* the CUDA backend is forward-only for now */
+        flashc_case_result r;
+        memset(&r, 0, sizeof r);
+        if (flashc_case_run(ctx, &c, seed + i, &r) != 0) {
+            printf("FAIL %-26s could not be set up\n", c.name);
+            failures++;
+            continue;
+        }
+        const int ok = r.pass;
+        printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g)%s%s\n", ok ? "ok  " : "FAIL", c.name,
+               flashc_dtype_name(c.dtype), r.err_out, r.tol_out, r.err_lse, r.tol_lse, r.message[0] ? " -- " : "",
+               r.message);
+        if (ok) passed++;
+        else failures++;
+    }
+    printf("table (%s): %d / %zu passed\n", full ? "full" : "quick", passed, n);
+}
+
+/* ---- long shapes, checked on row blocks ------------------------------------------------------------------ */
+
+/* Pseudo-normal fill (hash + Box-Muller) straight on the GPU: multi-GB inputs without host traffic. */
+__global__ void fill_normal_bf16(uint16_t *x, int64_t n, uint64_t seed, float scale) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u1 = ((float)(uint32_t)(z >> 40) + 1.f) * (1.f / 16777217.f);
+        const float u2 = (float)(uint32_t)(z & 0xffffff) * (1.f / 16777216.f);
+        const float v = scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+        uint32_t b;
+        memcpy(&b, &v, 4);
+        b += 0x7fffu + ((b >> 16) & 1u);
+        x[i] = (uint16_t)(b >> 16);
+    }
+}
+
+static void fill(uint16_t *x, int64_t n, uint64_t seed, float scale) {
+    fill_normal_bf16<<<4096, 256>>>(x, n, seed, scale);
+    CHECK_CUDA(cudaGetLastError());
+}
+
+typedef struct shape {
+    int64_t B, Nq, Nk, H, Hkv, D;
+    int causal;
+} shape;
+
+/*
+ * Copies rows [r0, r0 + nr) of (b, h) and the keys they see to the host, runs the oracle (fp64 and naive bf16)
+ * on just those rows, and compares out and lse. Tensors are contiguous (B, N, H, D) bf16 on the device.
+ */
+static int check_rows(const char *what, const shape *s, const uint16_t *dq, const uint16_t *dk, const uint16_t *dv,
+                      const uint16_t *dout, const float *dlse, int64_t b, int64_t h, int64_t r0, int64_t nr) {
+    const int64_t hk = h / (s->H / s->Hkv), D = s->D;
+    /* bottom-right causal: row r0 + r sees keys < r0 + r + 1 + Nk - Nq, so the sub-problem keeps its alignment */
+    const int64_t kend = s->causal ? r0 + nr + s->Nk - s->Nq : s->Nk;
+    const size_t e = 2, row = (size_t)D * e;
+    uint16_t *q = (uint16_t *)malloc(nr * row), *k = (uint16_t *)malloc(kend * row), *v = (uint16_t *)malloc(kend * row);
+    uint16_t *o = (uint16_t *)malloc(nr * row);
+    float *lse = (float *)malloc(nr * sizeof(float));
+    double *ref = (double *)malloc(nr * D * sizeof(double)), *low = (double *)malloc(nr * D * sizeof(double));
+    double *rlse = (double *)malloc(nr * sizeof(double)), *llse = (double *)malloc(nr * sizeof(double));
+    if (!q || !k || !v || !o || !lse || !ref || !low || !rlse || !llse) {
+        fprintf(stderr, "out of host memory\n");
+        exit(2);
+    }
+    const size_t qpitch = (size_t)(s->H * D) * e, kpitch = (size_t)(s->Hkv * D) * e;
+    CHECK_CUDA(cudaMemcpy2D(q, row, dq + ((b * s->Nq + r0) * s->H + h) * D, qpitch, row, nr, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy2D(o, row, dout + ((b * s->Nq + r0) * s->H + h) * D, qpitch, row, nr, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy2D(k, row, dk + (b * s->Nk * s->Hkv + hk) * D, kpitch, row, kend, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy2D(v, row, dv + (b * s->Nk * s->Hkv + hk) * D, kpitch, row, kend, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lse, dlse + (b * s->H + h) * s->Nq + r0, nr * sizeof(float), cudaMemcpyDeviceToHost));
+
+    flashc_tensor tq = flashc_tensor_contiguous(q, FLASHC_DTYPE_BF16, 1, nr, 1, D);
+    flashc_tensor tk = flashc_tensor_contiguous(k, FLASHC_DTYPE_BF16, 1, kend, 1, D);
+    flashc_tensor tv = flashc_tensor_contiguous(v, FLASHC_DTYPE_BF16, 1, kend, 1, D);
+    flashc_tensor to = flashc_tensor_contiguous(o, FLASHC_DTYPE_BF16, 1, nr, 1, D);
+    flashc_params prm = flashc_params_default();
+    prm.causal = s->causal;
+    flashc_problem p;
+    CHECK_FC(NULL, flashc_problem_build(NULL, FLASHC_OP_FORWARD, &tq, &tk, &tv, &prm, &to, lse, NULL, NULL, NULL,
+                                        NULL, &p));
+    if (flashc_ref_forward(&p, FLASHC_DTYPE_F32, ref, rlse) || flashc_ref_forward(&p, FLASHC_DTYPE_BF16, low, llse)) {
+        fprintf(stderr, "oracle out of memory\n");
+        exit(2);
+    }
+    double err = 0, lerr = 0, el = 0, lel = 0;
+    int bad = 0;
+    for (int64_t i = 0; i < nr * D; i++) {
+        const double x = flashc_bf16_to_f32(o[i]);
+        if (!isfinite(x)) bad++;
+        err = fmax(err, fabs(x - ref[i]));
+        lerr = fmax(lerr, fabs(low[i] - ref[i]));
+    }
+    for (int64_t i = 0; i < nr; i++) {
+        if (isinf(rlse[i])) {
+            if (!(isinf(lse[i]) && lse[i] > 0)) bad++;
+            continue;
+        }
+        if (!isfinite(lse[i])) bad++;
+        el = fmax(el, fabs(lse[i] - rlse[i]));
+        lel = fmax(lel, fabs(llse[i] - rlse[i]));
+    }
+    const double tol = 2 * lerr + 1e-5, ltol = 2 * lel + 1e-5;
+    const int ok = !bad && err <= tol && el <= ltol;
+    printf("%s %-26s b %lld h %lld rows %lld..%lld: out %.3g (tol %.3g) lse %.3g (tol %.3g)%s\n", ok ? "ok  " : "FAIL",
+           what, (long long)b, (long long)h, (long long)r0, (long long)(r0 + nr - 1), err, tol, el, ltol,
+           bad ? " non-finite or wrong +inf" : "");
+    if (!ok) failures++;
+    free(q), free(k), free(v), free(o), free(lse), free(ref), free(low), free(rlse), free(llse);
+    return ok;
+}
+
+typedef struct problem_buf {
+    shape s;
+    uint16_t *q, *k, *v, *o;
+    float *lse;
+    flashc_tensor tq, tk, tv, to;
+    flashc_params prm;
+} problem_buf;
+
+static int make_problem(problem_buf *pb, shape s, uint64_t seed) {
+    memset(pb, 0, sizeof *pb);
+    pb->s = s;
+    const int64_t nq = s.B * s.Nq * s.H * s.D, nk = s.B * s.Nk * s.Hkv * s.D;
+    size_t freeb = 0, total = 0;
+    CHECK_CUDA(cudaMemGetInfo(&freeb, &total));
+    const double need = 2.0 * (2 * nq + 2 * nk) + 4.0 * s.B * s.H * s.Nq;
+    if (need > 0.9 * (double)freeb) {
+        printf("skip: needs %.1f GB, the GPU has %.1f GB free\n", need / 1e9, freeb / 1e9);
+        return -1;
+    }
+    CHECK_CUDA(cudaMalloc(&pb->q, nq * 2));
+    CHECK_CUDA(cudaMalloc(&pb->o, nq * 2));
+    CHECK_CUDA(cudaMalloc(&pb->k, nk * 2));
+    CHECK_CUDA(cudaMalloc(&pb->v, nk * 2));
+    CHECK_CUDA(cudaMalloc(&pb->lse, s.B * s.H * s.Nq * sizeof(float)));
+    fill(pb->q, nq, seed, 1.5f);
+    fill(pb->k, nk, seed + 1, 1.f);
+    fill(pb->v, nk, seed + 2, 1.f);
+    CHECK_CUDA(cudaMemset(pb->o, 0xff, nq * 2));
+    CHECK_CUDA(cudaMemset(pb->lse, 0xff, s.B * s.H * s.Nq * sizeof(float)));
+    pb->tq = flashc_tensor_contiguous(pb->q, FLASHC_DTYPE_BF16, s.B, s.Nq, s.H, s.D);
+    pb->tk = flashc_tensor_contiguous(pb->k, FLASHC_DTYPE_BF16, s.B, s.Nk, s.Hkv, s.D);
+    pb->tv = flashc_tensor_contiguous(pb->v, FLASHC_DTYPE_BF16, s.B, s.Nk, s.Hkv, s.D);
+    pb->to = flashc_tensor_contiguous(pb->o, FLASHC_DTYPE_BF16, s.B, s.Nq, s.H, s.D);
+    pb->prm = flashc_params_default();
+    pb->prm.causal = s.causal;
+    return 0;
+}
+
+static void free_problem(problem_buf *pb) {
+    cudaFree(pb->q), cudaFree(pb->k), cudaFree(pb->v), cudaFree(pb->o), cudaFree(pb->lse);
+}
+
+static void run_problem(flashc_context_t ctx, problem_buf *pb) {
+    CHECK_FC(ctx, flashc_forward(ctx, &pb->tq, &pb->tk, &pb->tv, &pb->prm, &pb->to, pb->lse, NULL, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+/* Runs a shape once and checks its first and last row blocks of the first and last (b, h). */
+static void long_shape(flashc_context_t ctx, const char *what, shape s, int64_t rows, uint64_t seed) {
+    problem_buf pb;
+    if (make_problem(&pb, s, seed)) return;
+    cudaEvent_t t0, t1;
+    CHECK_CUDA(cudaEventCreate(&t0));
+    CHECK_CUDA(cudaEventCreate(&t1));
+    CHECK_CUDA(cudaEventRecord(t0));
+    run_problem(ctx, &pb);
+    CHECK_CUDA(cudaEventRecord(t1));
+    CHECK_CUDA(cudaEventSynchronize(t1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+    printf("     %-26s B %lld Nq %lld Nk %lld H %lld Hkv %lld D %lld causal %d: %.1f ms (%.3g elements in q)\n", what,
+           (long long)s.B, (long long)s.Nq, (long long)s.Nk, (long long)s.H, (long long)s.Hkv, (long long)s.D, s.causal,
+           ms, (double)(s.B * s.Nq * s.H * s.D));
+    if (rows > s.Nq) rows = s.Nq;
+    check_rows(what, &s, pb.q, pb.k, pb.v, pb.o, pb.lse, 0, 0, 0, rows);
+    check_rows(what, &s, pb.q, pb.k, pb.v, pb.o, pb.lse, s.B - 1, s.H - 1, s.Nq - rows, rows);
+    CHECK_CUDA(cudaEventDestroy(t0));
+    CHECK_CUDA(cudaEventDestroy(t1));
+    free_problem(&pb);
+}
+
+/* 100 reruns must reproduce the first output bit for bit (outputs re-poisoned before each). */
+static void determinism(flashc_context_t ctx, const char *what, shape s, int reruns) {
+    problem_buf pb;
+    if (make_problem(&pb, s, 77)) return;
+    const size_t ob = (size_t)(s.B * s.Nq * s.H * s.D) * 2, lb = (size_t)(s.B * s.H * s.Nq) * 4;
+    unsigned char *first = (unsigned char *)malloc(ob + lb), *again = (unsigned char *)malloc(ob + lb);
+    if (!first || !again) exit(2);
+    run_problem(ctx, &pb);
+    CHECK_CUDA(cudaMemcpy(first, pb.o, ob, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(first + ob, pb.lse, lb, cudaMemcpyDeviceToHost));
+    int differ = 0;
+    for (int r = 0; r < reruns && !differ; r++) {
+        CHECK_CUDA(cudaMemset(pb.o, 0xff, ob));
+        CHECK_CUDA(cudaMemset(pb.lse, 0xff, lb));
+        run_problem(ctx, &pb);
+        CHECK_CUDA(cudaMemcpy(again, pb.o, ob, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(again + ob, pb.lse, lb, cudaMemcpyDeviceToHost));
+        if (memcmp(first, again, ob + lb)) differ = r + 1;
+    }
+    printf("%s %-26s %d reruns%s\n", differ ? "FAIL" : "ok  ", what, reruns,
+           differ ? ": output differs from the first run" : " bitwise identical");
+    if (differ) failures++;
+    else check_rows(what, &s, pb.q, pb.k, pb.v, pb.o, pb.lse, s.B - 1, s.H - 1, s.Nq - (s.Nq < 64 ? s.Nq : 64),
+                    s.Nq < 64 ? s.Nq : 64);
+    free(first), free(again);
+    free_problem(&pb);
+}
+
+int main(int argc, char **argv) {
+    int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    flashc_context_t ctx = NULL;
+    CHECK_FC(NULL, flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0));
+    char name[256];
+    CHECK_FC(NULL, flashc_device_name(FLASHC_BACKEND_CUDA, 0, name, sizeof name));
+    printf("device: %s\n", name);
+    const flashc_case_memory mem = {dev_alloc, dev_free, to_device, to_host};
+    flashc_case_set_memory(&mem);
+
+    run_table(ctx, !quick, 1000);
+    if (!quick) {
+        /* decode: B * H * query tiles far below one wave, so the keys are split (flash-decoding) */
+        long_shape(ctx, "splitkv_decode_gqa", (shape){2, 1, 8192, 8, 2, 128, 0}, 1, 11);
+        long_shape(ctx, "splitkv_q16_causal", (shape){1, 16, 20000, 4, 4, 64, 1}, 16, 12);
+        determinism(ctx, "determinism_causal", (shape){2, 1000, 1000, 4, 4, 128, 1}, 100);
+        determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100);
+        long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
+        /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
+        long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);
+    }
+    flashc_context_destroy(ctx);
+    printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);
+    return failures ? 1 : 0;
+}
