@@ -4,11 +4,14 @@
  * materialized, one head at a time) as the baseline. Also the peak extra memory at a long N.
  *
  *   cpu_speed [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] [--no-bwd] [--memory]
+ *   cpu_speed --kernels      one thread: GFLOP/s of each microkernel product at the forward's tile shapes, and the
+ *                            share of a forward tile that the online softmax takes
  *
  * FLOPs: forward 4 * B * H * N^2 * D (halved when causal), backward 2.5x forward. Times are the median of
  * several runs after a warm-up, wall clock.
  */
 #include "flashc.h"
+#include "cpu/cpu.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -168,6 +171,65 @@ static int parse_list(const char *s, int *out, int max) {
     return n;
 }
 
+typedef struct kernel_case {
+    const flashc_cpu_kernels *k;
+    int m, n, kk;
+    const float *a, *b;
+    int64_t rs_a, cs_a, ldb;
+    float *c;
+    int softmax;
+    float *m_run, *l_run, *alpha;
+} kernel_case;
+
+static int run_kernel(void *arg) {
+    kernel_case *c = (kernel_case *)arg;
+    for (int it = 0; it < 50; it++) {
+        if (c->softmax) {
+            for (int r = 0; r < c->n; r++) c->m_run[r] = -INFINITY, c->l_run[r] = 0.0f;
+            c->k->softmax(c->m, c->n, c->c, c->n, c->m_run, c->l_run, c->alpha);
+        } else {
+            c->k->gemm(c->m, c->n, c->kk, c->a, c->rs_a, c->cs_a, c->b, c->ldb, c->c, c->n, 1);
+        }
+    }
+    return 0;
+}
+
+/* The forward's two products per tile, as the driver calls them (bc keys x br queries, head dim D), one thread. */
+static void kernel_report(void) {
+    const flashc_cpu_kernels *k = flashc_cpu_select_kernels();
+    printf("\nmicrokernel %s, one thread, forward tile shapes (50 calls per timing, median of 7):\n", k->name);
+    printf("%-32s %5s %5s %5s %10s\n", "product", "m", "n", "k", "GFLOP/s");
+    static const int dims[2] = {64, 128};
+    for (int di = 0; di < 2; di++) {
+        const int D = dims[di];
+        flashc_cpu_tiles t = flashc_cpu_choose_tiles(D, 0);
+        const int br = t.br, bc = t.bc;
+        float *kt = malloc(sizeof(float) * (size_t)bc * D), *qt = malloc(sizeof(float) * (size_t)D * br);
+        float *st = malloc(sizeof(float) * (size_t)bc * br), *v = malloc(sizeof(float) * (size_t)bc * D);
+        float *o = malloc(sizeof(float) * (size_t)br * D), *m = malloc(sizeof(float) * (size_t)br);
+        float *l = malloc(sizeof(float) * (size_t)br), *al = malloc(sizeof(float) * (size_t)br);
+        for (int i = 0; i < bc * D; i++) kt[i] = frand(), v[i] = frand();
+        for (int i = 0; i < D * br; i++) qt[i] = frand();
+        for (int i = 0; i < br * D; i++) o[i] = frand();
+        for (int i = 0; i < bc * br; i++) st[i] = frand();
+        kernel_case s = {k, bc, br, D, kt, qt, D, 1, br, st, 0, NULL, NULL, NULL};
+        kernel_case pv = {k, br, D, bc, st, v, 1, br, D, o, 0, NULL, NULL, NULL};
+        kernel_case sm = {k, bc, br, 0, NULL, NULL, 0, 0, 0, st, 1, m, l, al};
+        double ts = time_median(run_kernel, &s, 7) / 50, tp = time_median(run_kernel, &pv, 7) / 50;
+        for (int i = 0; i < bc * br; i++) st[i] = frand() * 8.0f;
+        double tm = time_median(run_kernel, &sm, 7) / 50;
+        const double f = 2.0 * bc * br * D;
+        char name[64];
+        snprintf(name, sizeof name, "S^T = K (scale Q)^T  D=%d", D);
+        printf("%-32s %5d %5d %5d %10.1f\n", name, bc, br, D, f / ts * 1e-9);
+        snprintf(name, sizeof name, "O += P V            D=%d", D);
+        printf("%-32s %5d %5d %5d %10.1f\n", name, br, D, bc, f / tp * 1e-9);
+        printf("  online softmax of the %dx%d tile: %.2f us, %.0f%% of the tile's time (products %.2f us)\n", bc, br,
+               tm * 1e6, 100.0 * tm / (ts + tp + tm), (ts + tp) * 1e6);
+        free(kt), free(qt), free(st), free(v), free(o), free(m), free(l), free(al);
+    }
+}
+
 static void memory_report(flashc_context_t ctx) {
     const int64_t N = 32768, H = 8, D = 128;
     flashc_tensor q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 1, N, H, D);
@@ -185,7 +247,7 @@ static void memory_report(flashc_context_t ctx) {
 
 int main(int argc, char **argv) {
     int nmax = 8192, dims[4] = {64, 128}, ndims = 2, threads[8], nthreads = 0, do_bwd = 1, memory = 0;
-    int dt_f32 = 1, dt_bf16 = 1;
+    int dt_f32 = 1, dt_bf16 = 1, kernels = 0;
 #ifdef _OPENMP
     const int all = omp_get_max_threads();
 #else
@@ -202,11 +264,16 @@ int main(int argc, char **argv) {
             i++;
         } else if (!strcmp(argv[i], "--no-bwd")) do_bwd = 0;
         else if (!strcmp(argv[i], "--memory")) memory = 1;
+        else if (!strcmp(argv[i], "--kernels")) kernels = 1;
         else {
             fprintf(stderr, "usage: %s [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] "
-                            "[--no-bwd] [--memory]\n", argv[0]);
+                            "[--no-bwd] [--memory] | --kernels\n", argv[0]);
             return 2;
         }
+    }
+    if (kernels) {
+        kernel_report();
+        return 0;
     }
     if (nthreads == 0) {
         threads[nthreads++] = 1;
