@@ -37,6 +37,7 @@ if [ $pytest = 1 ]; then
 fi
 if [ $cpu = 1 ]; then
   build-gpu/tests/test_cpu_kernels | tail -4
+  build-gpu/bench/cpu_speed --kernels
   timeout 420 python3 bench/compare_torch_cpu.py --threads 16 --ns "$ns16" >"$LOG/cpu16.txt" 2>/dev/null
   timeout 300 python3 bench/compare_torch_cpu.py --threads 2 --ns "$ns2" >"$LOG/cpu2.txt" 2>/dev/null
   cat "$LOG/cpu16.txt" "$LOG/cpu2.txt"
