@@ -5,6 +5,7 @@
  * FLASHC_STATUS_DEVICE_ERROR (OUT_OF_MEMORY for allocations) with the CUDA error text, never an abort.
  */
 #include "../internal.h"
+#include "bwd.h"
 #include "fwd_sm80.h"
 
 #include <cuda_runtime.h>
@@ -166,8 +167,10 @@ static flashc_status fwd_info(struct flashc_context *ctx, int e, int bf16) {
 }
 
 static flashc_status cuda_supported(struct flashc_context *ctx, const flashc_problem *p) {
-    if (p->op == FLASHC_OP_BACKWARD)
-        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the CUDA backend has no backward yet (forward only)");
+    if (p->op == FLASHC_OP_BACKWARD) {
+        const char *why = flashc_cuda_bwd_unsupported(p);
+        return why ? FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why) : FLASHC_STATUS_OK;
+    }
     if (p->dropout_p > 0)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "dropout is not supported by the CUDA backend");
     const int e = fwd_entry_index(p->D);
@@ -220,6 +223,7 @@ static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e
 }
 
 static size_t cuda_workspace_size(struct flashc_context *ctx, const flashc_problem *p) {
+    if (p->op == FLASHC_OP_BACKWARD) return flashc_cuda_bwd_workspace(p);
     const int e = fwd_entry_index(p->D);
     if (p->op != FLASHC_OP_FORWARD || e < 0) return 0;
     const int n = fwd_splits(ctx, p, e);
@@ -322,9 +326,11 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
 }
 
 static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    (void)p;
-    (void)workspace;
-    return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the CUDA backend has no backward yet (forward only)");
+    FLASHC_TRY(cuda_supported(ctx, p));
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    const cudaError_t err = flashc_cuda_bwd_launch(p, workspace, (cudaStream_t)ctx->stream);
+    if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "backward kernel launch");
+    return FLASHC_STATUS_OK;
 }
 
 extern "C" const flashc_backend_ops flashc_cuda_ops = {

@@ -25,7 +25,8 @@ if(FLASHC_CUDA_TILES_FILE)
   list(APPEND FLASHC_CUDA_OPTIONS "-DFLASHC_CUDA_TILES_FILE=\"${FLASHC_CUDA_TILES_FILE}\"")
 endif()
 
-set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm80.cu)
+set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm80.cu
+    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu)
 set(FLASHC_CUDA_DEFS "")
 set(_flashc_known_dims 32 64 96 128 160 192 256)
 foreach(d ${FLASHC_CUDA_HEAD_DIMS})

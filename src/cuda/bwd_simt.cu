@@ -1,0 +1,516 @@
+/*
+ * bwd_simt.cu - the attention backward on CUDA cores in fp32: the correctness baseline of the CUDA backward,
+ * which the tensor-core version must reproduce.
+ *
+ * Algorithm: FlashAttention-2 backward (Dao 2023, "FlashAttention-2", Algorithm 2). P is recomputed from q, k
+ * and the forward's lse, never stored:
+ *   1. fc_bwd_dvec: D_i = rowsum(dO o O) in fp32 into the workspace (laid out like lse).
+ *   2. fc_bwd_dkdv: one block per (key tile, kv head, sequence) keeps dK_j, dV_j in registers and walks the
+ *      query tiles of every query head of its group that the band (causal / window) and the block mask let see
+ *      its keys: S = scale q k^T (softcap, ALiBi, masks as in the forward), P = exp(S - lse), dP = dO v^T,
+ *      dS = P o (dP - D_i) (times 1 - tanh^2 under softcap), dV += P^T dO, dK += dS^T Q. Writes dk = scale dK
+ *      and dv once; with GQA the group's heads are summed in the same registers.
+ *   3. fc_bwd_dq: one block per (query tile, head, sequence) walks its visible key tiles, recomputes P and dS
+ *      the same way and accumulates dQ += dS K; writes dq = scale dQ once.
+ * No block adds into another's output, so there are no atomics: each element of dq, dk, dv is the sum of one
+ * thread in a fixed order and is bitwise identical from run to run. The deterministic flag costs nothing here.
+ *
+ * Tiles: BR = 32 query rows x BC = 32 keys, 256 threads (8 per query row or key). The head dim passes through
+ * shared memory in chunks of DC = 64 columns (41,984 bytes of static shared memory for any D <= 256); each thread
+ * keeps NDC = 1, 2 or 4 chunks (D <= 64, 128, 256) of 8 accumulator columns. Inputs are read element by element
+ * with any strides (the head dim's too) and converted to fp32; everything is computed in fp32 with the accurate
+ * expf / tanhf. fp32 q, k, v are read rounded to bf16, the operands the forward used (see fc_bwd_make_args).
+ *
+ * The kernel bodies are plain C++ (CUDA only through fc_sync / fc_sync_or) so that tests/emu_bwd_simt.cc runs
+ * them on the CPU, one host thread per CUDA thread, against the case table.
+ */
+#include "bwd.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define FC_BWD_FN static __device__ __forceinline__
+#define FC_UNROLL _Pragma("unroll")
+static __device__ __forceinline__ void fc_sync(void) { __syncthreads(); }
+static __device__ __forceinline__ int fc_sync_or(int x) { return __syncthreads_or(x); }
+#else
+/* Host emulation: the including program provides the block barriers. */
+#define FC_BWD_FN static inline
+#define FC_UNROLL
+void fc_sync(void);
+int fc_sync_or(int x);
+#endif
+
+enum {
+    FC_BWD_BR = 32,  /* query rows per tile */
+    FC_BWD_BC = 32,  /* keys per tile */
+    FC_BWD_DC = 64,  /* head-dim columns per shared-memory chunk */
+    FC_BWD_NT = 256, /* threads per block */
+    FC_BWD_TPR = FC_BWD_NT / FC_BWD_BR,  /* threads per query row (S, dQ) and per key (dK, dV): 8 */
+    FC_BWD_KPT = FC_BWD_BC / FC_BWD_TPR, /* keys per thread in S, dP: 4 */
+    FC_BWD_CPT = FC_BWD_DC / FC_BWD_TPR  /* accumulator columns per thread per chunk: 8 */
+};
+static_assert(FC_BWD_NT == FC_BWD_BC * FC_BWD_TPR, "one key per TPR threads in dK, dV");
+
+/* A strided (B, N, heads, D) view; element (b, n, h, d) is at b sb + n sn + h sh + d sd. */
+typedef struct fc_bwd_tensor {
+    void *data;
+    int64_t sb, sn, sh, sd;
+} fc_bwd_tensor;
+
+/* Kernel arguments (by value). As in flashc_problem: with varlen B is the number of sequences, Nq/Nk the max
+ * lengths, rows come from cu_q/cu_k and the tensors' batch index is 0. */
+typedef struct fc_bwd_args {
+    fc_bwd_tensor q, k, v, o, dout, dq, dk, dv;
+    const float *lse; /* (B, H, Nq) or (H, total_q) */
+    float *dvec;      /* D_i, laid out like lse */
+    int64_t B, H, Hkv, Nq, Nk, D, total_q;
+    int varlen;
+    const int32_t *cu_q, *cu_k;
+    float scale, softcap;        /* softcap 0: off */
+    int64_t win_left, win_right; /* -1: unbounded; causal is win_right = 0 */
+    const float *alibi;
+    int64_t alibi_bs;
+    const uint8_t *bm;
+    int64_t bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb;
+    int64_t n_qt, n_kt; /* query / key tiles per sequence of the max lengths */
+    int qkv_bf16;       /* read q, k, v rounded to bf16 (fp32 inputs: the forward's operands) */
+} fc_bwd_args;
+
+/* Shared memory of a block: the chunks of the current tile pair, its P and dS, and its rows' lse and D_i. The +1
+ * padding puts the rows a warp reads at once (4 or 8 rows, same column) into distinct banks. */
+typedef struct fc_bwd_smem {
+    float q[FC_BWD_BR][FC_BWD_DC + 1];
+    float dout[FC_BWD_BR][FC_BWD_DC + 1];
+    float k[FC_BWD_BC][FC_BWD_DC + 1];
+    float v[FC_BWD_BC][FC_BWD_DC + 1];
+    float p[FC_BWD_BR][FC_BWD_BC + 1];
+    float ds[FC_BWD_BR][FC_BWD_BC + 1];
+    float lse[FC_BWD_BR];
+    float di[FC_BWD_BR];
+} fc_bwd_smem;
+
+FC_BWD_FN int64_t fc_min64(int64_t x, int64_t y) { return x < y ? x : y; }
+FC_BWD_FN int64_t fc_max64(int64_t x, int64_t y) { return x > y ? x : y; }
+
+FC_BWD_FN float fc_to_f32(float x) { return x; }
+FC_BWD_FN float fc_to_f32(__half x) { return __half2float(x); }
+FC_BWD_FN float fc_to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+FC_BWD_FN void fc_store(float *p, float x) { *p = x; }
+FC_BWD_FN void fc_store(__half *p, float x) { *p = __float2half_rn(x); }
+FC_BWD_FN void fc_store(__nv_bfloat16 *p, float x) { *p = __float2bfloat16_rn(x); }
+
+/* Sequence b: first packed row and length of its queries and keys, and the tensors' batch index. */
+typedef struct fc_seq {
+    int64_t q0, nq, k0, nk, bb;
+} fc_seq;
+
+FC_BWD_FN fc_seq fc_seq_of(const fc_bwd_args &a, int64_t b) {
+    fc_seq s;
+    if (a.varlen) {
+        s.q0 = a.cu_q[b];
+        s.nq = (int64_t)a.cu_q[b + 1] - a.cu_q[b];
+        s.k0 = a.cu_k[b];
+        s.nk = (int64_t)a.cu_k[b + 1] - a.cu_k[b];
+        s.bb = 0;
+    } else {
+        s.q0 = 0;
+        s.nq = a.Nq;
+        s.k0 = 0;
+        s.nk = a.Nk;
+        s.bb = b;
+    }
+    return s;
+}
+
+/* Index of query row i of (sequence b, head h) in lse and D_i. */
+FC_BWD_FN int64_t fc_lse_index(const fc_bwd_args &a, const fc_seq &s, int64_t b, int64_t h, int64_t i) {
+    return a.varlen ? h * a.total_q + s.q0 + i : (b * a.H + h) * a.Nq + i;
+}
+
+/* The block-mask bytes of (sequence b, head h): bm_nqb rows of bm_nkb. */
+FC_BWD_FN const uint8_t *fc_mask_of(const fc_bwd_args &a, int64_t b, int64_t h) {
+    const int64_t mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
+    return a.bm + (mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
+}
+
+/* Whether query row i sees key j (both within the sequence): band (bottom-right aligned) and block mask. */
+FC_BWD_FN bool fc_visible(const fc_bwd_args &a, const fc_seq &s, const uint8_t *mask, int64_t i, int64_t j) {
+    const int64_t diag = i + s.nk - s.nq;
+    if (a.win_left >= 0 && j < diag - a.win_left) return false;
+    if (a.win_right >= 0 && j > diag + a.win_right) return false;
+    return !mask || mask[(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
+}
+
+/* Whether the band meets rows [i0, i1] x keys [j0, j1]. Row i keeps [diag_i - left, diag_i + right]; these
+ * intervals are at least one key wide and move by one key per row, so the rows' union is the single interval
+ * [diag_i0 - left, diag_i1 + right]. */
+FC_BWD_FN bool fc_band_meets(const fc_bwd_args &a, const fc_seq &s, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const int64_t off = s.nk - s.nq;
+    if (a.win_left >= 0 && i0 + off - a.win_left > j1) return false;
+    if (a.win_right >= 0 && i1 + off + a.win_right < j0) return false;
+    return true;
+}
+
+/* Whether some block-mask byte over rows [i0, i1] x keys [j0, j1] is non-zero. Every thread of the block must
+ * call it (it ends in a barrier); the answer is the same for all. */
+FC_BWD_FN bool fc_mask_meets(const fc_bwd_args &a, const uint8_t *mask, int64_t i0, int64_t i1, int64_t j0,
+                             int64_t j1, int tid) {
+    if (!mask) return true;
+    const int64_t qb0 = i0 / a.bm_q, kb0 = j0 / a.bm_k;
+    const int64_t nqb = i1 / a.bm_q - qb0 + 1, nkb = j1 / a.bm_k - kb0 + 1;
+    int on = 0;
+    for (int64_t e = tid; e < nqb * nkb; e += FC_BWD_NT) on |= mask[(qb0 + e / nkb) * a.bm_nkb + kb0 + e % nkb] != 0;
+    return fc_sync_or(on) != 0;
+}
+
+/* Columns [c0, c0 + DC) of rows row0 .. row0 + R - 1 (packed) of head h into dst, rounded through bf16 when
+ * bf16 is set; rows >= nrows and columns >= D read as 0, so ragged tiles and head dims add nothing. Consecutive
+ * threads read consecutive columns. */
+template <typename T, int R>
+FC_BWD_FN void fc_load_chunk(float (*dst)[FC_BWD_DC + 1], const fc_bwd_tensor &t, int64_t bb, int64_t row0,
+                             int64_t h, int64_t nrows, int64_t c0, int64_t D, int bf16, int tid) {
+    const T *base = (const T *)t.data + bb * t.sb + row0 * t.sn + h * t.sh;
+    for (int e = tid; e < R * FC_BWD_DC; e += FC_BWD_NT) {
+        const int r = e / FC_BWD_DC, c = e % FC_BWD_DC;
+        float x = 0.f;
+        if (r < nrows && c0 + c < D) x = fc_to_f32(base[r * t.sn + (c0 + c) * t.sd]);
+        dst[r][c] = bf16 ? __bfloat162float(__float2bfloat16_rn(x)) : x;
+    }
+}
+
+/*
+ * P and dS of query rows i0 .. i0 + BR - 1 of head h against keys j0 .. j0 + BC - 1 of sequence s (batch b)
+ * into sm.p and sm.ds, 0 where masked or past the ends. Thread tid computes row tid / TPR against keys
+ * tid % TPR + TPR u, u < KPT: S and dP accumulate over the head dim chunk by chunk. Starts with a barrier (the
+ * caller's last reads of sm are done); the caller needs one before reading sm.p / sm.ds.
+ */
+template <typename T>
+FC_BWD_FN void fc_bwd_tile(const fc_bwd_args &a, fc_bwd_smem &sm, const fc_seq &s, const uint8_t *mask, int64_t b,
+                           int64_t h, int64_t i0, int64_t j0, int tid) {
+    const int64_t hk = h / (a.H / a.Hkv);
+    const int64_t nrows = fc_min64(FC_BWD_BR, s.nq - i0), ncols = fc_min64(FC_BWD_BC, s.nk - j0);
+    const int r = tid / FC_BWD_TPR, cu = tid % FC_BWD_TPR;
+    float sacc[FC_BWD_KPT], dpacc[FC_BWD_KPT];
+    FC_UNROLL
+    for (int u = 0; u < FC_BWD_KPT; ++u) sacc[u] = dpacc[u] = 0.f;
+
+    fc_sync();
+    if (tid < FC_BWD_BR) {
+        const bool in = tid < nrows;
+        const int64_t idx = fc_lse_index(a, s, b, h, i0 + tid);
+        sm.lse[tid] = in ? a.lse[idx] : INFINITY;
+        sm.di[tid] = in ? a.dvec[idx] : 0.f;
+    }
+    for (int64_t c0 = 0; c0 < a.D; c0 += FC_BWD_DC) {
+        if (c0 > 0) fc_sync();
+        fc_load_chunk<T, FC_BWD_BR>(sm.q, a.q, s.bb, s.q0 + i0, h, nrows, c0, a.D, a.qkv_bf16, tid);
+        fc_load_chunk<T, FC_BWD_BR>(sm.dout, a.dout, s.bb, s.q0 + i0, h, nrows, c0, a.D, 0, tid);
+        fc_load_chunk<T, FC_BWD_BC>(sm.k, a.k, s.bb, s.k0 + j0, hk, ncols, c0, a.D, a.qkv_bf16, tid);
+        fc_load_chunk<T, FC_BWD_BC>(sm.v, a.v, s.bb, s.k0 + j0, hk, ncols, c0, a.D, a.qkv_bf16, tid);
+        fc_sync();
+        for (int d = 0; d < FC_BWD_DC; ++d) {
+            const float qv = sm.q[r][d], gv = sm.dout[r][d];
+            FC_UNROLL
+            for (int u = 0; u < FC_BWD_KPT; ++u) {
+                sacc[u] += qv * sm.k[cu + FC_BWD_TPR * u][d];
+                dpacc[u] += gv * sm.v[cu + FC_BWD_TPR * u][d];
+            }
+        }
+    }
+
+    /* Natural units: s - lse is formed before any exponent, so P keeps fp32's relative accuracy. A row that saw
+     * no key in the forward has lse = +inf and gets P = 0. */
+    const int64_t i = i0 + r;
+    const float lse = sm.lse[r], di = sm.di[r];
+    const float slope = a.alibi ? a.alibi[b * a.alibi_bs + h] : 0.f;
+    FC_UNROLL
+    for (int u = 0; u < FC_BWD_KPT; ++u) {
+        const int c = cu + FC_BWD_TPR * u;
+        const int64_t j = j0 + c;
+        float p = 0.f, ds = 0.f;
+        if (r < nrows && c < ncols && fc_visible(a, s, mask, i, j)) {
+            float x = sacc[u] * a.scale, dcap = 1.f;
+            if (a.softcap > 0.f) {
+                const float th = tanhf(x / a.softcap);
+                x = a.softcap * th;
+                dcap = 1.f - th * th; /* d(c tanh(x / c)) / dx */
+            }
+            if (a.alibi) x -= slope * fabsf((float)(i + s.nk - s.nq - j));
+            p = expf(x - lse);
+            ds = p * (dpacc[u] - di) * dcap;
+        }
+        sm.p[r][c] = p;
+        sm.ds[r][c] = ds;
+    }
+}
+
+/* dvec[(b, h, i)] = sum_d dO o O, one thread per (query row, head): x = row * H + h over all packed rows. */
+template <typename T>
+FC_BWD_FN void fc_bwd_dvec_body(const fc_bwd_args &a, int64_t x) {
+    const int64_t rows = a.varlen ? a.total_q : a.B * a.Nq;
+    if (x >= rows * a.H) return;
+    const int64_t h = x % a.H, row = x / a.H;
+    int64_t b = 0, n = row, idx = h * a.total_q + row;
+    if (!a.varlen) {
+        b = row / a.Nq;
+        n = row % a.Nq;
+        idx = (b * a.H + h) * a.Nq + n;
+    }
+    const T *o = (const T *)a.o.data + b * a.o.sb + n * a.o.sn + h * a.o.sh;
+    const T *g = (const T *)a.dout.data + b * a.dout.sb + n * a.dout.sn + h * a.dout.sh;
+    float acc = 0.f;
+    for (int64_t d = 0; d < a.D; ++d) acc += fc_to_f32(o[d * a.o.sd]) * fc_to_f32(g[d * a.dout.sd]);
+    a.dvec[idx] = acc;
+}
+
+/* Block bid = (key tile, kv head, sequence), key tile fastest. Thread tid owns key tid / TPR of the tile and
+ * columns ch DC + tid % TPR + TPR u of dK, dV. */
+template <typename T, int NDC>
+FC_BWD_FN void fc_bwd_dkdv_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t bid, int tid) {
+    const int64_t jt = bid % a.n_kt, hk = bid / a.n_kt % a.Hkv, b = bid / a.n_kt / a.Hkv;
+    const fc_seq s = fc_seq_of(a, b);
+    const int64_t j0 = jt * FC_BWD_BC;
+    if (j0 >= s.nk) return; /* varlen: this sequence has fewer keys than max_seqlen_k */
+    const int64_t j1 = fc_min64(j0 + FC_BWD_BC, s.nk) - 1;
+    const int c = tid / FC_BWD_TPR, cu = tid % FC_BWD_TPR;
+    float dk[NDC][FC_BWD_CPT], dv[NDC][FC_BWD_CPT];
+    FC_UNROLL
+    for (int ch = 0; ch < NDC; ++ch) {
+        FC_UNROLL
+        for (int u = 0; u < FC_BWD_CPT; ++u) dk[ch][u] = dv[ch][u] = 0.f;
+    }
+
+    const int64_t group = a.H / a.Hkv;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        const uint8_t *mask = a.bm ? fc_mask_of(a, b, h) : NULL;
+        for (int64_t i0 = 0; i0 < s.nq; i0 += FC_BWD_BR) {
+            const int64_t i1 = fc_min64(i0 + FC_BWD_BR, s.nq) - 1;
+            if (!fc_band_meets(a, s, i0, i1, j0, j1)) continue;
+            if (!fc_mask_meets(a, mask, i0, i1, j0, j1, tid)) continue;
+            fc_bwd_tile<T>(a, sm, s, mask, b, h, i0, j0, tid);
+            /* dV += P^T dO, dK += dS^T Q over the tile's rows, chunk by chunk of the head dim. */
+            FC_UNROLL
+            for (int ch = 0; ch < NDC; ++ch) {
+                if (ch * FC_BWD_DC >= a.D) continue;
+                fc_sync();
+                const int64_t nrows = i1 - i0 + 1, c0 = ch * FC_BWD_DC;
+                fc_load_chunk<T, FC_BWD_BR>(sm.q, a.q, s.bb, s.q0 + i0, h, nrows, c0, a.D, a.qkv_bf16, tid);
+                fc_load_chunk<T, FC_BWD_BR>(sm.dout, a.dout, s.bb, s.q0 + i0, h, nrows, c0, a.D, 0, tid);
+                fc_sync();
+                for (int r = 0; r < FC_BWD_BR; ++r) {
+                    const float p = sm.p[r][c], ds = sm.ds[r][c];
+                    FC_UNROLL
+                    for (int u = 0; u < FC_BWD_CPT; ++u) {
+                        dv[ch][u] += p * sm.dout[r][cu + FC_BWD_TPR * u];
+                        dk[ch][u] += ds * sm.q[r][cu + FC_BWD_TPR * u];
+                    }
+                }
+            }
+        }
+    }
+
+    if (j0 + c > j1) return;
+    const int64_t row = s.k0 + j0 + c;
+    T *gk = (T *)a.dk.data + s.bb * a.dk.sb + row * a.dk.sn + hk * a.dk.sh;
+    T *gv = (T *)a.dv.data + s.bb * a.dv.sb + row * a.dv.sn + hk * a.dv.sh;
+    FC_UNROLL
+    for (int ch = 0; ch < NDC; ++ch) {
+        FC_UNROLL
+        for (int u = 0; u < FC_BWD_CPT; ++u) {
+            const int64_t d = ch * FC_BWD_DC + cu + FC_BWD_TPR * u;
+            if (d < a.D) {
+                fc_store(gk + d * a.dk.sd, a.scale * dk[ch][u]);
+                fc_store(gv + d * a.dv.sd, dv[ch][u]);
+            }
+        }
+    }
+}
+
+/* Block bid = (query tile, head, sequence), query tile fastest. Thread tid owns row tid / TPR of the tile and
+ * columns ch DC + tid % TPR + TPR u of dQ. */
+template <typename T, int NDC>
+FC_BWD_FN void fc_bwd_dq_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t bid, int tid) {
+    const int64_t it = bid % a.n_qt, h = bid / a.n_qt % a.H, b = bid / a.n_qt / a.H;
+    const fc_seq s = fc_seq_of(a, b);
+    const int64_t i0 = it * FC_BWD_BR;
+    if (i0 >= s.nq) return; /* varlen: this sequence has fewer queries than max_seqlen_q */
+    const int64_t i1 = fc_min64(i0 + FC_BWD_BR, s.nq) - 1, hk = h / (a.H / a.Hkv);
+    const int r = tid / FC_BWD_TPR, cu = tid % FC_BWD_TPR;
+    const uint8_t *mask = a.bm ? fc_mask_of(a, b, h) : NULL;
+    float dq[NDC][FC_BWD_CPT];
+    FC_UNROLL
+    for (int ch = 0; ch < NDC; ++ch) {
+        FC_UNROLL
+        for (int u = 0; u < FC_BWD_CPT; ++u) dq[ch][u] = 0.f;
+    }
+
+    /* Keys the band lets rows i0 .. i1 see (none when lo > hi, e.g. a sequence without keys). */
+    const int64_t off = s.nk - s.nq;
+    const int64_t lo = a.win_left >= 0 ? fc_max64(0, i0 + off - a.win_left) : 0;
+    const int64_t hi = a.win_right >= 0 ? fc_min64(s.nk - 1, i1 + off + a.win_right) : s.nk - 1;
+    for (int64_t j0 = lo / FC_BWD_BC * FC_BWD_BC; j0 <= hi; j0 += FC_BWD_BC) {
+        const int64_t j1 = fc_min64(j0 + FC_BWD_BC, s.nk) - 1;
+        if (!fc_mask_meets(a, mask, i0, i1, j0, j1, tid)) continue;
+        fc_bwd_tile<T>(a, sm, s, mask, b, h, i0, j0, tid);
+        /* dQ += dS K over the tile's keys, chunk by chunk of the head dim. */
+        FC_UNROLL
+        for (int ch = 0; ch < NDC; ++ch) {
+            if (ch * FC_BWD_DC >= a.D) continue;
+            fc_sync();
+            fc_load_chunk<T, FC_BWD_BC>(sm.k, a.k, s.bb, s.k0 + j0, hk, j1 - j0 + 1, ch * FC_BWD_DC, a.D, a.qkv_bf16,
+                                        tid);
+            fc_sync();
+            for (int cc = 0; cc < FC_BWD_BC; ++cc) {
+                const float ds = sm.ds[r][cc];
+                FC_UNROLL
+                for (int u = 0; u < FC_BWD_CPT; ++u) dq[ch][u] += ds * sm.k[cc][cu + FC_BWD_TPR * u];
+            }
+        }
+    }
+
+    if (i0 + r > i1) return;
+    T *g = (T *)a.dq.data + s.bb * a.dq.sb + (s.q0 + i0 + r) * a.dq.sn + h * a.dq.sh;
+    FC_UNROLL
+    for (int ch = 0; ch < NDC; ++ch) {
+        FC_UNROLL
+        for (int u = 0; u < FC_BWD_CPT; ++u) {
+            const int64_t d = ch * FC_BWD_DC + cu + FC_BWD_TPR * u;
+            if (d < a.D) fc_store(g + d * a.dq.sd, a.scale * dq[ch][u]);
+        }
+    }
+}
+
+/* ---- host side ----------------------------------------------------------------------------------------- */
+
+static int64_t fc_bwd_rows(const flashc_problem *p) { return p->varlen ? p->total_q : p->B * p->Nq; }
+
+/* Accumulator chunks per thread: the fewest of 1, 2, 4 that cover the head dim. */
+static int fc_bwd_ndc(int64_t D) { return D <= FC_BWD_DC ? 1 : D <= 2 * FC_BWD_DC ? 2 : 4; }
+
+/* Grid sizes of the three kernels. */
+static void fc_bwd_grids(const flashc_problem *p, int64_t *dvec_blocks, int64_t *dkdv_blocks, int64_t *dq_blocks) {
+    *dvec_blocks = (fc_bwd_rows(p) * p->H + FC_BWD_NT - 1) / FC_BWD_NT;
+    *dkdv_blocks = (p->Nk + FC_BWD_BC - 1) / FC_BWD_BC * p->Hkv * p->B;
+    *dq_blocks = (p->Nq + FC_BWD_BR - 1) / FC_BWD_BR * p->H * p->B;
+}
+
+const char *flashc_cuda_bwd_unsupported(const flashc_problem *p) {
+    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
+    if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
+    int64_t g0, g1, g2;
+    fc_bwd_grids(p, &g0, &g1, &g2);
+    if (g0 > INT_MAX || g1 > INT_MAX || g2 > INT_MAX) return "problem too large for one CUDA backward launch";
+    return NULL;
+}
+
+size_t flashc_cuda_bwd_workspace(const flashc_problem *p) {
+    return (size_t)fc_bwd_rows(p) * (size_t)p->H * sizeof(float);
+}
+
+static fc_bwd_tensor fc_bwd_view(const flashc_tensor *t) {
+    fc_bwd_tensor v;
+    v.data = t->data;
+    v.sb = t->stride[0], v.sn = t->stride[1], v.sh = t->stride[2], v.sd = t->stride[3];
+    return v;
+}
+
+static fc_bwd_args fc_bwd_make_args(const flashc_problem *p, void *workspace) {
+    fc_bwd_args a;
+    memset(&a, 0, sizeof a);
+    a.q = fc_bwd_view(&p->q), a.k = fc_bwd_view(&p->k), a.v = fc_bwd_view(&p->v), a.o = fc_bwd_view(&p->out);
+    a.dout = fc_bwd_view(&p->dout), a.dq = fc_bwd_view(&p->dq), a.dk = fc_bwd_view(&p->dk);
+    a.dv = fc_bwd_view(&p->dv);
+    a.lse = p->lse;
+    a.dvec = (float *)workspace;
+    a.B = p->B, a.H = p->H, a.Hkv = p->Hkv, a.Nq = p->Nq, a.Nk = p->Nk, a.D = p->D;
+    a.total_q = p->varlen ? p->total_q : p->B * p->Nq;
+    a.varlen = p->varlen;
+    a.cu_q = p->cu_q, a.cu_k = p->cu_k;
+    a.scale = p->scale;
+    a.softcap = p->softcap;
+    a.win_left = p->win_left, a.win_right = p->win_right;
+    a.alibi = p->alibi, a.alibi_bs = p->alibi_batch_stride;
+    if (p->block_mask) {
+        a.bm = p->block_mask;
+        a.bm_q = p->bm_q, a.bm_k = p->bm_k, a.bm_batch = p->bm_batch, a.bm_heads = p->bm_heads;
+        a.bm_nqb = p->bm_nqb, a.bm_nkb = p->bm_nkb;
+    }
+    a.n_qt = (p->Nq + FC_BWD_BR - 1) / FC_BWD_BR;
+    a.n_kt = (p->Nk + FC_BWD_BC - 1) / FC_BWD_BC;
+    /* The CUDA forward runs fp32 inputs on bf16 operands (fwd_sm80.cuh): its lse and O belong to the bf16-rounded
+     * q, k, v. Recomputing S from unrounded q, k would give a P that does not sum to one against that lse (a
+     * one-hot row whose top score moved by d gets P = e^-d), an error of the bf16 rounding's size, undamped and
+     * measured (tests/emu_bwd_simt.cc --gpu-numerics) just over the bf16 rule's bound. So the backward takes the
+     * gradient of the function the forward computed: the same rounded q, k, v; dO, D_i and all sums stay fp32. */
+    a.qkv_bf16 = p->dtype == FLASHC_DTYPE_F32;
+    return a;
+}
+
+#ifdef __CUDACC__
+
+template <typename T>
+__global__ void __launch_bounds__(FC_BWD_NT) fc_bwd_dvec(const __grid_constant__ fc_bwd_args a) {
+    fc_bwd_dvec_body<T>(a, (int64_t)blockIdx.x * FC_BWD_NT + threadIdx.x);
+}
+
+template <typename T, int NDC>
+__global__ void __launch_bounds__(FC_BWD_NT) fc_bwd_dkdv(const __grid_constant__ fc_bwd_args a) {
+    __shared__ fc_bwd_smem sm;
+    fc_bwd_dkdv_body<T, NDC>(a, sm, blockIdx.x, threadIdx.x);
+}
+
+template <typename T, int NDC>
+__global__ void __launch_bounds__(FC_BWD_NT) fc_bwd_dq(const __grid_constant__ fc_bwd_args a) {
+    __shared__ fc_bwd_smem sm;
+    fc_bwd_dq_body<T, NDC>(a, sm, blockIdx.x, threadIdx.x);
+}
+
+template <typename T, int NDC>
+static cudaError_t fc_bwd_run(const flashc_problem *p, const fc_bwd_args &a, cudaStream_t stream) {
+    int64_t g0, g1, g2;
+    fc_bwd_grids(p, &g0, &g1, &g2);
+    cudaError_t e;
+    if (g0 > 0) {
+        fc_bwd_dvec<T><<<(unsigned)g0, FC_BWD_NT, 0, stream>>>(a);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (g1 > 0) {
+        fc_bwd_dkdv<T, NDC><<<(unsigned)g1, FC_BWD_NT, 0, stream>>>(a);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (g2 > 0) {
+        fc_bwd_dq<T, NDC><<<(unsigned)g2, FC_BWD_NT, 0, stream>>>(a);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+template <typename T>
+static cudaError_t fc_bwd_run_dtype(const flashc_problem *p, const fc_bwd_args &a, cudaStream_t stream) {
+    switch (fc_bwd_ndc(p->D)) {
+    case 1: return fc_bwd_run<T, 1>(p, a, stream);
+    case 2: return fc_bwd_run<T, 2>(p, a, stream);
+    default: return fc_bwd_run<T, 4>(p, a, stream);
+    }
+}
+
+cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream) {
+    if (flashc_cuda_bwd_unsupported(p)) return cudaErrorInvalidValue;
+    if (flashc_cuda_bwd_workspace(p) > 0 && (!workspace || (uintptr_t)workspace % sizeof(float)))
+        return cudaErrorInvalidValue;
+    const fc_bwd_args a = fc_bwd_make_args(p, workspace);
+    switch (p->dtype) {
+    case FLASHC_DTYPE_F32: return fc_bwd_run_dtype<float>(p, a, stream);
+    case FLASHC_DTYPE_F16: return fc_bwd_run_dtype<__half>(p, a, stream);
+    case FLASHC_DTYPE_BF16: return fc_bwd_run_dtype<__nv_bfloat16>(p, a, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+#endif /* __CUDACC__ */
