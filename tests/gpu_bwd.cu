@@ -13,6 +13,7 @@
  */
 #include "flashc.h"
 #include "ref/testkit.h"
+#include "gpu_common.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -24,42 +25,6 @@
 #include <string.h>
 
 static int failures = 0;
-
-#define CHECK_CUDA(call)                                                                                     \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));           \
-            exit(2);                                                                                         \
-        }                                                                                                    \
-    } while (0)
-#define CHECK_FC(ctx, call)                                                                                  \
-    do {                                                                                                     \
-        flashc_status s_ = (call);                                                                           \
-        if (s_ != FLASHC_STATUS_OK) {                                                                        \
-            fprintf(stderr, "%s:%d: %s: %s (%s)\n", __FILE__, __LINE__, #call, flashc_status_string(s_),     \
-                    flashc_context_last_error(ctx));                                                         \
-            exit(2);                                                                                         \
-        }                                                                                                    \
-    } while (0)
-
-/* ---- memory hooks for the case runner ----------------------------------------------------------------- */
-
-static void *dev_alloc(size_t n) {
-    void *p = NULL;
-    if (cudaMalloc(&p, n) != cudaSuccess) {
-        cudaGetLastError();
-        return NULL;
-    }
-    return p;
-}
-static void dev_free(void *p) { cudaFree(p); }
-static int to_device(void *d, const void *s, size_t n) {
-    return cudaMemcpy(d, s, n, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -1;
-}
-static int to_host(void *d, const void *s, size_t n) {
-    return cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost) == cudaSuccess ? 0 : -1;
-}
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
