@@ -369,6 +369,26 @@ static void dvec_task(const flashc_problem *p, const flashc_cpu_kernels *kern, f
     }
 }
 
+/* Whether query block [i0, i0 + rows) sees any key of [j0, j0 + cols) through the masks. */
+static int tile_meets(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows,
+                      int64_t j0, int cols) {
+    int64_t lo, hi;
+    flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
+    if (hi <= j0 || lo >= j0 + cols) return 0;
+    return flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols);
+}
+
+/* dV += P^T dO and dK += dS^T Q for one tile whose P (st) and dS (dpt) tile_ds has just computed. */
+static void accumulate_dkdv(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                            int64_t tb, int64_t h, int64_t row0, int rows, int cols) {
+    const int D = (int)p->D, dp = L->dp, br = L->br;
+    int64_t ldq, ldo;
+    const float *q = flashc_cpu_rows(kern, &p->q, tb, row0, rows, h, D, t->qbuf, dp, &ldq);
+    const float *dout = flashc_cpu_rows(kern, &p->dout, tb, row0, rows, h, D, t->dobuf, dp, &ldo);
+    kern->gemm(cols, D, rows, t->st, br, 1, dout, ldo, t->dv, dp, 1); /* dV += P^T dO */
+    kern->gemm(cols, D, rows, t->dpt, br, 1, q, ldq, t->dk, dp, 1);   /* dK += dS^T Q */
+}
+
 static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
                       const float *dvec, int64_t b, int64_t hk, int64_t kb) {
     int64_t q0, nq, k0, nk;
@@ -385,17 +405,10 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
         for (int64_t i0 = 0; i0 < nq; i0 += br) {
             const int rows = imin(br, nq - i0);
-            int64_t lo, hi;
-            flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
-            if (hi <= j0 || lo >= j0 + cols) continue;
-            if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
+            if (!tile_meets(p, b, h, nq, nk, i0, rows, j0, cols)) continue;
             const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
             tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
-            int64_t ldq, ldo;
-            const float *q = flashc_cpu_rows(kern, &p->q, tb, q0 + i0, rows, h, D, t->qbuf, dp, &ldq);
-            const float *dout = flashc_cpu_rows(kern, &p->dout, tb, q0 + i0, rows, h, D, t->dobuf, dp, &ldo);
-            kern->gemm(cols, D, rows, t->st, br, 1, dout, ldo, t->dv, dp, 1); /* dV += P^T dO */
-            kern->gemm(cols, D, rows, t->dpt, br, 1, q, ldq, t->dk, dp, 1);   /* dK += dS^T Q */
+            accumulate_dkdv(p, kern, L, t, tb, h, q0 + i0, rows, cols);
         }
     }
     flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);
@@ -450,18 +463,11 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
         memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
         for (int64_t i0 = 0; i0 < nq; i0 += br) {
             const int rows = imin(br, nq - i0);
-            int64_t lo, hi;
-            flashc_cpu_block_key_range(p, i0, rows, nq, nk, &lo, &hi);
-            if (hi <= j0 || lo >= j0 + cols) continue;
-            if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
+            if (!tile_meets(p, b, h, nq, nk, i0, rows, j0, cols)) continue;
             const query_side qs = {whole.qt + i0, whole.dot + i0, whole.lse2 + i0, whole.di + i0, whole.ld};
             tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
-            int64_t ldq, ldo;
-            const float *q = flashc_cpu_rows(kern, &p->q, tb, q0 + i0, rows, h, D, t->qbuf, dp, &ldq);
-            const float *dout = flashc_cpu_rows(kern, &p->dout, tb, q0 + i0, rows, h, D, t->dobuf, dp, &ldo);
-            kern->gemm(cols, D, rows, t->st, br, 1, dout, ldo, t->dv, dp, 1);                     /* dV += P^T dO */
-            kern->gemm(cols, D, rows, t->dpt, br, 1, q, ldq, t->dk, dp, 1);                       /* dK += dS^T Q */
-            kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1);    /* dQ += dS K */
+            accumulate_dkdv(p, kern, L, t, tb, h, q0 + i0, rows, cols);
+            kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1); /* dQ += dS K */
         }
         if (!dkv_heads) {
             flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);
