@@ -186,13 +186,7 @@ int main(int argc, char **argv) {
         printf("no GPU: gpu_bwd skipped\n");
         return 0;
     }
-    flashc_context_t ctx = NULL;
-    CHECK_FC(NULL, flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0));
-    char name[256];
-    CHECK_FC(NULL, flashc_device_name(FLASHC_BACKEND_CUDA, 0, name, sizeof name));
-    printf("device: %s\n", name);
-    const flashc_case_memory mem = {dev_alloc, dev_free, to_device, to_host};
-    flashc_case_set_memory(&mem);
+    flashc_context_t ctx = gpu_test_context();
 
     run_table(ctx, !quick, 5000);
     if (!quick) {

@@ -6,6 +6,7 @@
 #define FLASHC_TESTS_GPU_COMMON_H
 
 #include "flashc.h"
+#include "ref/testkit.h"
 
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -45,6 +46,18 @@ static int to_device(void *d, const void *s, size_t n) {
 }
 static int to_host(void *d, const void *s, size_t n) {
     return cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost) == cudaSuccess ? 0 : -1;
+}
+
+/* A context on GPU 0 whose case runs allocate on the device; prints the device's name. Exits on failure. */
+static flashc_context_t gpu_test_context(void) {
+    flashc_context_t ctx = NULL;
+    CHECK_FC(NULL, flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0));
+    char name[256];
+    CHECK_FC(NULL, flashc_device_name(FLASHC_BACKEND_CUDA, 0, name, sizeof name));
+    printf("device: %s\n", name);
+    static const flashc_case_memory mem = {dev_alloc, dev_free, to_device, to_host};
+    flashc_case_set_memory(&mem);
+    return ctx;
 }
 
 #endif /* FLASHC_TESTS_GPU_COMMON_H */

@@ -245,13 +245,7 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
 
 int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
-    flashc_context_t ctx = NULL;
-    CHECK_FC(NULL, flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0));
-    char name[256];
-    CHECK_FC(NULL, flashc_device_name(FLASHC_BACKEND_CUDA, 0, name, sizeof name));
-    printf("device: %s\n", name);
-    const flashc_case_memory mem = {dev_alloc, dev_free, to_device, to_host};
-    flashc_case_set_memory(&mem);
+    flashc_context_t ctx = gpu_test_context();
 
     run_table(ctx, !quick, 1000);
     if (!quick) {
