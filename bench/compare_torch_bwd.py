@@ -36,7 +36,7 @@ def cuda_median_ms(fn, runs, warmup=3):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lens", default="1024,4096")
-    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
     dt = torch.bfloat16

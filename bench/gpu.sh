@@ -6,6 +6,7 @@
 #   bench/gpu.sh                  everything, the full benchmark sweep
 #   bench/gpu.sh --quick          the reduced benchmark (compare_torch.py --quick)
 #   bench/gpu.sh --no-test        build + benchmark only;   --no-sanitize, --no-bench likewise
+#   bench/gpu.sh --bwd            also the backward benchmark (compare_torch_bwd.py); --bwd-only: that one alone
 #   bench/gpu.sh --lab F.h ...    also build each tile-table variant F.h (bench/tiles/) and time it (flashc only)
 #   bench/gpu.sh -- ARGS          extra arguments for compare_torch.py
 # Each step has a time limit (GPU_TEST_LIMIT, SANITIZE_LIMIT, BENCH_LIMIT seconds) so that one call ends in time.
@@ -13,7 +14,7 @@ set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-$PWD/build-gpu/logs}
 mkdir -p "$LOG"
-quick=0 test=1 sanitize=1 bench=1
+quick=0 test=1 sanitize=1 bench=1 bwd=0
 bench_args=()
 lab=()
 lab_args=(--dtypes bf16 --dims ${LAB_DIMS:-64,128,256} --lens 1024,4096,16384 --no-memory --no-peers --runs 20)
@@ -23,6 +24,8 @@ while [ $# -gt 0 ]; do
     --no-test) test=0 ;;
     --no-sanitize) sanitize=0 ;;
     --no-bench) bench=0 ;;
+    --bwd) bwd=1 ;;
+    --bwd-only) bwd=1 bench=0 ;;
     --lab) while [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; do lab+=("$2"); shift; done ;;
     --) shift; bench_args=("$@"); break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -55,6 +58,7 @@ step configure "$LOG/configure.log" 120 cmake -S . -B build-gpu -DCMAKE_BUILD_TY
 if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
   grep -E "spill" "$LOG/build.log" | sort | uniq -c >"$LOG/spills.txt"
   gpu_fwd=$(find build-gpu -name gpu_fwd -type f -perm -u+x | head -1)
+  gpu_bwd=$(find build-gpu -name gpu_bwd -type f -perm -u+x | head -1)
   if [ $test = 1 ]; then
     step "ctest -L gpu" "$LOG/gpu_tests.log" "${GPU_TEST_LIMIT:-300}" bash -c "cd build-gpu && ctest -L gpu -V"
   fi
@@ -64,9 +68,19 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
     step "racecheck gpu_fwd --quick" "$LOG/racecheck.log" "${SANITIZE_LIMIT:-150}" \
       compute-sanitizer --tool racecheck --error-exitcode 3 "$gpu_fwd" --quick
   fi
+  if [ $sanitize = 1 ] && [ -n "$gpu_bwd" ]; then
+    step "memcheck gpu_bwd --quick" "$LOG/memcheck_bwd.log" "${SANITIZE_LIMIT:-150}" \
+      compute-sanitizer --tool memcheck --error-exitcode 3 "$gpu_bwd" --quick
+    step "racecheck gpu_bwd --quick" "$LOG/racecheck_bwd.log" "${SANITIZE_LIMIT:-150}" \
+      compute-sanitizer --tool racecheck --error-exitcode 3 "$gpu_bwd" --quick
+  fi
   if [ $bench = 1 ]; then
     step "compare_torch.py" "$LOG/bench.log" "${BENCH_LIMIT:-400}" env PYTHONUNBUFFERED=1 python3 bench/compare_torch.py \
       --lib build-gpu/libflashc.so "${bench_args[@]}"
+  fi
+  if [ $bwd = 1 ]; then
+    step "compare_torch_bwd.py" "$LOG/bench_bwd.log" "${BENCH_LIMIT:-400}" env PYTHONUNBUFFERED=1 \
+      FLASHC_LIBRARY=build-gpu/libflashc.so python3 bench/compare_torch_bwd.py ${BWD_ARGS:-}
   fi
   for f in ${lab[@]+"${lab[@]}"}; do
     name=$(basename "$f" .h)
@@ -83,13 +97,17 @@ echo "== $(head -1 "$LOG/machine.txt" >/dev/null; sed -n 2p "$LOG/machine.txt")"
 echo "== spills:"; cat "$LOG/spills.txt" 2>/dev/null
 echo "== gpu tests (failures and extras):"
 grep -E ": (FAIL|table|PASSED|FAILED|ok   (splitkv|determinism|n64k|over_2e31))|: +(splitkv|n64k|over)" "$LOG/gpu_tests.log" 2>/dev/null | cut -d' ' -f2- | tail -30
-for f in memcheck racecheck; do
+for f in memcheck racecheck memcheck_bwd racecheck_bwd; do
   [ -f "$LOG/$f.log" ] && echo "== $f: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$LOG/$f.log" | tr '\n' ' ')"
 done
 if [ -f "$LOG/bench.log" ]; then
   echo "== benchmark"
   sed -n '/^device:/p; /^peak memory/p; /^| dtype/,$p' "$LOG/bench.log"
   grep -E "Error|error" "$LOG/bench.log" | head -5
+fi
+if [ -f "$LOG/bench_bwd.log" ]; then
+  echo "== backward benchmark"
+  cat "$LOG/bench_bwd.log" | grep -v Warning | tail -40
 fi
 for f in ${lab[@]+"${lab[@]}"}; do
   name=$(basename "$f" .h)

@@ -20,9 +20,8 @@
  *   g++ -std=c++17 -O2 -Iinclude -Isrc -I<cuda>/include tests/emu_bwd_simt.cc <build>/libflashc_testkit.a
  *       <build>/libflashc.a -fopenmp -lpthread -lm
  */
-/* Own names for the two host entry points, so that a library built with CUDA (which has the real ones) links. */
-#define flashc_cuda_bwd_unsupported emu_bwd_unsupported
-#define flashc_cuda_bwd_workspace emu_bwd_workspace
+/* An own name for the host entry point, so that a library built with CUDA (which has the real one) links. */
+#define flashc_cuda_bwd_simt_unsupported emu_bwd_simt_unsupported
 #include "../src/cuda/bwd_simt.cu"
 
 #include "ref/testkit.h"
@@ -115,10 +114,20 @@ static int run_grid(const launch *l) {
 static int64_t g_launches;
 static int g_gpu_numerics;
 
+/* What the CUDA backward refuses before it picks a path (bwd_sm80.cu), then the baseline's own limits. */
+static const char *emu_bwd_unsupported(const flashc_problem *p) {
+    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
+    if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
+    return emu_bwd_simt_unsupported(p);
+}
+
+/* The baseline's workspace: D_i, one fp32 per (head, query row). */
+static size_t emu_bwd_workspace(const flashc_problem *p) { return (size_t)fc_bwd_rows(p) * p->H * sizeof(float); }
+
 static flashc_status emu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    const char *why = flashc_cuda_bwd_unsupported(p);
+    const char *why = emu_bwd_unsupported(p);
     if (why) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why);
-    const size_t ws = flashc_cuda_bwd_workspace(p);
+    const size_t ws = emu_bwd_workspace(p);
     if (ws > 0 && !workspace) return FLASHC_ERR(ctx, FLASHC_STATUS_INTERNAL, "no workspace for %zu bytes", ws);
     if (ws > 0) memset(workspace, 0xff, ws);
     fc_bwd_args a = fc_bwd_make_args(p, workspace);
@@ -167,14 +176,14 @@ static flashc_status emu_forward_bf16_operands(struct flashc_context *ctx, const
 
 static flashc_status emu_supported(struct flashc_context *ctx, const flashc_problem *p) {
     if (p->op == FLASHC_OP_BACKWARD) {
-        const char *why = flashc_cuda_bwd_unsupported(p);
+        const char *why = emu_bwd_unsupported(p);
         return why ? FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why) : FLASHC_STATUS_OK;
     }
     return flashc_cpu_ops.supported ? flashc_cpu_ops.supported(ctx, p) : FLASHC_STATUS_OK;
 }
 
 static size_t emu_workspace_size(struct flashc_context *ctx, const flashc_problem *p) {
-    return p->op == FLASHC_OP_BACKWARD ? flashc_cuda_bwd_workspace(p) : flashc_cpu_ops.workspace_size(ctx, p);
+    return p->op == FLASHC_OP_BACKWARD ? emu_bwd_workspace(p) : flashc_cpu_ops.workspace_size(ctx, p);
 }
 
 int main(int argc, char **argv) {

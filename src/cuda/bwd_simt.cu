@@ -400,17 +400,11 @@ static void fc_bwd_grids(const flashc_problem *p, int64_t *dvec_blocks, int64_t 
     *dq_blocks = (p->Nq + FC_BWD_BR - 1) / FC_BWD_BR * p->H * p->B;
 }
 
-const char *flashc_cuda_bwd_unsupported(const flashc_problem *p) {
-    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
-    if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
+const char *flashc_cuda_bwd_simt_unsupported(const flashc_problem *p) {
     int64_t g0, g1, g2;
     fc_bwd_grids(p, &g0, &g1, &g2);
     if (g0 > INT_MAX || g1 > INT_MAX || g2 > INT_MAX) return "problem too large for one CUDA backward launch";
     return NULL;
-}
-
-size_t flashc_cuda_bwd_workspace(const flashc_problem *p) {
-    return (size_t)fc_bwd_rows(p) * (size_t)p->H * sizeof(float);
 }
 
 static fc_bwd_tensor fc_bwd_view(const flashc_tensor *t) {
@@ -500,11 +494,9 @@ static cudaError_t fc_bwd_run_dtype(const flashc_problem *p, const fc_bwd_args &
     }
 }
 
-cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream) {
-    if (flashc_cuda_bwd_unsupported(p)) return cudaErrorInvalidValue;
-    if (flashc_cuda_bwd_workspace(p) > 0 && (!workspace || (uintptr_t)workspace % sizeof(float)))
-        return cudaErrorInvalidValue;
-    const fc_bwd_args a = fc_bwd_make_args(p, workspace);
+cudaError_t flashc_cuda_bwd_simt_launch(const flashc_problem *p, float *dvec, cudaStream_t stream) {
+    if (flashc_cuda_bwd_simt_unsupported(p)) return cudaErrorInvalidValue;
+    const fc_bwd_args a = fc_bwd_make_args(p, dvec);
     switch (p->dtype) {
     case FLASHC_DTYPE_F32: return fc_bwd_run_dtype<float>(p, a, stream);
     case FLASHC_DTYPE_F16: return fc_bwd_run_dtype<__half>(p, a, stream);

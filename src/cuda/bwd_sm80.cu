@@ -1,0 +1,285 @@
+/*
+ * bwd_sm80.cu - the CUDA backward's host side: which path runs a problem (the tensor-core kernels of
+ * bwd_sm80.cuh, or the CUDA-core baseline of bwd_simt.cu for what they do not take), the workspace, and the
+ * small kernels around the main ones: D_i = rowsum(dO o O) (which also clears the fp32 dQ sums) before, and the
+ * conversion of those sums into dq after.
+ *
+ * Launch order on the stream: fc_bwd_pre, then fc_bwd_kv_kernel (dK, dV; and dQ by atomics unless
+ * deterministic), then fc_bwd_dq_convert or, in deterministic mode, fc_bwd_q_kernel.
+ */
+#include "bwd.h"
+#include "bwd_sm80.h"
+#include "fwd_sm80.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The backward kernels compiled into this build: the forward's head-dim list (sources.cmake). */
+static const struct {
+    int d;
+    fc_bwd_entry fn;
+} bwd_entries[] = {
+#ifdef FLASHC_FWD_D32
+    {32, flashc_bwd_sm80_d32},
+#endif
+#ifdef FLASHC_FWD_D64
+    {64, flashc_bwd_sm80_d64},
+#endif
+#ifdef FLASHC_FWD_D96
+    {96, flashc_bwd_sm80_d96},
+#endif
+#ifdef FLASHC_FWD_D128
+    {128, flashc_bwd_sm80_d128},
+#endif
+#ifdef FLASHC_FWD_D160
+    {160, flashc_bwd_sm80_d160},
+#endif
+#ifdef FLASHC_FWD_D192
+    {192, flashc_bwd_sm80_d192},
+#endif
+#ifdef FLASHC_FWD_D256
+    {256, flashc_bwd_sm80_d256},
+#endif
+    {0, NULL}};
+
+/* Lengths the kernels index with 32-bit arithmetic (sums of two stay below 2^31). */
+#define BWD_MAX_LEN (INT64_C(1) << 29)
+
+static int64_t bwd_rows(const flashc_problem *p) { return p->varlen ? p->total_q : p->B * p->Nq; }
+
+static int bwd_entry_index(int64_t D) {
+    for (int i = 0; bwd_entries[i].fn; i++)
+        if (D <= bwd_entries[i].d) return i;
+    return -1;
+}
+
+/* D_i's share of the workspace, rounded up so that the dQ sums after it start 16-byte aligned. */
+static size_t bwd_dvec_bytes(const flashc_problem *p) {
+    return ((size_t)bwd_rows(p) * (size_t)p->H * sizeof(float) + 15) / 16 * 16;
+}
+
+static int head_dim_unit(const flashc_tensor *t, int64_t D) { return D <= 1 || t->stride[3] == 1; }
+
+static int rows_aligned16(const flashc_tensor *t, int skip_batch) {
+    if ((uintptr_t)t->data % 16) return 0;
+    for (int d = skip_batch ? 1 : 0; d < 3; d++)
+        if (t->shape[d] > 1 && t->stride[d] % 8) return 0;
+    return 1;
+}
+
+/* Whether the tensor-core kernels take p: a compiled head dim, the head dim contiguous in the inputs they load
+ * as tiles, 32-bit lengths, grids within one launch, and shared memory this GPU can give. */
+static int bwd_tensor_cores(const flashc_problem *p) {
+    const char *env = getenv("FLASHC_CUDA_BWD");
+    if (env && strcmp(env, "simt") == 0) return 0;
+    const int e = bwd_entry_index(p->D);
+    if (e < 0) return 0;
+    if (!head_dim_unit(&p->q, p->D) || !head_dim_unit(&p->k, p->D) || !head_dim_unit(&p->v, p->D) ||
+        !head_dim_unit(&p->dout, p->D))
+        return 0;
+    if (p->Nq > BWD_MAX_LEN || p->Nk > BWD_MAX_LEN || p->total_q > BWD_MAX_LEN * 8 || p->total_k > BWD_MAX_LEN * 8)
+        return 0;
+    const fc_btile t = fc_btile_for(bwd_entries[e].d);
+    const int64_t rh = bwd_rows(p) * p->H;
+    if ((p->Nk + t.bk - 1) / t.bk * p->Hkv * p->B > INT_MAX || (p->Nq + t.qbr - 1) / t.qbr * p->H * p->B > INT_MAX ||
+        (rh + 7) / 8 > INT_MAX || (rh * p->D + 255) / 256 > INT_MAX)
+        return 0;
+    flashc_bwd_args a;
+    memset(&a, 0, sizeof a);
+    a.bf16 = p->dtype != FLASHC_DTYPE_F16;
+    size_t smem = 0;
+    if (bwd_entries[e].fn(&a, NULL, 2, &smem) != cudaSuccess) {
+        cudaGetLastError(); /* a GPU with less shared memory than the tile needs: the baseline runs it */
+        return 0;
+    }
+    return 1;
+}
+
+const char *flashc_cuda_bwd_unsupported(const flashc_problem *p) {
+    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
+    if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
+    if (bwd_tensor_cores(p)) return NULL;
+    return flashc_cuda_bwd_simt_unsupported(p);
+}
+
+const char *flashc_cuda_bwd_path(const flashc_problem *p) {
+    return bwd_tensor_cores(p) ? "tensor cores (mma.sync)" : "CUDA cores";
+}
+
+size_t flashc_cuda_bwd_workspace(const flashc_problem *p) {
+    size_t bytes = bwd_dvec_bytes(p);
+    if (!p->deterministic) bytes += (size_t)bwd_rows(p) * (size_t)p->H * (size_t)p->D * sizeof(float);
+    return bytes;
+}
+
+/* ---- the kernels around the main ones ------------------------------------------------------------------ */
+
+/* A strided (B, N, heads, D) view for the element-wise kernels. */
+typedef struct bwd_view {
+    void *data;
+    int64_t sb, sn, sh, sd;
+} bwd_view;
+
+typedef struct bwd_pre_args {
+    bwd_view o, g, dq;
+    int64_t rows, total_q;
+    int H, D, Nq, varlen, dtype;
+    float scale;
+    float *dvec, *dq_acc;
+} bwd_pre_args;
+
+static __device__ __forceinline__ float bwd_load(const void *p, int64_t i, int dtype) {
+    if (dtype == FLASHC_DTYPE_F32) return ((const float *)p)[i];
+    if (dtype == FLASHC_DTYPE_F16) return __half2float(((const __half *)p)[i]);
+    return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+}
+
+/* Element (row r of the packed rows, head h) of a view: varlen rows are the tensor's N index, otherwise
+ * r = b Nq + n. */
+static __device__ __forceinline__ int64_t bwd_at(const bwd_view &v, const bwd_pre_args &a, int64_t r, int h) {
+    return a.varlen ? r * v.sn + (int64_t)h * v.sh : (r / a.Nq) * v.sb + (r % a.Nq) * v.sn + (int64_t)h * v.sh;
+}
+
+/* One warp per (row, head), x = row H + h: D_i = sum_d dO o O in fp32 (lanes over d, then a fixed-order shuffle
+ * tree, so it is reproducible), and the row's dQ sums cleared when there are any. */
+__global__ void __launch_bounds__(256) fc_bwd_pre(const __grid_constant__ bwd_pre_args a) {
+    const int64_t x = (int64_t)blockIdx.x * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (x >= a.rows * a.H) return;
+    const int64_t r = x / a.H;
+    const int h = (int)(x % a.H);
+    const int64_t oo = bwd_at(a.o, a, r, h), og = bwd_at(a.g, a, r, h);
+    float acc = 0.f;
+    for (int d = lane; d < a.D; d += 32)
+        acc += bwd_load(a.o.data, oo + d * a.o.sd, a.dtype) * bwd_load(a.g.data, og + d * a.g.sd, a.dtype);
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (lane == 0) {
+        const int64_t idx = a.varlen ? (int64_t)h * a.total_q + r : ((r / a.Nq) * a.H + h) * a.Nq + r % a.Nq;
+        a.dvec[idx] = acc;
+    }
+    if (a.dq_acc)
+        for (int d = lane; d < a.D; d += 32) a.dq_acc[x * a.D + d] = 0.f;
+}
+
+/* dq = scale x the fp32 sums, in dq's dtype and strides; one thread per element. */
+__global__ void __launch_bounds__(256) fc_bwd_dq_convert(const __grid_constant__ bwd_pre_args a) {
+    const int64_t x = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    if (x >= a.rows * a.H * a.D) return;
+    const int d = (int)(x % a.D);
+    const int64_t rh = x / a.D;
+    const int64_t off = bwd_at(a.dq, a, rh / a.H, (int)(rh % a.H)) + d * a.dq.sd;
+    const float v = a.scale * a.dq_acc[x];
+    if (a.dtype == FLASHC_DTYPE_F32) ((float *)a.dq.data)[off] = v;
+    else if (a.dtype == FLASHC_DTYPE_F16) ((__half *)a.dq.data)[off] = __float2half_rn(v);
+    else ((__nv_bfloat16 *)a.dq.data)[off] = __float2bfloat16_rn(v);
+}
+
+/* ---- launch -------------------------------------------------------------------------------------------- */
+
+static bwd_view view_of(const flashc_tensor *t) {
+    bwd_view v;
+    v.data = t->data;
+    v.sb = t->stride[0], v.sn = t->stride[1], v.sh = t->stride[2], v.sd = t->stride[3];
+    return v;
+}
+
+static int clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 : (int)(w < limit ? w : limit); }
+
+static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, float *dq_acc, flashc_bwd_args *a) {
+    memset(a, 0, sizeof *a);
+    a->q = p->q.data, a->k = p->k.data, a->v = p->v.data, a->dout = p->dout.data;
+    a->dq = p->dq.data, a->dk = p->dk.data, a->dv = p->dv.data;
+    a->lse = p->lse, a->dvec = dvec, a->dq_acc = dq_acc;
+    a->q_sb = p->q.stride[0], a->q_sn = p->q.stride[1], a->q_sh = p->q.stride[2];
+    a->k_sb = p->k.stride[0], a->k_sn = p->k.stride[1], a->k_sh = p->k.stride[2];
+    a->v_sb = p->v.stride[0], a->v_sn = p->v.stride[1], a->v_sh = p->v.stride[2];
+    a->g_sb = p->dout.stride[0], a->g_sn = p->dout.stride[1], a->g_sh = p->dout.stride[2];
+    a->dq_sb = p->dq.stride[0], a->dq_sn = p->dq.stride[1], a->dq_sh = p->dq.stride[2], a->dq_sd = p->dq.stride[3];
+    a->dk_sb = p->dk.stride[0], a->dk_sn = p->dk.stride[1], a->dk_sh = p->dk.stride[2], a->dk_sd = p->dk.stride[3];
+    a->dv_sb = p->dv.stride[0], a->dv_sn = p->dv.stride[1], a->dv_sh = p->dv.stride[2], a->dv_sd = p->dv.stride[3];
+    a->B = (int)p->B, a->H = (int)p->H, a->Hkv = (int)p->Hkv, a->Nq = (int)p->Nq, a->Nk = (int)p->Nk;
+    a->D = (int)p->D;
+    a->total_q = bwd_rows(p);
+    a->varlen = p->varlen;
+    a->cu_q = p->cu_q, a->cu_k = p->cu_k;
+    const float log2e = 1.4426950408889634f;
+    a->scale = p->scale;
+    if (p->softcap > 0) {
+        a->score_mul = p->scale / p->softcap;
+        a->softcap2 = p->softcap * log2e;
+    } else {
+        a->score_mul = p->scale * log2e;
+    }
+    a->win_left = clamp_window(p->win_left, p->Nq + p->Nk);
+    a->win_right = clamp_window(p->win_right, p->Nq + p->Nk);
+    a->alibi = p->alibi, a->alibi_bs = p->alibi_batch_stride;
+    if (p->block_mask) {
+        a->bm = p->block_mask;
+        a->bm_q = (int)(p->bm_q < p->Nq ? p->bm_q : (p->Nq > 0 ? p->Nq : 1));
+        a->bm_k = (int)(p->bm_k < p->Nk ? p->bm_k : (p->Nk > 0 ? p->Nk : 1));
+        a->bm_batch = (int)p->bm_batch, a->bm_heads = (int)p->bm_heads;
+        a->bm_nqb = (int)p->bm_nqb, a->bm_nkb = (int)p->bm_nkb;
+    }
+    const int f32 = p->dtype == FLASHC_DTYPE_F32;
+    a->bf16 = p->dtype != FLASHC_DTYPE_F16;
+    a->out_dtype = p->dtype;
+    if (f32)
+        a->in_mode = FC_IN_F32;
+    else if (p->D % 8 == 0 && rows_aligned16(&p->q, p->varlen) && rows_aligned16(&p->k, p->varlen) &&
+             rows_aligned16(&p->v, p->varlen) && rows_aligned16(&p->dout, p->varlen))
+        a->in_mode = FC_IN_ASYNC16;
+    else
+        a->in_mode = FC_IN_ELEM16;
+    a->n_kblk = (int)((p->Nk + t.bk - 1) / t.bk);
+    a->n_qblk = (int)((p->Nq + t.qbr - 1) / t.qbr);
+}
+
+cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream) {
+    if (flashc_cuda_bwd_unsupported(p)) return cudaErrorInvalidValue;
+    if (flashc_cuda_bwd_workspace(p) > 0 && (!workspace || (uintptr_t)workspace % sizeof(float)))
+        return cudaErrorInvalidValue;
+    float *dvec = (float *)workspace;
+    if (!bwd_tensor_cores(p)) return flashc_cuda_bwd_simt_launch(p, dvec, stream);
+
+    const int e = bwd_entry_index(p->D);
+    const fc_btile t = fc_btile_for(bwd_entries[e].d);
+    float *dq_acc = p->deterministic ? NULL : (float *)((char *)workspace + bwd_dvec_bytes(p));
+    flashc_bwd_args a;
+    make_args(p, t, dvec, dq_acc, &a);
+
+    bwd_pre_args pa;
+    memset(&pa, 0, sizeof pa);
+    pa.o = view_of(&p->out), pa.g = view_of(&p->dout), pa.dq = view_of(&p->dq);
+    pa.rows = bwd_rows(p), pa.total_q = a.total_q;
+    pa.H = a.H, pa.D = a.D, pa.Nq = a.Nq, pa.varlen = a.varlen, pa.dtype = p->dtype;
+    pa.scale = p->scale;
+    pa.dvec = dvec, pa.dq_acc = dq_acc;
+
+    cudaError_t err;
+    const int64_t pre_blocks = (pa.rows * pa.H + 7) / 8;
+    if (pre_blocks > 0) {
+        fc_bwd_pre<<<(unsigned)pre_blocks, 256, 0, stream>>>(pa);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
+    if ((int64_t)a.n_kblk * a.Hkv * a.B > 0) {
+        size_t smem;
+        if ((err = bwd_entries[e].fn(&a, stream, 2, &smem)) != cudaSuccess) return err;
+        if ((err = bwd_entries[e].fn(&a, stream, 0, NULL)) != cudaSuccess) return err;
+    }
+    if (p->deterministic) {
+        if ((int64_t)a.n_qblk * a.H * a.B > 0 && (err = bwd_entries[e].fn(&a, stream, 1, NULL)) != cudaSuccess)
+            return err;
+    } else {
+        const int64_t n = pa.rows * pa.H * pa.D;
+        if (n > 0) {
+            fc_bwd_dq_convert<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(pa);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        }
+    }
+    return cudaSuccess;
+}
