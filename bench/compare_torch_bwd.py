@@ -40,8 +40,8 @@ def main():
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
     dt = torch.bfloat16
-    print("%4s %6s %6s | %10s %10s %10s | %8s %8s   (backward TFLOP/s)" %
-          ("D", "N", "causal", "flashc", "torch-fa", "cuDNN", "/fa", "/cuDNN"))
+    print("%4s %6s %6s | %10s %10s %10s %10s | %8s %8s   (backward TFLOP/s; det: deterministic mode)" %
+          ("D", "N", "causal", "flashc", "flashc-det", "torch-fa", "cuDNN", "/fa", "/cuDNN"))
     for d in (int(x) for x in args.dims.split(",")):
         for n in (int(x) for x in args.lens.split(",")):
             for causal in (False, True):
@@ -50,6 +50,8 @@ def main():
                 g = torch.randn(B, n, H, d, device="cuda", dtype=dt)
                 out, lse = flashc.attention(q, k, v, causal=causal)
                 t_f = cuda_median_ms(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal), args.runs)
+                t_d = cuda_median_ms(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal,
+                                                                       deterministic=True), args.runs)
                 qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
                 gt = g.transpose(1, 2)
                 peers = []
@@ -64,8 +66,9 @@ def main():
                         peers.append(float("nan"))
                 flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
                 tf = lambda ms: flops / (ms * 1e-3) * 1e-12  # noqa: E731
-                print("%4d %6d %6d | %10.1f %10.1f %10.1f | %7.2fx %7.2fx" %
-                      (d, n, int(causal), tf(t_f), tf(peers[0]), tf(peers[1]), peers[0] / t_f, peers[1] / t_f))
+                print("%4d %6d %6d | %10.1f %10.1f %10.1f %10.1f | %7.2fx %7.2fx" %
+                      (d, n, int(causal), tf(t_f), tf(t_d), tf(peers[0]), tf(peers[1]), peers[0] / t_f,
+                       peers[1] / t_f))
                 del q, k, v, g, out, lse, qt, kt, vt, o
 
 

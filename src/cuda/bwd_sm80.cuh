@@ -33,6 +33,16 @@ static __device__ __forceinline__ void fc_cp_async4(uint32_t dst, const void *sr
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+/* dst[0] += x, dst[1] += y in global memory, unordered (fp32 atomics; one vector reduction on sm_90). */
+static __device__ __forceinline__ void fc_red_add2(float *dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(dst, x);
+    atomicAdd(dst + 1, y);
+#endif
+}
+
 /* Rows [i0, i0 + R) of a (lse-shaped) per-row fp32 vector into shared memory, zero past nrows. */
 template <int R, int NT>
 static __device__ __forceinline__ void fc_load_rowvec(float *s, const float *g, int nrows, int tid) {
@@ -186,7 +196,7 @@ static __device__ __forceinline__ void fc_bwd_store2(void *base, int64_t off, in
  * [16 mt (w / ds), 16 mt (w / ds + 1)) of the tile and columns [d/ds (w % ds), d/ds (w % ds + 1)) of dK, dV.
  */
 template <int D, int BF>
-__global__ void __launch_bounds__(fc_btile_for(D).nw * 32, 1) fc_bwd_kv_kernel(const __grid_constant__ flashc_bwd_args a) {
+__global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb) fc_bwd_kv_kernel(const __grid_constant__ flashc_bwd_args a) {
     constexpr fc_btile TL = fc_btile_for(D);
     constexpr int BK = TL.bk, BQ = TL.bq, NW = TL.nw, DS = TL.ds, NT = NW * 32;
     constexpr int NG = NW / DS, MT = BK / (16 * NG);
@@ -301,28 +311,46 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, 1) fc_bwd_kv_kernel(c
         }
         const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
         const float *lrow = sL + slot * BQ, *drow = sDv + slot * BQ;
+        if (!need_mask && a.softcap2 == 0.f && !a.alibi) {
+            /* Inside the band, no softcap or ALiBi: P = 2^(s c - lse2) by one FFMA and the exponent. */
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int ci = nt * 8 + tig * 2 + e, i = i0 + ci;
-                const float lse2 = lrow[ci] * FC_LOG2E, dvec = drow[ci];
+            for (int nt = 0; nt < BQ / 8; ++nt) {
+                const float2 l2 = *(const float2 *)(lrow + nt * 8 + tig * 2);
+                const float2 d2 = *(const float2 *)(drow + nt * 8 + tig * 2);
+                const float nl[2] = {-l2.x * FC_LOG2E, -l2.y * FC_LOG2E}, dd[2] = {d2.x, d2.y};
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int j = j0 + wk0 + mt * 16 + g + hf * 8;
-                        bool vis = true;
-                        if (need_mask) {
-                            vis = i < nq && j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) &&
-                                  (a.win_right < 0 || j <= i + diag + a.win_right);
-                            if (part && vis) vis = bmrow[(int64_t)(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
-                        }
-                        const float al = a.alibi ? slope2 * fabsf((float)(i + diag - j)) : 0.f;
-                        fc_bwd_elem(s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2, dvec, a.score_mul,
-                                    a.softcap2, al, vis);
+                    for (int x = 0; x < 4; ++x) {
+                        const float p = fc_exp2(fmaf(s[mt][nt][x], a.score_mul, nl[x & 1]));
+                        s[mt][nt][x] = p;
+                        dp[mt][nt][x] = p * (dp[mt][nt][x] - dd[x & 1]);
                     }
             }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int ci = nt * 8 + tig * 2 + e, i = i0 + ci;
+                    const float lse2 = lrow[ci] * FC_LOG2E, dvec = drow[ci];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int hf = 0; hf < 2; ++hf) {
+                            const int j = j0 + wk0 + mt * 16 + g + hf * 8;
+                            bool vis = true;
+                            if (need_mask) {
+                                vis = i < nq && j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) &&
+                                      (a.win_right < 0 || j <= i + diag + a.win_right);
+                                if (part && vis) vis = bmrow[(int64_t)(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
+                            }
+                            const float al = a.alibi ? slope2 * fabsf((float)(i + diag - j)) : 0.f;
+                            fc_bwd_elem(s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2, dvec, a.score_mul,
+                                        a.softcap2, al, vis);
+                        }
+                }
+        }
 
         /* dV += P^T dO, dK += dS^T Q over the tile's queries, this warp's columns. */
         fc_bwd_acc_product<BF, MT, KQ, DW / 16>(dv, s, sGt + slot * BQ * ROWB, ROWB);
@@ -381,8 +409,12 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, 1) fc_bwd_kv_kernel(c
 #pragma unroll
                     for (int n = 0; n < 2; ++n) {
                         const int col = c16 * 16 + n * 8 + tig * 2;
-                        if (col < a.D) atomicAdd(dst + col, acc[ch][n][2 * hf]);
-                        if (col + 1 < a.D) atomicAdd(dst + col + 1, acc[ch][n][2 * hf + 1]);
+                        if (col + 1 < a.D && a.D % 2 == 0) /* 8-byte aligned pair */
+                            fc_red_add2(dst + col, acc[ch][n][2 * hf], acc[ch][n][2 * hf + 1]);
+                        else {
+                            if (col < a.D) atomicAdd(dst + col, acc[ch][n][2 * hf]);
+                            if (col + 1 < a.D) atomicAdd(dst + col + 1, acc[ch][n][2 * hf + 1]);
+                        }
                     }
                 }
             }
@@ -418,7 +450,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, 1) fc_bwd_kv_kernel(c
  * rows first). Block: qnw warps, warp w owns query rows [16 w, 16 w + 16) and all of dQ's columns for them.
  */
 template <int D, int BF>
-__global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, 1) fc_bwd_q_kernel(const __grid_constant__ flashc_bwd_args a) {
+__global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qminb) fc_bwd_q_kernel(const __grid_constant__ flashc_bwd_args a) {
     constexpr fc_btile TL = fc_btile_for(D);
     constexpr int BR = TL.qbr, BC = TL.qbc, NW = TL.qnw, NT = NW * 32, MT = BR / (16 * NW);
     constexpr int ROW = fc_smem_row(D), ROWB = ROW * 2, KD = D / 16, KC = BC / 16;
@@ -527,27 +559,40 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, 1) fc_bwd_q_kernel(c
 
         const bool need_mask = part || j0 + BC > nk || (a.win_left >= 0 && j0 < ilast + diag - a.win_left) ||
                                (a.win_right >= 0 && j0 + BC - 1 > i0 + diag + a.win_right);
+        if (!need_mask && a.softcap2 == 0.f && !a.alibi) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int i = i0 + wr0 + mt * 16 + g + hf * 8;
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < BC / 8; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int j = j0 + nt * 8 + tig * 2 + e;
-                        bool vis = true;
-                        if (need_mask) {
-                            vis = j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) &&
-                                  (a.win_right < 0 || j <= i + diag + a.win_right);
-                            if (part && vis && i < nq) vis = bmrow[(int64_t)(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
-                        }
-                        const float al = a.alibi ? slope2 * fabsf((float)(i + diag - j)) : 0.f;
-                        fc_bwd_elem(s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2[mt][hf], dvr[mt][hf],
-                                    a.score_mul, a.softcap2, al, vis);
+                    for (int x = 0; x < 4; ++x) {
+                        const float p = fc_exp2(fmaf(s[mt][nt][x], a.score_mul, -lse2[mt][x >> 1]));
+                        s[mt][nt][x] = p;
+                        dp[mt][nt][x] = p * (dp[mt][nt][x] - dvr[mt][x >> 1]);
                     }
-            }
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = i0 + wr0 + mt * 16 + g + hf * 8;
+#pragma unroll
+                    for (int nt = 0; nt < BC / 8; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = j0 + nt * 8 + tig * 2 + e;
+                            bool vis = true;
+                            if (need_mask) {
+                                vis = j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) &&
+                                      (a.win_right < 0 || j <= i + diag + a.win_right);
+                                if (part && vis && i < nq) vis = bmrow[(int64_t)(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
+                            }
+                            const float al = a.alibi ? slope2 * fabsf((float)(i + diag - j)) : 0.f;
+                            fc_bwd_elem(s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2[mt][hf], dvr[mt][hf],
+                                        a.score_mul, a.softcap2, al, vis);
+                        }
+                }
+        }
         /* dQ += dS K over the tile's keys. */
         fc_bwd_acc_product<BF, MT, KC, D / 16>(dq, dp, sKt + slot * BC * ROWB, ROWB);
     }

@@ -46,34 +46,37 @@ typedef struct flashc_bwd_args {
  * at a time; its nw warps split the keys into nw / ds groups of 16 mt keys, and ds warps share a group, each
  * keeping d / ds columns of dK and dV (ds > 1 where a warp cannot hold whole rows: d > 128). dQ kernel
  * (deterministic mode): one block owns qbr query rows (16 per warp, qnw warps) and walks the keys qbc at a time.
+ * minb / qminb: blocks per SM the register allocation of each kernel must allow. Measured on H200 (bench/RESULTS.md,
+ * bench/bwd_lab.sh with bench/tiles/bwd_*.h): d 64 takes 32-query steps and two blocks per SM (+0-15%, most on
+ * short causal rows); 32-query steps at d 128 cost 5-10%.
  */
 typedef struct fc_btile {
-    int d, bk, bq, nw, ds, qbr, qbc, qnw;
+    int d, bk, bq, nw, ds, minb, qbr, qbc, qnw, qminb;
 } fc_btile;
 
 #ifdef FLASHC_CUDA_TILES_FILE
 #include FLASHC_CUDA_TILES_FILE
 #endif
 #ifndef FC_BTILE_32
-#define FC_BTILE_32 fc_btile{32, 128, 64, 8, 1, 64, 64, 4}
+#define FC_BTILE_32 fc_btile{32, 128, 64, 8, 1, 1, 64, 64, 4, 1}
 #endif
 #ifndef FC_BTILE_64
-#define FC_BTILE_64 fc_btile{64, 128, 64, 8, 1, 64, 64, 4}
+#define FC_BTILE_64 fc_btile{64, 128, 32, 8, 1, 2, 64, 64, 4, 1}
 #endif
 #ifndef FC_BTILE_96
-#define FC_BTILE_96 fc_btile{96, 128, 64, 8, 1, 64, 64, 4}
+#define FC_BTILE_96 fc_btile{96, 128, 64, 8, 1, 1, 64, 64, 4, 1}
 #endif
 #ifndef FC_BTILE_128
-#define FC_BTILE_128 fc_btile{128, 128, 64, 8, 1, 64, 64, 4}
+#define FC_BTILE_128 fc_btile{128, 128, 64, 8, 1, 1, 64, 64, 4, 1}
 #endif
 #ifndef FC_BTILE_160
-#define FC_BTILE_160 fc_btile{160, 64, 32, 8, 2, 64, 32, 4}
+#define FC_BTILE_160 fc_btile{160, 64, 32, 8, 2, 1, 64, 32, 4, 1}
 #endif
 #ifndef FC_BTILE_192
-#define FC_BTILE_192 fc_btile{192, 64, 32, 8, 2, 64, 32, 4}
+#define FC_BTILE_192 fc_btile{192, 64, 32, 8, 2, 1, 64, 32, 4, 1}
 #endif
 #ifndef FC_BTILE_256
-#define FC_BTILE_256 fc_btile{256, 64, 32, 8, 2, 64, 32, 4}
+#define FC_BTILE_256 fc_btile{256, 64, 32, 8, 2, 1, 64, 32, 4, 1}
 #endif
 
 __host__ __device__ constexpr fc_btile fc_btile_for(int d) {

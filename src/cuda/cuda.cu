@@ -1,12 +1,14 @@
 /*
  * cuda.cu - the CUDA backend: device set-up, what the GPU kernels support, workspace, and the dispatch of a
- * validated problem to the forward kernel of the smallest compiled head dim that holds it (fwd_sm80.cuh).
+ * validated problem to the forward kernel of the smallest compiled head dim that holds it (fwd_sm80.cuh), or on
+ * an sm_90 GPU to the Hopper kernel (fwd_sm90.cu) when it takes the configuration.
  * Host code only, C style. Every CUDA call and every launch is checked; failures come back as
  * FLASHC_STATUS_DEVICE_ERROR (OUT_OF_MEMORY for allocations) with the CUDA error text, never an abort.
  */
 #include "../internal.h"
 #include "bwd.h"
 #include "fwd_sm80.h"
+#include "fwd_sm90.h"
 
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -18,6 +20,8 @@ typedef struct cuda_state {
     int sm_count;
     size_t smem_optin;      /* shared memory a block may opt in to */
     int pools;              /* stream-ordered allocation (cudaMallocAsync) available */
+    int fwd_sm90;           /* the Hopper forward runs here (and FLASHC_CUDA_FWD=sm80 did not turn it off) */
+    int log_fwd;            /* FLASHC_CUDA_LOG=1: each forward names its kernel on stderr */
     /* per forward entry and operand type (f16, bf16), asked once: the kernel's tile and resident blocks per SM */
     int info_known[8][2];
     fc_tile tile[8][2];
@@ -116,6 +120,11 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
     s->sm_count = prop.multiProcessorCount;
     s->smem_optin = prop.sharedMemPerBlockOptin;
     s->pools = pools;
+    /* FLASHC_CUDA_FWD=sm80 keeps every forward on the Ampere-class kernel, so that tests can compare the two. */
+    const char *fwd = getenv("FLASHC_CUDA_FWD");
+    s->fwd_sm90 = !(fwd && !strcmp(fwd, "sm80")) && flashc_fwd_sm90_available(ctx->device);
+    const char *log = getenv("FLASHC_CUDA_LOG");
+    s->log_fwd = log && !strcmp(log, "1");
     ctx->backend_state = s;
     ctx->stream = NULL;
     return FLASHC_STATUS_OK;
@@ -253,12 +262,11 @@ static void cuda_workspace_free(struct flashc_context *ctx, void *ptr) {
 
 static int clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 : (int)(w < limit ? w : limit); }
 
-static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(cuda_supported(ctx, p));
-    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+/* The kernel arguments of a problem cuda_supported accepted; returns its forward entry. With more than one split
+ * the partials go to workspace (NULL in a query: then only a.nsplit tells). */
+static int fwd_args(struct flashc_context *ctx, const flashc_problem *p, void *workspace, flashc_fwd_args *out) {
     const int e = fwd_entry_index(p->D);
     const fc_tile t = state_of(ctx)->tile[e][p->dtype != FLASHC_DTYPE_F16]; /* known since cuda_supported */
-
     flashc_fwd_args a;
     memset(&a, 0, sizeof a);
     a.q = p->q.data;
@@ -306,16 +314,53 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     a.out_vec = !f32 && p->D % 8 == 0 && rows_aligned16(&p->out, p->varlen);
     a.n_mblk = (int)((p->Nq + t.br - 1) / t.br);
     a.nsplit = fwd_splits(ctx, p, e);
-    if (a.nsplit > 1) {
-        if (!workspace) a.nsplit = 1; /* cannot happen through the front, which sizes the workspace first */
-        else {
-            a.ws_o = (float *)workspace;
-            a.ws_lse = a.ws_o + (int64_t)a.nsplit * a.H * a.total_q * a.D;
-        }
+    if (a.nsplit > 1 && workspace) {
+        a.ws_o = (float *)workspace;
+        a.ws_lse = a.ws_o + (int64_t)a.nsplit * a.H * a.total_q * a.D;
     }
+    *out = a;
+    return e;
+}
+
+/* The forward kernels, in the order of fwd_path_names. */
+typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90 } fwd_path;
+static const char *const fwd_path_names[] = {"sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine",
+                                             "sm90 (wgmma, TMA, warp-specialized)"};
+
+/* Split-KV stays on the Ampere-class kernel and its combine; the Hopper kernel takes what it supports. */
+static fwd_path fwd_choose(struct flashc_context *ctx, const flashc_fwd_args *a, int e) {
+    if (a->nsplit > 1) return FWD_SM80_SPLIT;
+    if (state_of(ctx)->fwd_sm90 && flashc_fwd_sm90_supports(a, fwd_entries[e].d)) return FWD_SM90;
+    return FWD_SM80;
+}
+
+/* Which kernel the forward of p runs on, as a short static string (for `flashc info` and verbose output); NULL
+ * when the CUDA backend does not take p (the reason is then recorded on ctx). */
+extern "C" const char *flashc_cuda_fwd_path(struct flashc_context *ctx, const flashc_problem *p) {
+    if (cuda_supported(ctx, p) != FLASHC_STATUS_OK || p->op != FLASHC_OP_FORWARD) return NULL;
+    flashc_fwd_args a;
+    const int e = fwd_args(ctx, p, NULL, &a);
+    return fwd_path_names[fwd_choose(ctx, &a, e)];
+}
+
+static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
+    FLASHC_TRY(cuda_supported(ctx, p));
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    flashc_fwd_args a;
+    const int e = fwd_args(ctx, p, workspace, &a);
+    if (a.nsplit > 1 && !workspace) a.nsplit = 1; /* cannot happen through the front, which sizes it first */
     if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
 
+    const fwd_path path = fwd_choose(ctx, &a, e);
+    if (state_of(ctx)->log_fwd)
+        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s\n", a.B, a.Nq, a.Nk, a.H,
+                a.Hkv, a.D, fwd_path_names[path]);
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
+    if (path == FWD_SM90) {
+        const cudaError_t err = flashc_fwd_sm90_launch(&a, stream);
+        if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
+        return FLASHC_STATUS_OK;
+    }
     cudaError_t err = fwd_entries[e].fn(&a, stream, 0, NULL, NULL);
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel launch");
     if (a.nsplit > 1) {

@@ -1,0 +1,36 @@
+#!/usr/bin/env python3
+"""One flashc forward and backward on the GPU at a sweep shape, for profilers (ncu, nsys, compute-sanitizer).
+
+    FLASHC_LIBRARY=build-gpu/libflashc.so PYTHONPATH=python ncu -k regex:fc_bwd python3 bench/run_once.py --d 128 --n 4096
+
+Shape: hidden 2048 (H = 2048 / D), B = 16384 / N, bf16, as in the CONVENTIONS.md sweep.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import flashc  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    H, B = 2048 // args.d, 16384 // args.n
+    q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for _ in range(args.repeat):
+        out, lse = flashc.attention(q, k, v, causal=args.causal)
+        flashc.attention_backward(g, q, k, v, out, lse, causal=args.causal, deterministic=args.deterministic)
+    torch.cuda.synchronize()
+    print("ran B %d N %d H %d D %d causal %d" % (B, args.n, H, args.d, args.causal))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,607 @@
+/*
+ * fwd_sm90.cu - the attention forward on Hopper (sm_90a): wgmma tensor-core products, TMA loads completing on
+ * mbarriers, and warp specialization. The Ampere-class kernel (fwd_sm80.cuh) stays the fallback for everything
+ * this one does not take (fwd_sm90.h lists it) and for every other GPU.
+ *
+ * Algorithm: FlashAttention-3 forward (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao 2024, "FlashAttention-3:
+ * Fast and Accurate Attention with Asynchrony and Low-precision"), section 3.1: producer-consumer warp
+ * specialization with a circular buffer of K/V tiles, without yet the section 3.1 ping-pong between consumer
+ * warpgroups or the section 3.2 intra-warpgroup overlap of softmax and GEMMs. The online softmax is
+ * FlashAttention-2's, in base 2, exactly as in fwd_sm80.cuh.
+ *
+ * Block: 3 warpgroups (384 threads) per (query tile of 128 rows, head, sequence). Warpgroup 0 is the producer:
+ * it gives registers back (setmaxnreg.dec to 24) and one thread issues the TMA loads: Q once, then K and V
+ * tiles of 128 keys into a ring of 2 stages. Warpgroups 1 and 2 are consumers (setmaxnreg.inc to 240), each
+ * owning 64 query rows: per key tile, S = Q K^T by wgmma m64n128k16 with Q and K in shared memory, masks and
+ * the online softmax on the S accumulators, P rounded to 16 bits straight into wgmma's A-register fragment,
+ * and O += P V by wgmma m64n{64,128}k16 with V in shared memory read N-major (transpose bit), since V is stored
+ * keys x d. Tile sizes: fc90_tile_for in fwd_sm90.h.
+ *
+ * Shared memory holds every operand in the 128-byte swizzled layout, written by TMA (CU_TENSOR_MAP_SWIZZLE_128B)
+ * and read by wgmma through descriptors with the same swizzle: a tile of R rows and d columns is d / 64 column
+ * chunks, each R rows x 128 bytes (64 elements), the 16-byte pieces of row r XORed with r % 8. Every chunk
+ * starts on a 1024-byte boundary, where the swizzle pattern repeats, so descriptors need no base offset.
+ *
+ * Barrier protocol (phases counted per ring slot; a fresh mbarrier is in phase 0, and waiting for the parity
+ * of the phase before it returns at once):
+ *   q_full       1 arrival (the producer's expect_tx) + the Q bytes; consumers wait for parity 0 once.
+ *   full[s]      1 arrival (expect_tx) + the K and V bytes of the tile in slot s. Tile it uses slot it % 2 in
+ *                its (it / 2)-th round; consumers wait for parity (it / 2) & 1.
+ *   empty[s]     256 arrivals, one per consumer thread once its P V product (the last reader of slot s) is
+ *                complete. Before refilling slot s for tile it the producer waits for parity ((it / 2) & 1) ^ 1:
+ *                at once in round 0, then for the consumers' release of the round before.
+ * Nothing else synchronizes the warpgroups after the barriers' initialization; each consumer warp stages its
+ * own output rows.
+ *
+ * Masks: key tiles wholly above the causal diagonal of the block's last row are never loaded; tiles cut by the
+ * diagonal or by the end of the keys are masked per element to -inf before the softmax (TMA zero-fills rows
+ * past the end of the keys and of the queries; rows past Nq are computed and not written).
+ */
+#include "fwd_sm80.cuh"
+#include "fwd_sm90.h"
+
+#include <cuda.h>         /* CUtensorMap and its enums: types only, the driver function is looked up at run time */
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
+#include <stdint.h>
+
+/* Only the sm_90a pass has wgmma and setmaxnreg; elsewhere the kernel compiles to an empty body that the host
+ * never launches (flashc_fwd_sm90_available checks which binary the GPU loaded). */
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FC90_DEVICE 1
+#else
+#define FC90_DEVICE 0
+#endif
+
+#define FC90_THREADS 384 /* warpgroup 0: producer; 1 and 2: consumers */
+#define FC90_PRODUCER_REGS 24
+#define FC90_CONSUMER_REGS 240
+/* The block starts with 65536 / 384 = 168 registers per thread (launch bounds with 1 block per SM); the
+ * consumers can only grow by what the producer gives back. */
+static_assert(128 * FC90_PRODUCER_REGS + 256 * FC90_CONSUMER_REGS <= FC90_THREADS * 168, "register split");
+
+/* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging, mbarriers. */
+__host__ __device__ constexpr uint32_t fc90_q_bytes(fc90_tile t) { return (uint32_t)t.br * t.d * 2; }
+__host__ __device__ constexpr uint32_t fc90_kv_bytes(fc90_tile t) { return (uint32_t)t.bc * t.d * 2; }
+__host__ __device__ constexpr uint32_t fc90_off_k(fc90_tile t) { return fc90_q_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90_off_v(fc90_tile t) { return fc90_off_k(t) + t.st * fc90_kv_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_off_v(t) + t.st * fc90_kv_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90_o_row(fc90_tile t) { return t.d + 8; } /* elements; odd 16-byte count */
+__host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) { return fc90_off_o(t) + t.br * fc90_o_row(t) * 2; }
+/* + 1024: the dynamic shared memory base is only guaranteed 16-byte aligned; the kernel rounds it up. */
+__host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) { return fc90_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
+
+#if FC90_DEVICE
+
+/* ---- mbarriers ------------------------------------------------------------------------------------------ */
+
+/* mbarrier.init: a phase completes after `count` arrivals (and all bytes announced with expect_tx). */
+static __device__ __forceinline__ void fc90_bar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* fence.mbarrier_init: makes the initializations visible to the other threads (and to TMA) before use. */
+static __device__ __forceinline__ void fc90_bar_init_fence(void) {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+/* mbarrier.arrive.expect_tx: one arrival, and the current phase also waits for `bytes` of TMA writes. */
+static __device__ __forceinline__ void fc90_bar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/* mbarrier.arrive: one arrival (release: this thread's earlier reads of the slot are done). */
+static __device__ __forceinline__ void fc90_bar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* mbarrier.try_wait.parity in a loop: returns once the phase of the given parity has completed (acquire: the
+ * TMA bytes / the arriving threads' accesses of that phase are visible). The label is local to the braces. */
+static __device__ __forceinline__ void fc90_bar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n"
+                 ".reg .pred fc90_done;\n"
+                 "fc90_retry:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 fc90_done, [%0], %1;\n"
+                 "@!fc90_done bra fc90_retry;\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* ---- TMA ------------------------------------------------------------------------------------------------- */
+
+/* cp.async.bulk.tensor.4d: the box of the tensor map at coordinates (c0 innermost, .., c3) goes to shared memory
+ * at dst, laid out (swizzled) as the map says, out-of-bounds elements zero; its bytes complete_tx on bar. The
+ * map is a __grid_constant__ kernel parameter, passed by its generic address. */
+static __device__ __forceinline__ void fc90_tma_load(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0,
+                                                     int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+/* prefetch.tensormap: brings the map's 128 bytes into the descriptor cache ahead of the first load. */
+static __device__ __forceinline__ void fc90_tma_prefetch(const CUtensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
+}
+
+/* ---- registers ------------------------------------------------------------------------------------------- */
+
+/* setmaxnreg: the whole warpgroup moves its per-thread register budget to N (dec frees, inc waits until the
+ * block's pool can give). */
+template <int N>
+static __device__ __forceinline__ void fc90_regs_dec(void) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+static __device__ __forceinline__ void fc90_regs_inc(void) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+/* ---- wgmma ----------------------------------------------------------------------------------------------- */
+
+/* wgmma.fence: orders this warpgroup's earlier register writes (accumulators, A fragments) before the next
+ * wgmma reads them. commit_group closes the wgmmas issued since the last commit into a group; wait_group N
+ * returns when at most N groups are still in flight (their accumulators are then written). */
+static __device__ __forceinline__ void fc90_wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void fc90_wgmma_commit(void) {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void fc90_wgmma_wait(void) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* An empty volatile asm that takes each register in and out: the compiler must have the value ready at this
+ * point of the instruction stream and may not move its uses across. Placed before wgmma.fence (inputs written
+ * by ordinary instructions) and after wgmma.wait_group (accumulators written asynchronously); without it the
+ * compiler sees the wgmma asm as producing its outputs at issue and could read them before the wait. */
+template <int N>
+static __device__ __forceinline__ void fc90_pin(float (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+template <int N>
+static __device__ __forceinline__ void fc90_pin(uint32_t (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+r"(x[i][0]), "+r"(x[i][1]), "+r"(x[i][2]), "+r"(x[i][3])::"memory");
+}
+
+/*
+ * Shared-memory matrix descriptor of wgmma: bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
+ * >> 4, 32-45 stride-dimension byte offset >> 4, 49-51 base offset (0: tiles are 1024-byte aligned), 62-63
+ * swizzle mode (1: 128-byte). For a 128B-swizzled operand:
+ *   K-major (Q as A, K as B of S = Q K^T: rows of d contiguous): SBO = 1024, the step between 8-row groups;
+ *     LBO unused (a k16 step, 32 bytes, stays inside one 128-byte row); the k16 steps advance the start
+ *     address by 32 bytes inside a 64-column chunk, and by a chunk (rows x 128 bytes) every 4 steps.
+ *   MN-major (V as B of O += P V, N = d contiguous): LBO = the step between 64-column chunks of d (bc x 128
+ *     bytes), SBO = 1024, the step between 8-key groups; a k16 step (16 keys) advances 2048 bytes.
+ */
+static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)((lbo & 0x3FFFFu) >> 4) << 16 |
+           (uint64_t)((sbo & 0x3FFFFu) >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+#define FC90_ACC8(d, i)                                                                                      \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+#define FC90_ACC32(d) FC90_ACC8(d, 0), FC90_ACC8(d, 8), FC90_ACC8(d, 16), FC90_ACC8(d, 24)
+#define FC90_ACC64(d) FC90_ACC32(d), FC90_ACC8(d, 32), FC90_ACC8(d, 40), FC90_ACC8(d, 48), FC90_ACC8(d, 56)
+#define FC90_REGS32                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FC90_REGS64                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+/* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits 0). */
+#define FC90_SS(N, TY, REGS, DA, DB, SC)                                                                     \
+    "{\n.reg .pred fc90_acc;\nsetp.ne.b32 fc90_acc, " SC ", 0;\nwgmma.mma_async.sync.aligned.m64n" N          \
+    "k16.f32." TY "." TY " " REGS ", " DA ", " DB ", fc90_acc, 1, 1, 0, 0;\n}\n"
+/* D += A B, A from four registers, B from a descriptor, N-major (transpose bit 1). */
+#define FC90_RS(N, TY, REGS, A0, DB)                                                                         \
+    "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS ", {" A0 "}, " DB ", 1, 1, 1, 1;\n"
+
+/*
+ * wgmma.mma_async.m64nNk16.f32 with A and B in shared memory. Accumulator layout (per warpgroup, 64 x N): warp
+ * w holds rows 16w..16w+15; for each n8 block j, thread lane holds d[4j], d[4j+1] at row 16w + lane/4, columns
+ * 8j + 2(lane%4) + {0, 1}, and d[4j+2], d[4j+3] at row 16w + lane/4 + 8, same columns.
+ */
+template <int N, int BF>
+static __device__ __forceinline__ void fc90_mma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
+    static_assert(N == 64 || N == 128, "wgmma N");
+    if constexpr (N == 128 && BF)
+        asm volatile(FC90_SS("128", "bf16", FC90_REGS64, "%64", "%65", "%66")
+                     : FC90_ACC64(d) : "l"(da), "l"(db), "r"(acc));
+    else if constexpr (N == 128)
+        asm volatile(FC90_SS("128", "f16", FC90_REGS64, "%64", "%65", "%66")
+                     : FC90_ACC64(d) : "l"(da), "l"(db), "r"(acc));
+    else if constexpr (BF)
+        asm volatile(FC90_SS("64", "bf16", FC90_REGS32, "%32", "%33", "%34")
+                     : FC90_ACC32(d) : "l"(da), "l"(db), "r"(acc));
+    else
+        asm volatile(FC90_SS("64", "f16", FC90_REGS32, "%32", "%33", "%34")
+                     : FC90_ACC32(d) : "l"(da), "l"(db), "r"(acc));
+}
+
+/*
+ * wgmma.mma_async.m64nNk16.f32 with A (64 x 16) in registers: warp w holds rows 16w..16w+15; a[0] = row
+ * 16w + lane/4, k 2(lane%4) + {0, 1} (low half first); a[1] = the same k, row + 8; a[2] = row, k + 8;
+ * a[3] = row + 8, k + 8. That is the accumulator layout above for the n8 blocks 2c and 2c + 1 of S, so P
+ * needs no data movement between the two products.
+ */
+template <int N, int BF>
+static __device__ __forceinline__ void fc90_mma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
+    static_assert(N == 64 || N == 128, "wgmma N");
+    if constexpr (N == 128 && BF)
+        asm volatile(FC90_RS("128", "bf16", FC90_REGS64, "%64, %65, %66, %67", "%68")
+                     : FC90_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    else if constexpr (N == 128)
+        asm volatile(FC90_RS("128", "f16", FC90_REGS64, "%64, %65, %66, %67", "%68")
+                     : FC90_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    else if constexpr (BF)
+        asm volatile(FC90_RS("64", "bf16", FC90_REGS32, "%32, %33, %34, %35", "%36")
+                     : FC90_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    else
+        asm volatile(FC90_RS("64", "f16", FC90_REGS32, "%32, %33, %34, %35", "%36")
+                     : FC90_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+/* ---- the consumer's tile operations ------------------------------------------------------------------------ */
+
+/* s = Q K^T for this warpgroup's 64 rows and the bc keys of one ring slot: d / 16 k-steps, waited for. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_qk(float (&s)[fc90_tile_for(D).bc / 2], uint64_t dq, uint64_t dk) {
+    constexpr fc90_tile TL = fc90_tile_for(D);
+    fc90_pin(s);
+    fc90_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t qoff = (kk / 4) * TL.br * 128 + (kk % 4) * 32, koff = (kk / 4) * TL.bc * 128 + (kk % 4) * 32;
+        fc90_mma_ss<TL.bc, BF>(s, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
+    }
+    fc90_wgmma_commit();
+    fc90_wgmma_wait<0>();
+    fc90_pin(s);
+}
+
+/* Keys past the end, or past row i's diagonal + win_right, to -inf; i0 is the thread's first row (the second is
+ * i0 + 8), n0 the tile's first key. */
+template <int BC>
+static __device__ __forceinline__ void fc90_mask(float (&s)[BC / 2], int i0, int n0, int nk, int diag, int win_right,
+                                                 int tig) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int i = i0 + 8 * hf;
+        const int jhi = win_right >= 0 ? min(nk - 1, i + diag + win_right) : nk - 1;
+        const int lim = jhi - n0 - 2 * tig; /* the last kept column, counted as 8 j + e */
+#pragma unroll
+        for (int j = 0; j < BC / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (8 * j + e > lim) s[4 * j + 2 * hf + e] = -INFINITY;
+    }
+}
+
+/*
+ * Online softmax step in base 2 on raw scores s (the scale, times log2 e, folds into the exponent's FFMA:
+ * max(c s) = c max(s) for c > 0): the row max m moves, O and the row sum l are rescaled by 2^(m_old - m_new),
+ * and s becomes P = 2^(c s - m). The four lanes of a quad share a row. A row that has seen no key keeps
+ * m = -inf and takes exponents against 0, so that no inf - inf appears; l stays thread-partial until the end.
+ */
+template <int D, int BC>
+static __device__ __forceinline__ void fc90_softmax(float (&s)[BC / 2], float (&o)[D / 2], float (&row_m)[2],
+                                                    float (&row_l)[2], float smul) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < BC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_m[hf], mx * smul);
+        const float mu = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = fc_exp2(row_m[hf] - mu);
+        row_m[hf] = m_new;
+        float rs = 0.f;
+#pragma unroll
+        for (int j = 0; j < BC / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float &x = s[4 * j + 2 * hf + e];
+                x = fc_exp2(fmaf(x, smul, -mu));
+                rs += x;
+            }
+        row_l[hf] = row_l[hf] * alpha + rs;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j + 2 * hf] *= alpha;
+            o[4 * j + 2 * hf + 1] *= alpha;
+        }
+    }
+}
+
+/* o += P V: P rounded to the operand type into A fragments (k16 step c = S's n8 blocks 2c, 2c + 1), V from one
+ * ring slot; waited for, after which the slot may be released. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_pv(float (&o)[D / 2], const float (&p)[fc90_tile_for(D).bc / 2],
+                                               uint64_t dv) {
+    constexpr int BC = fc90_tile_for(D).bc;
+    uint32_t pa[BC / 16][4];
+#pragma unroll
+    for (int c = 0; c < BC / 16; ++c) {
+        pa[c][0] = fc_pack2<BF>(p[8 * c + 0], p[8 * c + 1]);
+        pa[c][1] = fc_pack2<BF>(p[8 * c + 2], p[8 * c + 3]);
+        pa[c][2] = fc_pack2<BF>(p[8 * c + 4], p[8 * c + 5]);
+        pa[c][3] = fc_pack2<BF>(p[8 * c + 6], p[8 * c + 7]);
+    }
+    fc90_pin(o);
+    fc90_pin(pa);
+    fc90_wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < BC / 16; ++c) fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * 128) >> 4));
+    fc90_wgmma_commit();
+    fc90_wgmma_wait<0>();
+    fc90_pin(o);
+}
+
+#endif /* FC90_DEVICE */
+
+/*
+ * Grid: one block per (query tile, head, sequence), flattened into x with the query tile fastest (the blocks of
+ * one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows start
+ * first). Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B), boxes of 64 columns x (br or bc) rows.
+ */
+template <int D, int BF>
+__global__ void __launch_bounds__(FC90_THREADS, 1)
+    fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
+#if FC90_DEVICE
+    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL);
+    constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
+    static_assert(TL.d == D && D % 64 == 0 && BR == 128 && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
+
+    extern __shared__ uint8_t fc90_smem[];
+    const uint32_t raw = fc_smem_addr(fc90_smem);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    const uint32_t sQ = base, sK = base + fc90_off_k(TL), sV = base + fc90_off_v(TL);
+    const uint32_t bar_q = base + fc90_off_bar(TL), bar_full = bar_q + 8, bar_empty = bar_full + 8 * ST;
+
+    int64_t bid = blockIdx.x;
+    const int mblk = a.n_mblk - 1 - (int)(bid % a.n_mblk);
+    bid /= a.n_mblk;
+    const int h = (int)(bid % a.H), b = (int)(bid / a.H);
+    const int hk = h / (a.H / a.Hkv);
+    const int nq = a.Nq, nk = a.Nk;
+    const int diag = nk - nq; /* query row i's diagonal key is i + diag (bottom-right alignment) */
+    const int m0 = mblk * BR, mlast = min(m0 + BR, nq) - 1;
+    /* Key tiles any row of this block sees: all, or up to the last row's diagonal + win_right. */
+    const int hi = a.win_right >= 0 ? min(nk, mlast + diag + a.win_right + 1) : nk;
+    const int ntiles = hi > 0 ? (hi + BC - 1) / BC : 0;
+
+    if (threadIdx.x == 0) {
+        fc90_bar_init(bar_q, 1);
+        for (int s = 0; s < ST; ++s) {
+            fc90_bar_init(bar_full + 8 * s, 1);
+            fc90_bar_init(bar_empty + 8 * s, 256);
+        }
+        fc90_bar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        /* Producer: one thread issues every load; the rest of the warpgroup only gives its registers back. */
+        fc90_regs_dec<FC90_PRODUCER_REGS>();
+        if (threadIdx.x == 0 && ntiles > 0) {
+            fc90_tma_prefetch(&tm_q);
+            fc90_tma_prefetch(&tm_k);
+            fc90_tma_prefetch(&tm_v);
+            fc90_bar_expect(bar_q, fc90_q_bytes(TL));
+            for (int c = 0; c < NCH; ++c) fc90_tma_load(sQ + c * BR * 128, &tm_q, bar_q, c * 64, m0, h, b);
+            for (int it = 0; it < ntiles; ++it) {
+                const int s = it % ST;
+                fc90_bar_wait(bar_empty + 8 * s, ((it / ST) & 1) ^ 1);
+                fc90_bar_expect(bar_full + 8 * s, 2 * KV_BYTES);
+                const uint32_t k_dst = sK + s * KV_BYTES, v_dst = sV + s * KV_BYTES;
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_full + 8 * s, c * 64, it * BC, hk, b);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_full + 8 * s, c * 64, it * BC, hk, b);
+            }
+        }
+        return;
+    }
+
+    /* Consumer warpgroup cw owns tile rows [64 cw, 64 cw + 64); this thread rows row0 and row0 + 8. */
+    fc90_regs_inc<FC90_CONSUMER_REGS>();
+    const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
+    const int row0 = 64 * cw + 16 * warp + g;
+
+    float o[D / 2], s[BC / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
+    float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+
+    const uint64_t dq = fc90_desc(sQ + 64 * cw * 128, 16, 1024);
+    const uint64_t dk = fc90_desc(sK, 16, 1024);
+    const uint64_t dv = fc90_desc(sV, BC * 128, 1024);
+    /* The band edge cuts a tile for this warpgroup when its last key passes the first row's diagonal. */
+    const int first_diag = m0 + 64 * cw + diag + a.win_right;
+
+    if (ntiles > 0) fc90_bar_wait(bar_q, 0);
+    for (int it = 0; it < ntiles; ++it) {
+        const int slot = it % ST;
+        const uint32_t slot_off = (slot * KV_BYTES) >> 4;
+        fc90_bar_wait(bar_full + 8 * slot, (it / ST) & 1);
+        fc90_qk<D, BF>(s, dq, dk + slot_off);
+        const int n0 = it * BC;
+        if (n0 + BC > nk || (a.win_right >= 0 && n0 + BC - 1 > first_diag))
+            fc90_mask<BC>(s, m0 + row0, n0, nk, diag, a.win_right, tig);
+        fc90_softmax<D, BC>(s, o, row_m, row_l, a.score_mul);
+        fc90_pv<D, BF>(o, s, dv + slot_off);
+        fc90_bar_arrive(bar_empty + 8 * slot);
+    }
+
+    /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf. */
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float l = row_l[hf];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j + 2 * hf] *= inv;
+            o[4 * j + 2 * hf + 1] *= inv;
+        }
+        const int i = m0 + row0 + 8 * hf;
+        if (tig == 0 && i < nq && a.lse)
+            a.lse[((int64_t)b * a.H + h) * nq + i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+    }
+
+    const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
+    if (a.out_vec) {
+        /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. */
+        uint16_t *sO = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL)) + wrow * OROW;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+                *(uint32_t *)(sO + (g + 8 * hf) * OROW + 8 * j + 2 * tig) =
+                    fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
+        __syncwarp();
+        char *go = (char *)a.out + ((int64_t)b * a.o_sb + (int64_t)(m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
+#pragma unroll
+        for (int c = lane; c < 16 * (D / 8); c += 32) {
+            const int r = c / (D / 8), ch = c % (D / 8);
+            if (m0 + wrow + r < nq)
+                *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * OROW + ch * 8);
+        }
+    } else {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + row0 + 8 * hf;
+            if (i >= nq) continue;
+            uint16_t *orow = (uint16_t *)a.out + (int64_t)b * a.o_sb + (int64_t)i * a.o_sn + (int64_t)h * a.o_sh;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
+                orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
+            }
+        }
+    }
+#endif /* FC90_DEVICE */
+}
+
+/* ---- host ------------------------------------------------------------------------------------------------ */
+
+/* cuTensorMapEncodeTiled from the driver the runtime already loaded (no -lcuda), looked up once. */
+static PFN_cuTensorMapEncodeTiled_v12000 fc90_encoder(void) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return NULL;
+        }
+        return (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }();
+    return fn;
+}
+
+/* TMA wants a 16-byte aligned base and row strides that are positive multiples of 16 bytes below 2^40. */
+static int fc90_tma_ok(const void *base, const int64_t extent[3], const int64_t stride[3]) {
+    if (!base || (uintptr_t)base % 16) return 0;
+    for (int i = 0; i < 3; i++)
+        if (extent[i] > 1 && (stride[i] <= 0 || (stride[i] * 2) % 16 || stride[i] * 2 >= (INT64_C(1) << 40)))
+            return 0;
+    return 1;
+}
+
+/*
+ * A 16-bit (d, rows, heads, batch) tensor with element strides (1, sn, sh, sb), boxes of 64 columns x box_rows
+ * rows, 128-byte swizzle, out-of-bounds elements zero. A dimension of extent 1 is never stepped, so its stride
+ * (free in flashc's API) is replaced by the packed one, which meets TMA's rules for any tensor below 1 TB.
+ */
+static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d, int64_t rows, int64_t heads,
+                            int64_t batch, int64_t sn, int64_t sh, int64_t sb, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
+    if (!enc) return cudaErrorNotSupported;
+    const int64_t ext[4] = {d, rows, heads, batch}, el[3] = {sn, sh, sb};
+    cuuint64_t dim[4], str[3];
+    int64_t packed = (int64_t)d * 2;
+    for (int i = 0; i < 4; i++) dim[i] = (cuuint64_t)ext[i];
+    for (int i = 0; i < 3; i++) {
+        const int64_t s = ext[i + 1] > 1 ? el[i] * 2 : packed;
+        if (s >= (INT64_C(1) << 40)) return cudaErrorInvalidValue;
+        str[i] = (cuuint64_t)s;
+        packed = s < (INT64_C(1) << 40) / ext[i + 1] ? s * ext[i + 1] : INT64_C(1) << 40;
+    }
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, estr[4] = {1, 1, 1, 1};
+    const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                           (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int D, int BF>
+static cudaError_t fc90_run(const flashc_fwd_args *a, cudaStream_t stream) {
+    constexpr fc90_tile TL = fc90_tile_for(D);
+    flashc_fwd_args k = *a;
+    k.n_mblk = (a->Nq + TL.br - 1) / TL.br;
+    const int64_t blocks = (int64_t)k.n_mblk * a->H * a->B;
+    if (blocks == 0) return cudaSuccess;
+    CUtensorMap tq, tk, tv;
+    cudaError_t e = fc90_map(&tq, a->q, BF, D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.br);
+    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bc);
+    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bc);
+    if (e != cudaSuccess) return e;
+    const int smem = (int)fc90_smem_bytes(TL);
+    e = cudaFuncSetAttribute(fc90_fwd_kernel<D, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    fc90_fwd_kernel<D, BF><<<(unsigned)blocks, FC90_THREADS, smem, stream>>>(k, tq, tk, tv);
+    return cudaGetLastError();
+}
+
+int flashc_fwd_sm90_available(int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    if (major != 9 || minor != 0) return 0;
+    /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0>, (const void *)fc90_fwd_kernel<64, 1>,
+                              (const void *)fc90_fwd_kernel<128, 0>, (const void *)fc90_fwd_kernel<128, 1>};
+    for (int i = 0; i < 4; i++) {
+        cudaFuncAttributes fa;
+        if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        if (fa.binaryVersion != 90) return 0;
+    }
+    return fc90_encoder() != NULL;
+}
+
+int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
+    if ((head_dim_compiled != 64 && head_dim_compiled != 128) || a->D != head_dim_compiled) return 0;
+    if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->varlen || a->nsplit != 1) return 0;
+    if (a->softcap2 != 0.f || a->alibi || a->bm) return 0;
+    if (!(a->score_mul > 0.f)) return 0; /* the scale folds into the exponent, which needs it positive */
+    if (a->win_left >= 0 || a->win_right > 0) return 0;
+    if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
+    const int64_t eq[3] = {a->Nq, a->H, a->B}, ek[3] = {a->Nk, a->Hkv, a->B};
+    const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},
+                  sv[3] = {a->v_sn, a->v_sh, a->v_sb};
+    return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);
+}
+
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, cudaStream_t stream) {
+    if (a->D == 64) return a->bf16 ? fc90_run<64, 1>(a, stream) : fc90_run<64, 0>(a, stream);
+    if (a->D == 128) return a->bf16 ? fc90_run<128, 1>(a, stream) : fc90_run<128, 0>(a, stream);
+    return cudaErrorInvalidValue;
+}

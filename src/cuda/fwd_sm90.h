@@ -1,0 +1,43 @@
+/*
+ * fwd_sm90.h - the Hopper forward (fwd_sm90.cu: wgmma, TMA, mbarriers, warp specialization) as the host side
+ * (cuda.cu) sees it: its tile table, whether it runs on this GPU, whether it takes a configuration, and its
+ * launch. It takes the same flashc_fwd_args as the Ampere-class kernel (fwd_sm80.h) with the same semantics;
+ * whatever it does not take runs on that kernel. C++ (nvcc) only; not installed.
+ */
+#ifndef FLASHC_CUDA_FWD_SM90_H
+#define FLASHC_CUDA_FWD_SM90_H
+
+#include "fwd_sm80.h"
+
+#include <cuda_runtime.h>
+
+/*
+ * Tile sizes per head dim, the one table. br: query rows per block, split between two consumer warpgroups of
+ * br / 2 = 64 rows (the M of wgmma); bc: keys per K/V tile (the N of the S = Q K^T wgmma, the K of O += P V);
+ * st: stages of the K/V ring. A consumer thread holds bc / 2 S accumulators, d / 2 O accumulators and bc / 4
+ * packed P registers: at d 128, bc 128 that is 160 of its 240 registers. Shared memory: Q br x d, st stages of
+ * K and V bc x d, an output staging tile br x (d + 8), all 16-bit: 99 KB at d 64, 195 KB at d 128 (of 227).
+ */
+typedef struct fc90_tile {
+    int d, br, bc, st;
+} fc90_tile;
+
+__host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
+    return d <= 64 ? fc90_tile{64, 128, 128, 2} : fc90_tile{128, 128, 128, 2};
+}
+
+/* 1 when `device` (the current device) is compute capability 9.0 and the sm_90a kernels are the code loaded for
+ * it (a build without 90a-real, or a later GPU, runs the Ampere-class kernel instead). */
+int flashc_fwd_sm90_available(int device);
+
+/* 1 when the Hopper kernel of head dim head_dim_compiled (the forward entry cuda.cu picked) takes this
+ * configuration: a->D == head_dim_compiled in {64, 128}, 16-bit inputs with 16-byte aligned rows (TMA), no
+ * varlen, no split-KV, no softcap / ALiBi / block mask, window (-1, -1) or causal (-1, 0). */
+int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
+
+/* Launches the forward on stream (a configuration flashc_fwd_sm90_supports accepted, on a device for which
+ * flashc_fwd_sm90_available holds). Builds the Q, K, V tensor maps on the host, so it fails (without
+ * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. */
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, cudaStream_t stream);
+
+#endif /* FLASHC_CUDA_FWD_SM90_H */
