@@ -8,6 +8,8 @@ sets that together exceed the L2. Prints TFLOP/s (forward FLOPs 4 B H N^2 D, hal
 flashc's peak memory against torch's math backend at a long N.
 
   python3 bench/compare_torch.py --lib build-gpu/libflashc.so [--quick] [--dtypes bf16] [--dims 128] ...
+  python3 bench/compare_torch.py --backward [--lib ...] [...]   backward and forward + backward
+                                                                (bench/compare_torch_bwd.py, its options)
 """
 import argparse
 import ctypes
@@ -123,6 +125,17 @@ def sdpa(backend, s, causal):
 
 
 def main():
+    if "--backward" in sys.argv[1:]:
+        # The backward and forward + backward sweep lives beside this file; same shapes, same peers.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import compare_torch_bwd
+        os.environ.setdefault("FLASHC_LIBRARY", "build-gpu/libflashc.so")
+        argv = [a for a in sys.argv[1:] if a != "--backward"]
+        if "--lib" in argv:
+            i = argv.index("--lib")
+            os.environ["FLASHC_LIBRARY"] = argv[i + 1]
+            del argv[i:i + 2]
+        return compare_torch_bwd.main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default=os.environ.get("FLASHC_LIBRARY", "build-gpu/libflashc.so"))
     ap.add_argument("--quick", action="store_true", help="bf16 only, N in {1k, 4k, 16k}, D in {64, 128}")

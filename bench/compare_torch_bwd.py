@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""flashc's CUDA backward vs torch SDPA's flash and cuDNN backends, backward alone, in one process.
+"""flashc's CUDA backward (and forward + backward) vs torch SDPA's flash and cuDNN backends, in one process.
 
-    FLASHC_LIBRARY=build-gpu/libflashc.so PYTHONPATH=python python3 bench/compare_torch_bwd.py [--lens 1024,4096]
+    FLASHC_LIBRARY=build-gpu/libflashc.so python3 bench/compare_torch_bwd.py [--dtypes bf16] [--lens 1024,4096]
+    python3 bench/compare_torch.py --backward ...      (the same, from the forward benchmark's entry point)
 
-Shapes of the CONVENTIONS.md sweep (hidden 2048: H = 2048/D, B = 16384/N). Backward FLOPs = 2.5 x forward
-(4*B*H*N^2*D, halved when causal). flashc: flashc.attention_backward on the forward's out and lse; torch:
-torch.autograd.grad through a retained graph. CUDA events, median of --runs after warm-up.
+Shapes of the CONVENTIONS.md sweep (hidden 2048: H = 2048/D, B = 16384/N, N 512..16k, D 64/128/256, causal off/on,
+bf16 and fp16). FLOPs: backward 2.5 x forward (4*B*H*N^2*D, halved when causal), forward + backward 3.5 x.
+flashc: flashc.attention_backward on the forward's out and lse (default mode: dQ by fp32 atomics; det: the
+deterministic mode); forward + backward: flashc.attention then attention_backward. torch: autograd.grad through a
+retained graph (backward), forward + autograd.grad (forward + backward). CUDA events, median of --runs after
+warm-up; the backward is compute-bound, so inputs are not rotated.
 """
 import argparse
 import os
@@ -33,43 +37,74 @@ def cuda_median_ms(fn, runs, warmup=3):
     return statistics.median(times)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lens", default="1024,4096")
+    ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--dims", default="64,128,256")
+    ap.add_argument("--lens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="0,1")
     ap.add_argument("--runs", type=int, default=10)
-    args = ap.parse_args()
-    dt = torch.bfloat16
-    print("%4s %6s %6s | %10s %10s %10s %10s | %8s %8s   (backward TFLOP/s; det: deterministic mode)" %
-          ("D", "N", "causal", "flashc", "flashc-det", "torch-fa", "cuDNN", "/fa", "/cuDNN"))
-    for d in (int(x) for x in args.dims.split(",")):
-        for n in (int(x) for x in args.lens.split(",")):
-            for causal in (False, True):
-                H, B = 2048 // d, 16384 // n
-                q, k, v = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(3))
-                g = torch.randn(B, n, H, d, device="cuda", dtype=dt)
-                out, lse = flashc.attention(q, k, v, causal=causal)
-                t_f = cuda_median_ms(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal), args.runs)
-                t_d = cuda_median_ms(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal,
-                                                                       deterministic=True), args.runs)
-                qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-                gt = g.transpose(1, 2)
-                peers = []
-                for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-                    try:
-                        with sdpa_kernel(backend):
-                            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                            peers.append(cuda_median_ms(
-                                lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True), args.runs))
-                    except RuntimeError as e:  # a backend that refuses the shape
-                        print("  %s: %s" % (backend, str(e).splitlines()[0]), file=sys.stderr)
-                        peers.append(float("nan"))
-                flops = 2.5 * 4 * B * H * n * n * d * (0.5 if causal else 1.0)
-                tf = lambda ms: flops / (ms * 1e-3) * 1e-12  # noqa: E731
-                print("%4d %6d %6d | %10.1f %10.1f %10.1f %10.1f | %7.2fx %7.2fx" %
-                      (d, n, int(causal), tf(t_f), tf(t_d), tf(peers[0]), tf(peers[1]), peers[0] / t_f,
-                       peers[1] / t_f))
-                del q, k, v, g, out, lse, qt, kt, vt, o
+    ap.add_argument("--no-det", action="store_true", help="skip the deterministic mode's column")
+    args = ap.parse_args(argv)
+    dev = torch.cuda.get_device_properties(0)
+    print("device: %s; torch %s; cudnn %s; median of %d runs" % (dev.name, torch.__version__,
+                                                                 torch.backends.cudnn.version(), args.runs))
+    rows = []
+    for dname in args.dtypes.split(","):
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+        for d in (int(x) for x in args.dims.split(",")):
+            for n in (int(x) for x in args.lens.split(",")):
+                H, B = 2048 // d, max(1, 16384 // n)
+                q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(4))
+                for causal in (bool(int(c)) for c in args.causal.split(",")):
+                    out, lse = flashc.attention(q, k, v, causal=causal)
+                    t = {}
+                    t["bwd"] = cuda_median_ms(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal),
+                                              args.runs)
+                    t["det"] = None if args.no_det else cuda_median_ms(
+                        lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal, deterministic=True),
+                        args.runs)
+
+                    def fb():
+                        o, l = flashc.attention(q, k, v, causal=causal)
+                        flashc.attention_backward(g, q, k, v, o, l, causal=causal)
+                    t["fb"] = cuda_median_ms(fb, args.runs)
+                    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                    gt = g.transpose(1, 2)
+                    for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                        try:
+                            with sdpa_kernel(backend):
+                                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                                t[name] = cuda_median_ms(
+                                    lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True), args.runs)
+
+                                def tfb():
+                                    oo = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                                    torch.autograd.grad(oo, (qt, kt, vt), gt)
+                                t[name + "_fb"] = cuda_median_ms(tfb, args.runs)
+                                del o
+                        except RuntimeError as e:  # a backend that refuses the shape
+                            print("  %s: %s" % (backend, str(e).splitlines()[0][:100]), file=sys.stderr)
+                            t[name] = t[name + "_fb"] = None
+                    f1 = 4.0 * B * H * n * n * d * (0.5 if causal else 1.0)
+                    tf = lambda ms, m: f1 * m / (ms * 1e-3) * 1e-12 if ms else float("nan")  # noqa: E731
+                    r = (dname, d, n, int(causal), tf(t["bwd"], 2.5), tf(t["det"], 2.5), tf(t["fa"], 2.5),
+                         tf(t["cudnn"], 2.5), tf(t["fb"], 3.5), tf(t["fa_fb"], 3.5), tf(t["cudnn_fb"], 3.5))
+                    rows.append(r)
+                    print("  %s D=%d N=%d causal=%d bwd flashc %.1f det %.1f fa %.1f cudnn %.1f | f+b flashc %.1f "
+                          "fa %.1f cudnn %.1f TFLOP/s" % r, flush=True)
+                    del qt, kt, vt, out, lse
+                del q, k, v, g
+                torch.cuda.empty_cache()
+
+    print("\n| dtype | D | N | causal | bwd flashc | bwd det | bwd torch-flash | bwd cuDNN | /flash | /cuDNN "
+          "| f+b flashc | f+b torch-flash | f+b cuDNN | /flash | /cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratio = lambda a, b: "%.2f" % (a / b) if b == b and b > 0 else "n/a"  # noqa: E731
+    for dname, d, n, c, b, det, fa, cu, fb, fafb, cufb in rows:
+        print("| %s | %d | %d | %d | %.1f | %.1f | %.1f | %.1f | %s | %s | %.1f | %.1f | %.1f | %s | %s |" %
+              (dname, d, n, c, b, det, fa, cu, ratio(b, fa), ratio(b, cu), fb, fafb, cufb, ratio(fb, fafb),
+               ratio(fb, cufb)))
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
   fi
   if [ $bwd = 1 ]; then
     step "compare_torch_bwd.py" "$LOG/bench_bwd.log" "${BENCH_LIMIT:-400}" env PYTHONUNBUFFERED=1 \
-      FLASHC_LIBRARY=build-gpu/libflashc.so python3 bench/compare_torch_bwd.py ${BWD_ARGS:-}
+      FLASHC_LIBRARY=build-gpu/libflashc.so python3 bench/compare_torch_bwd.py ${BWD_ARGS:---dtypes bf16 --lens 1024,4096,16384}
   fi
   for f in ${lab[@]+"${lab[@]}"}; do
     name=$(basename "$f" .h)
@@ -107,7 +107,7 @@ if [ -f "$LOG/bench.log" ]; then
 fi
 if [ -f "$LOG/bench_bwd.log" ]; then
   echo "== backward benchmark"
-  cat "$LOG/bench_bwd.log" | grep -v Warning | tail -40
+  sed -n '/^device:/p; /^| dtype/,$p' "$LOG/bench_bwd.log"
 fi
 for f in ${lab[@]+"${lab[@]}"}; do
   name=$(basename "$f" .h)
