@@ -22,6 +22,7 @@ typedef struct cuda_state {
     int pools;              /* stream-ordered allocation (cudaMallocAsync) available */
     int fwd_sm90;           /* the Hopper forward runs here (and FLASHC_CUDA_FWD=sm80 did not turn it off) */
     int log_fwd;            /* FLASHC_CUDA_LOG=1: each forward names its kernel on stderr */
+    int sm90_sched;         /* the Hopper forward's schedule, FC90_SCHED_* (FLASHC_CUDA_SM90_SCHED=0..3) */
     /* per forward entry and operand type (f16, bf16), asked once: the kernel's tile and resident blocks per SM */
     int info_known[8][2];
     fc_tile tile[8][2];
@@ -123,6 +124,10 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
     /* FLASHC_CUDA_FWD=sm80 keeps every forward on the Ampere-class kernel, so that tests can compare the two. */
     const char *fwd = getenv("FLASHC_CUDA_FWD");
     s->fwd_sm90 = !(fwd && !strcmp(fwd, "sm80")) && flashc_fwd_sm90_available(ctx->device);
+    /* FLASHC_CUDA_SM90_SCHED=0..3 picks the Hopper forward's schedule (fwd_sm90.h), to tell the overlapped ones
+     * apart from the first version on the GPU; anything else keeps the default. */
+    const char *sched = getenv("FLASHC_CUDA_SM90_SCHED");
+    s->sm90_sched = sched && sched[0] >= '0' && sched[0] <= '3' && !sched[1] ? sched[0] - '0' : FC90_SCHED_DEFAULT;
     const char *log = getenv("FLASHC_CUDA_LOG");
     s->log_fwd = log && !strcmp(log, "1");
     ctx->backend_state = s;
@@ -327,6 +332,10 @@ typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90 } fwd_path;
 static const char *const fwd_path_names[] = {"sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine",
                                              "sm90 (wgmma, TMA, warp-specialized)"};
 
+/* The Hopper forward's schedules by FC90_SCHED_* value, as the forward log names them. */
+static const char *const sm90_sched_names[] = {", serial schedule", ", ping-pong", ", intra-warpgroup overlap",
+                                               ", ping-pong + intra-warpgroup overlap"};
+
 /* Split-KV stays on the Ampere-class kernel and its combine; the Hopper kernel takes what it supports. */
 static fwd_path fwd_choose(struct flashc_context *ctx, const flashc_fwd_args *a, int e) {
     if (a->nsplit > 1) return FWD_SM80_SPLIT;
@@ -353,11 +362,11 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
 
     const fwd_path path = fwd_choose(ctx, &a, e);
     if (state_of(ctx)->log_fwd)
-        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s\n", a.B, a.Nq, a.Nk, a.H,
-                a.Hkv, a.D, fwd_path_names[path]);
+        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s\n", a.B, a.Nq, a.Nk, a.H,
+                a.Hkv, a.D, fwd_path_names[path], path != FWD_SM90 ? "" : sm90_sched_names[state_of(ctx)->sm90_sched]);
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     if (path == FWD_SM90) {
-        const cudaError_t err = flashc_fwd_sm90_launch(&a, stream);
+        const cudaError_t err = flashc_fwd_sm90_launch(&a, state_of(ctx)->sm90_sched, stream);
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
         return FLASHC_STATUS_OK;
     }

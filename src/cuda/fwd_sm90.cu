@@ -4,10 +4,11 @@
  * this one does not take (fwd_sm90.h lists it) and for every other GPU.
  *
  * Algorithm: FlashAttention-3 forward (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao 2024, "FlashAttention-3:
- * Fast and Accurate Attention with Asynchrony and Low-precision"), section 3.1: producer-consumer warp
- * specialization with a circular buffer of K/V tiles, without yet the section 3.1 ping-pong between consumer
- * warpgroups or the section 3.2 intra-warpgroup overlap of softmax and GEMMs. The online softmax is
- * FlashAttention-2's, in base 2, exactly as in fwd_sm80.cuh.
+ * Fast and Accurate Attention with Asynchrony and Low-precision"): section 3.1's producer-consumer warp
+ * specialization with a circular buffer of K/V tiles and its ping-pong between consumer warpgroups, and
+ * section 3.2's intra-warpgroup overlap of the softmax with the GEMMs. The online softmax is FlashAttention-2's,
+ * in base 2, exactly as in fwd_sm80.cuh. The schedule is a launch-time choice (fc90_sched in fwd_sm90.h); all
+ * of them do the same arithmetic in the same order.
  *
  * Block: 3 warpgroups (384 threads) per (query tile of 128 rows, head, sequence). Warpgroup 0 is the producer:
  * it gives registers back (setmaxnreg.dec to 24) and one thread issues the TMA loads: Q once, then K and V
@@ -17,6 +18,13 @@
  * and O += P V by wgmma m64n{64,128}k16 with V in shared memory read N-major (transpose bit), since V is stored
  * keys x d. Tile sizes: fc90_tile_for in fwd_sm90.h.
  *
+ * Consumer schedules. SERIAL: per tile, S, softmax, P V, each waited for. The overlapped ones work in turns:
+ * turn j issues S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (O is rescaled by softmax j - 1's factor
+ * just before, since that P V is only added now), then runs softmax j on S_j, so S_j and the packed P_(j-1)
+ * live in registers together. PINGPONG: the two consumers take turns at issuing (named barriers 1 and 2), so
+ * the tensor cores run one warpgroup's products while the other does its softmax. OVERLAP: softmax j starts once
+ * S_j is done, while P_(j-1) V_(j-1) is still in flight.
+ *
  * Shared memory holds every operand in the 128-byte swizzled layout, written by TMA (CU_TENSOR_MAP_SWIZZLE_128B)
  * and read by wgmma through descriptors with the same swizzle: a tile of R rows and d columns is d / 64 column
  * chunks, each R rows x 128 bytes (64 elements), the 16-byte pieces of row r XORed with r % 8. Every chunk
@@ -25,13 +33,16 @@
  * Barrier protocol (phases counted per ring slot; a fresh mbarrier is in phase 0, and waiting for the parity
  * of the phase before it returns at once):
  *   q_full       1 arrival (the producer's expect_tx) + the Q bytes; consumers wait for parity 0 once.
- *   full[s]      1 arrival (expect_tx) + the K and V bytes of the tile in slot s. Tile it uses slot it % 2 in
- *                its (it / 2)-th round; consumers wait for parity (it / 2) & 1.
- *   empty[s]     256 arrivals, one per consumer thread once its P V product (the last reader of slot s) is
- *                complete. Before refilling slot s for tile it the producer waits for parity ((it / 2) & 1) ^ 1:
- *                at once in round 0, then for the consumers' release of the round before.
- * Nothing else synchronizes the warpgroups after the barriers' initialization; each consumer warp stages its
- * own output rows.
+ *   k_full[s]    1 arrival (expect_tx) + the K bytes of the tile in slot s (SERIAL: the K and V bytes). Tile it
+ *                uses slot it % 2 in its (it / 2)-th round; consumers wait for parity (it / 2) & 1.
+ *   v_full[s]    the same for V (not used by SERIAL).
+ *   k_empty[s]   256 arrivals, one per consumer thread once its S = Q K^T (SERIAL: its P V) of the tile in slot
+ *                s is complete. Before refilling slot s for tile it the producer waits for parity
+ *                ((it / 2) & 1) ^ 1: at once in round 0, then for the consumers' release of the round before.
+ *   v_empty[s]   the same for V, released once P V is complete. V is read one turn after K, so a 2-stage
+ *                ring per operand keeps a load a whole turn ahead of its use.
+ * Turns (PINGPONG): named barrier 1 + c is consumer c's turn; see fc90_turn_begin. Otherwise the warpgroups
+ * synchronize only through the mbarriers; each consumer warp stages its own output rows.
  *
  * Masks: key tiles wholly above the causal diagonal of the block's last row are never loaded; tiles cut by the
  * diagonal or by the end of the keys are masked per element to -inf before the softmax (TMA zero-fills rows
@@ -55,6 +66,7 @@
 #define FC90_THREADS 384 /* warpgroup 0: producer; 1 and 2: consumers */
 #define FC90_PRODUCER_REGS 24
 #define FC90_CONSUMER_REGS 240
+#define FC90_BAR_TURN 1 /* named barriers 1 and 2: the consumers' ping-pong turns (0 is __syncthreads') */
 /* The block starts with 65536 / 384 = 168 registers per thread (launch bounds with 1 block per SM); the
  * consumers can only grow by what the producer gives back. */
 static_assert(128 * FC90_PRODUCER_REGS + 256 * FC90_CONSUMER_REGS <= FC90_THREADS * 168, "register split");
@@ -68,7 +80,10 @@ __host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_off
 __host__ __device__ constexpr uint32_t fc90_o_row(fc90_tile t) { return t.d + 8; } /* elements; odd 16-byte count */
 __host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) { return fc90_off_o(t) + t.br * fc90_o_row(t) * 2; }
 /* + 1024: the dynamic shared memory base is only guaranteed 16-byte aligned; the kernel rounds it up. */
-__host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) { return fc90_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
+/* Barriers: q_full, then k_full, v_full, k_empty, v_empty of st slots each. */
+__host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) {
+    return fc90_off_bar(t) + 8 * (1 + 4 * t.st) + 1024;
+}
 
 #if FC90_DEVICE
 
@@ -101,6 +116,17 @@ static __device__ __forceinline__ void fc90_bar_wait(uint32_t bar, uint32_t pari
                  "}\n" ::"r"(bar),
                  "r"(parity)
                  : "memory");
+}
+
+/* ---- named barriers between the two consumer warpgroups --------------------------------------------------- */
+
+/* bar.sync id, 256: returns once the 256 consumer threads have reached barrier id, this warpgroup's 128 by
+ * syncing here and the other's by bar.arrive (which does not wait). Id 0 is __syncthreads'. */
+static __device__ __forceinline__ void fc90_nbar_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+static __device__ __forceinline__ void fc90_nbar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
 /* ---- TMA ------------------------------------------------------------------------------------------------- */
@@ -245,18 +271,25 @@ static __device__ __forceinline__ void fc90_mma_rs(float (&d)[N / 2], const uint
 
 /* ---- the consumer's tile operations ------------------------------------------------------------------------ */
 
-/* s = Q K^T for this warpgroup's 64 rows and the bc keys of one ring slot: d / 16 k-steps, waited for. */
+/* Issues s = Q K^T for this warpgroup's 64 rows and the bc keys of one ring slot (d / 16 k-steps) as one commit
+ * group; the caller fences before and waits after. */
 template <int D, int BF>
-static __device__ __forceinline__ void fc90_qk(float (&s)[fc90_tile_for(D).bc / 2], uint64_t dq, uint64_t dk) {
+static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D).bc / 2], uint64_t dq, uint64_t dk) {
     constexpr fc90_tile TL = fc90_tile_for(D);
-    fc90_pin(s);
-    fc90_wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t qoff = (kk / 4) * TL.br * 128 + (kk % 4) * 32, koff = (kk / 4) * TL.bc * 128 + (kk % 4) * 32;
         fc90_mma_ss<TL.bc, BF>(s, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
     }
     fc90_wgmma_commit();
+}
+
+/* s = Q K^T, waited for (the serial schedule). */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_qk(float (&s)[fc90_tile_for(D).bc / 2], uint64_t dq, uint64_t dk) {
+    fc90_pin(s);
+    fc90_wgmma_fence();
+    fc90_qk_issue<D, BF>(s, dq, dk);
     fc90_wgmma_wait<0>();
     fc90_pin(s);
 }
@@ -281,13 +314,15 @@ static __device__ __forceinline__ void fc90_mask(float (&s)[BC / 2], int i0, int
 
 /*
  * Online softmax step in base 2 on raw scores s (the scale, times log2 e, folds into the exponent's FFMA:
- * max(c s) = c max(s) for c > 0): the row max m moves, O and the row sum l are rescaled by 2^(m_old - m_new),
- * and s becomes P = 2^(c s - m). The four lanes of a quad share a row. A row that has seen no key keeps
- * m = -inf and takes exponents against 0, so that no inf - inf appears; l stays thread-partial until the end.
+ * max(c s) = c max(s) for c > 0): the row max m moves, the row sum l is rescaled by alpha = 2^(m_old - m_new),
+ * and s becomes P = 2^(c s - m). O is left alone: it must be scaled by alpha before the next P V adds to it,
+ * which the overlapped schedules do only once the P V product in flight has completed. The four lanes of a quad
+ * share a row. A row that has seen no key keeps m = -inf and takes exponents against 0, so that no inf - inf
+ * appears; l stays thread-partial until the end.
  */
-template <int D, int BC>
-static __device__ __forceinline__ void fc90_softmax(float (&s)[BC / 2], float (&o)[D / 2], float (&row_m)[2],
-                                                    float (&row_l)[2], float smul) {
+template <int BC>
+static __device__ __forceinline__ void fc90_online_p(float (&s)[BC / 2], float (&row_m)[2], float (&row_l)[2],
+                                                     float (&alpha)[2], float smul) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float mx = -INFINITY;
@@ -297,7 +332,7 @@ static __device__ __forceinline__ void fc90_softmax(float (&s)[BC / 2], float (&
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_m[hf], mx * smul);
         const float mu = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = fc_exp2(row_m[hf] - mu);
+        alpha[hf] = fc_exp2(row_m[hf] - mu);
         row_m[hf] = m_new;
         float rs = 0.f;
 #pragma unroll
@@ -308,22 +343,34 @@ static __device__ __forceinline__ void fc90_softmax(float (&s)[BC / 2], float (&
                 x = fc_exp2(fmaf(x, smul, -mu));
                 rs += x;
             }
-        row_l[hf] = row_l[hf] * alpha + rs;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[4 * j + 2 * hf] *= alpha;
-            o[4 * j + 2 * hf + 1] *= alpha;
-        }
+        row_l[hf] = row_l[hf] * alpha[hf] + rs;
     }
 }
 
-/* o += P V: P rounded to the operand type into A fragments (k16 step c = S's n8 blocks 2c, 2c + 1), V from one
- * ring slot; waited for, after which the slot may be released. */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90_pv(float (&o)[D / 2], const float (&p)[fc90_tile_for(D).bc / 2],
-                                               uint64_t dv) {
-    constexpr int BC = fc90_tile_for(D).bc;
-    uint32_t pa[BC / 16][4];
+/* o *= alpha, row by row (alpha[0] for the thread's first row, alpha[1] for the row 8 below). */
+template <int D>
+static __device__ __forceinline__ void fc90_rescale(float (&o)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            o[4 * j + 2 * hf] *= alpha[hf];
+            o[4 * j + 2 * hf + 1] *= alpha[hf];
+        }
+}
+
+/* The serial schedule's softmax step: P in s, and O rescaled at once (nothing is in flight). */
+template <int D, int BC>
+static __device__ __forceinline__ void fc90_softmax(float (&s)[BC / 2], float (&o)[D / 2], float (&row_m)[2],
+                                                    float (&row_l)[2], float smul) {
+    float alpha[2];
+    fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
+    fc90_rescale<D>(o, alpha);
+}
+
+/* P rounded to the operand type into wgmma A fragments: k16 step c takes S's n8 blocks 2c and 2c + 1. */
+template <int BC, int BF>
+static __device__ __forceinline__ void fc90_pack_p(uint32_t (&pa)[BC / 16][4], const float (&p)[BC / 2]) {
 #pragma unroll
     for (int c = 0; c < BC / 16; ++c) {
         pa[c][0] = fc_pack2<BF>(p[8 * c + 0], p[8 * c + 1]);
@@ -331,14 +378,67 @@ static __device__ __forceinline__ void fc90_pv(float (&o)[D / 2], const float (&
         pa[c][2] = fc_pack2<BF>(p[8 * c + 4], p[8 * c + 5]);
         pa[c][3] = fc_pack2<BF>(p[8 * c + 6], p[8 * c + 7]);
     }
+}
+
+/* Issues o += P V, V from one ring slot, as one commit group; the caller fences before and waits after. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
+                                                     const uint32_t (&pa)[fc90_tile_for(D).bc / 16][4], uint64_t dv) {
+#pragma unroll
+    for (int c = 0; c < fc90_tile_for(D).bc / 16; ++c)
+        fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * 128) >> 4));
+    fc90_wgmma_commit();
+}
+
+/* o += P V, waited for, after which the slot may be released (the serial schedule). */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_pv(float (&o)[D / 2], const float (&p)[fc90_tile_for(D).bc / 2],
+                                               uint64_t dv) {
+    constexpr int BC = fc90_tile_for(D).bc;
+    uint32_t pa[BC / 16][4];
+    fc90_pack_p<BC, BF>(pa, p);
     fc90_pin(o);
     fc90_pin(pa);
     fc90_wgmma_fence();
-#pragma unroll
-    for (int c = 0; c < BC / 16; ++c) fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * 128) >> 4));
-    fc90_wgmma_commit();
+    fc90_pv_issue<D, BF>(o, pa, dv);
     fc90_wgmma_wait<0>();
     fc90_pin(o);
+}
+
+/*
+ * Keeps the softmax above the wgmma.wait_group that follows it, where it runs under the P V product in flight.
+ * The pin orders it in the PTX, but ptxas schedules within a basic block and hoists the wait above independent
+ * arithmetic (seen in the SASS: all exponentials after the wait). A branch ptxas cannot remove ends the block:
+ * its condition (a NaN row sum, only from NaN or infinite inputs) is known only at run time, and what it
+ * guards (a fence) changes nothing when taken.
+ */
+template <int N>
+static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_sum) {
+    fc90_pin(s);
+    if (row_sum != row_sum) asm volatile("membar.cta;\n" ::: "memory");
+}
+
+/* Keys past the end, or past the band edge, to -inf when either cuts the tile of keys from n0 for this warpgroup
+ * (first_diag: the band's last key for the warpgroup's first row). */
+template <int BC>
+static __device__ __forceinline__ void fc90_mask_tile(float (&s)[BC / 2], int i0, int n0, int nk, int diag,
+                                                      int win_right, int first_diag, int tig) {
+    if (n0 + BC > nk || (win_right >= 0 && n0 + BC - 1 > first_diag))
+        fc90_mask<BC>(s, i0, n0, nk, diag, win_right, tig);
+}
+
+/* The ping-pong's turn (FA3 section 3.1): consumer cw waits for its turn before issuing its products and, once
+ * they are issued (not completed), hands the turn to the other, so that the tensor cores take the two
+ * warpgroups' products alternately and each one's softmax runs under the other's products. Consumer 0 takes
+ * the first turn (consumer 1 arrives once ahead); consumer 1 does not hand over after its last turn, so every
+ * arrival on a barrier meets a sync and none is left pending at exit. */
+template <bool PP>
+static __device__ __forceinline__ void fc90_turn_begin(int cw) {
+    if (PP) fc90_nbar_sync(FC90_BAR_TURN + cw);
+}
+template <bool PP>
+static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
+    if (PP && !(last && cw == 1)) fc90_nbar_arrive(FC90_BAR_TURN + (cw ^ 1));
 }
 
 #endif /* FC90_DEVICE */
@@ -347,8 +447,9 @@ static __device__ __forceinline__ void fc90_pv(float (&o)[D / 2], const float (&
  * Grid: one block per (query tile, head, sequence), flattened into x with the query tile fastest (the blocks of
  * one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows start
  * first). Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B), boxes of 64 columns x (br or bc) rows.
+ * SCHED: the consumers' schedule (fwd_sm90.h, fc90_sched).
  */
-template <int D, int BF>
+template <int D, int BF, int SCHED>
 __global__ void __launch_bounds__(FC90_THREADS, 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
@@ -356,13 +457,16 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
     constexpr fc90_tile TL = fc90_tile_for(D);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
+    constexpr bool PP = SCHED & FC90_SCHED_PINGPONG, OV = SCHED & FC90_SCHED_OVERLAP;
     static_assert(TL.d == D && D % 64 == 0 && BR == 128 && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
+    static_assert(SCHED >= 0 && SCHED <= FC90_SCHED_BOTH, "schedule");
 
     extern __shared__ uint8_t fc90_smem[];
     const uint32_t raw = fc_smem_addr(fc90_smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
     const uint32_t sQ = base, sK = base + fc90_off_k(TL), sV = base + fc90_off_v(TL);
-    const uint32_t bar_q = base + fc90_off_bar(TL), bar_full = bar_q + 8, bar_empty = bar_full + 8 * ST;
+    const uint32_t bar_q = base + fc90_off_bar(TL), bar_kfull = bar_q + 8, bar_vfull = bar_kfull + 8 * ST,
+                   bar_kempty = bar_vfull + 8 * ST, bar_vempty = bar_kempty + 8 * ST;
 
     int64_t bid = blockIdx.x;
     const int mblk = a.n_mblk - 1 - (int)(bid % a.n_mblk);
@@ -379,8 +483,10 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_q, 1);
         for (int s = 0; s < ST; ++s) {
-            fc90_bar_init(bar_full + 8 * s, 1);
-            fc90_bar_init(bar_empty + 8 * s, 256);
+            fc90_bar_init(bar_kfull + 8 * s, 1);
+            fc90_bar_init(bar_vfull + 8 * s, 1);
+            fc90_bar_init(bar_kempty + 8 * s, 256);
+            fc90_bar_init(bar_vempty + 8 * s, 256);
         }
         fc90_bar_init_fence();
     }
@@ -398,13 +504,27 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
             for (int c = 0; c < NCH; ++c) fc90_tma_load(sQ + c * BR * 128, &tm_q, bar_q, c * 64, m0, h, b);
             for (int it = 0; it < ntiles; ++it) {
                 const int s = it % ST;
-                fc90_bar_wait(bar_empty + 8 * s, ((it / ST) & 1) ^ 1);
-                fc90_bar_expect(bar_full + 8 * s, 2 * KV_BYTES);
                 const uint32_t k_dst = sK + s * KV_BYTES, v_dst = sV + s * KV_BYTES;
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_full + 8 * s, c * 64, it * BC, hk, b);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_full + 8 * s, c * 64, it * BC, hk, b);
+                const uint32_t free_parity = ((it / ST) & 1) ^ 1;
+                if (SCHED == FC90_SCHED_SERIAL) {
+                    /* K and V of a tile share kfull / kempty: the serial consumer reads both in one step. */
+                    fc90_bar_wait(bar_kempty + 8 * s, free_parity);
+                    fc90_bar_expect(bar_kfull + 8 * s, 2 * KV_BYTES);
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                } else {
+                    /* The overlapped consumers read V one turn after K, so each has its own ring phases. */
+                    fc90_bar_wait(bar_kempty + 8 * s, free_parity);
+                    fc90_bar_expect(bar_kfull + 8 * s, KV_BYTES);
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                    fc90_bar_wait(bar_vempty + 8 * s, free_parity);
+                    fc90_bar_expect(bar_vfull + 8 * s, KV_BYTES);
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_vfull + 8 * s, c * 64, it * BC, hk, b);
+                }
             }
         }
         return;
@@ -428,18 +548,82 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
     /* The band edge cuts a tile for this warpgroup when its last key passes the first row's diagonal. */
     const int first_diag = m0 + 64 * cw + diag + a.win_right;
 
-    if (ntiles > 0) fc90_bar_wait(bar_q, 0);
-    for (int it = 0; it < ntiles; ++it) {
-        const int slot = it % ST;
-        const uint32_t slot_off = (slot * KV_BYTES) >> 4;
-        fc90_bar_wait(bar_full + 8 * slot, (it / ST) & 1);
-        fc90_qk<D, BF>(s, dq, dk + slot_off);
-        const int n0 = it * BC;
-        if (n0 + BC > nk || (a.win_right >= 0 && n0 + BC - 1 > first_diag))
-            fc90_mask<BC>(s, m0 + row0, n0, nk, diag, a.win_right, tig);
-        fc90_softmax<D, BC>(s, o, row_m, row_l, a.score_mul);
-        fc90_pv<D, BF>(o, s, dv + slot_off);
-        fc90_bar_arrive(bar_empty + 8 * slot);
+    if (SCHED == FC90_SCHED_SERIAL) {
+        /* One tile at a time: S, softmax, P V, each waited for; the two warpgroups run unsynchronized. */
+        if (ntiles > 0) fc90_bar_wait(bar_q, 0);
+        for (int it = 0; it < ntiles; ++it) {
+            const int slot = it % ST;
+            const uint32_t slot_off = (slot * KV_BYTES) >> 4;
+            fc90_bar_wait(bar_kfull + 8 * slot, (it / ST) & 1);
+            fc90_qk<D, BF>(s, dq, dk + slot_off);
+            fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
+            fc90_softmax<D, BC>(s, o, row_m, row_l, a.score_mul);
+            fc90_pv<D, BF>(o, s, dv + slot_off);
+            fc90_bar_arrive(bar_kempty + 8 * slot);
+        }
+    } else if (ntiles > 0) {
+        /*
+         * Turn it issues S_it = Q K_it^T and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha of
+         * softmax it - 1, whose P V is only now added), then runs softmax it on S_it. With OV the softmax starts
+         * once S_it is done, while P V still runs (so it must leave O and the P fragments alone); without, it
+         * waits for both. Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4) live together.
+         */
+        uint32_t pa[BC / 16][4];
+        float alpha[2];
+        fc90_bar_wait(bar_q, 0);
+        if (PP && cw == 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
+
+        fc90_bar_wait(bar_kfull, 0);
+        fc90_turn_begin<PP>(cw);
+        fc90_pin(s);
+        fc90_wgmma_fence();
+        fc90_qk_issue<D, BF>(s, dq, dk);
+        fc90_turn_end<PP>(cw, false);
+        fc90_wgmma_wait<0>();
+        fc90_pin(s);
+        fc90_bar_arrive(bar_kempty);
+        fc90_mask_tile<BC>(s, m0 + row0, 0, nk, diag, a.win_right, first_diag, tig);
+        fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+        fc90_pack_p<BC, BF>(pa, s);
+
+        for (int it = 1; it < ntiles; ++it) {
+            const int ks = it % ST, vs = (it - 1) % ST;
+            fc90_bar_wait(bar_kfull + 8 * ks, (it / ST) & 1);
+            fc90_bar_wait(bar_vfull + 8 * vs, ((it - 1) / ST) & 1);
+            fc90_turn_begin<PP>(cw);
+            fc90_rescale<D>(o, alpha);
+            fc90_pin(s);
+            fc90_pin(o);
+            fc90_pin(pa);
+            fc90_wgmma_fence();
+            fc90_qk_issue<D, BF>(s, dq, dk + ((ks * KV_BYTES) >> 4));
+            fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
+            fc90_turn_end<PP>(cw, false);
+            fc90_wgmma_wait<OV ? 1 : 0>();
+            fc90_pin(s);
+            fc90_bar_arrive(bar_kempty + 8 * ks);
+            fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
+            fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+            if (OV) fc90_block_end(s, row_l[0]);
+            fc90_wgmma_wait<0>();
+            fc90_pin(o);
+            fc90_pin(pa);
+            fc90_pack_p<BC, BF>(pa, s);
+            fc90_bar_arrive(bar_vempty + 8 * vs);
+        }
+
+        const int vs = (ntiles - 1) % ST;
+        fc90_bar_wait(bar_vfull + 8 * vs, ((ntiles - 1) / ST) & 1);
+        fc90_turn_begin<PP>(cw);
+        fc90_rescale<D>(o, alpha);
+        fc90_pin(o);
+        fc90_pin(pa);
+        fc90_wgmma_fence();
+        fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
+        fc90_turn_end<PP>(cw, true);
+        fc90_wgmma_wait<0>();
+        fc90_pin(o);
+        fc90_bar_arrive(bar_vempty + 8 * vs);
     }
 
     /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf. */
@@ -546,8 +730,19 @@ static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d,
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+template <int D, int BF, int SCHED>
+static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
+                               const CUtensorMap *tv, int64_t blocks, cudaStream_t stream) {
+    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
+    cudaError_t e =
+        cudaFuncSetAttribute(fc90_fwd_kernel<D, BF, SCHED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    fc90_fwd_kernel<D, BF, SCHED><<<(unsigned)blocks, FC90_THREADS, smem, stream>>>(*k, *tq, *tk, *tv);
+    return cudaGetLastError();
+}
+
 template <int D, int BF>
-static cudaError_t fc90_run(const flashc_fwd_args *a, cudaStream_t stream) {
+static cudaError_t fc90_run(const flashc_fwd_args *a, int sched, cudaStream_t stream) {
     constexpr fc90_tile TL = fc90_tile_for(D);
     flashc_fwd_args k = *a;
     k.n_mblk = (a->Nq + TL.br - 1) / TL.br;
@@ -558,11 +753,13 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, cudaStream_t stream) {
     if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bc);
     if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bc);
     if (e != cudaSuccess) return e;
-    const int smem = (int)fc90_smem_bytes(TL);
-    e = cudaFuncSetAttribute(fc90_fwd_kernel<D, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF><<<(unsigned)blocks, FC90_THREADS, smem, stream>>>(k, tq, tk, tv);
-    return cudaGetLastError();
+    switch (sched) {
+    case FC90_SCHED_SERIAL: return fc90_launch<D, BF, FC90_SCHED_SERIAL>(&k, &tq, &tk, &tv, blocks, stream);
+    case FC90_SCHED_PINGPONG: return fc90_launch<D, BF, FC90_SCHED_PINGPONG>(&k, &tq, &tk, &tv, blocks, stream);
+    case FC90_SCHED_OVERLAP: return fc90_launch<D, BF, FC90_SCHED_OVERLAP>(&k, &tq, &tk, &tv, blocks, stream);
+    case FC90_SCHED_BOTH: return fc90_launch<D, BF, FC90_SCHED_BOTH>(&k, &tq, &tk, &tv, blocks, stream);
+    }
+    return cudaErrorInvalidValue;
 }
 
 int flashc_fwd_sm90_available(int device) {
@@ -574,8 +771,10 @@ int flashc_fwd_sm90_available(int device) {
     }
     if (major != 9 || minor != 0) return 0;
     /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
-    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0>, (const void *)fc90_fwd_kernel<64, 1>,
-                              (const void *)fc90_fwd_kernel<128, 0>, (const void *)fc90_fwd_kernel<128, 1>};
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, FC90_SCHED_BOTH>,
+                              (const void *)fc90_fwd_kernel<64, 1, FC90_SCHED_BOTH>,
+                              (const void *)fc90_fwd_kernel<128, 0, FC90_SCHED_BOTH>,
+                              (const void *)fc90_fwd_kernel<128, 1, FC90_SCHED_BOTH>};
     for (int i = 0; i < 4; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
@@ -600,8 +799,9 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);
 }
 
-cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, cudaStream_t stream) {
-    if (a->D == 64) return a->bf16 ? fc90_run<64, 1>(a, stream) : fc90_run<64, 0>(a, stream);
-    if (a->D == 128) return a->bf16 ? fc90_run<128, 1>(a, stream) : fc90_run<128, 0>(a, stream);
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, cudaStream_t stream) {
+    if (sched < FC90_SCHED_SERIAL || sched > FC90_SCHED_BOTH) return cudaErrorInvalidValue;
+    if (a->D == 64) return a->bf16 ? fc90_run<64, 1>(a, sched, stream) : fc90_run<64, 0>(a, sched, stream);
+    if (a->D == 128) return a->bf16 ? fc90_run<128, 1>(a, sched, stream) : fc90_run<128, 0>(a, sched, stream);
     return cudaErrorInvalidValue;
 }

@@ -26,6 +26,16 @@ __host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
     return d <= 64 ? fc90_tile{64, 128, 128, 2} : fc90_tile{128, 128, 128, 2};
 }
 
+/*
+ * The consumers' schedule, chosen per launch (FLASHC_CUDA_SM90_SCHED, read by cuda.cu) so that the GPU can tell
+ * a fault of the overlapped schedules from one of the first version. Bit 0, PINGPONG: the two consumer
+ * warpgroups take turns at issuing their products (named barriers), so one's softmax runs under the other's
+ * products (FA3 section 3.1). Bit 1, OVERLAP: a warpgroup issues S = Q K^T of tile j with P V of tile j - 1 and
+ * starts softmax j while P V is still in flight (FA3 section 3.2). SERIAL (0) is the first version's loop.
+ */
+enum { FC90_SCHED_SERIAL = 0, FC90_SCHED_PINGPONG = 1, FC90_SCHED_OVERLAP = 2, FC90_SCHED_BOTH = 3 };
+#define FC90_SCHED_DEFAULT FC90_SCHED_BOTH
+
 /* 1 when `device` (the current device) is compute capability 9.0 and the sm_90a kernels are the code loaded for
  * it (a build without 90a-real, or a later GPU, runs the Ampere-class kernel instead). */
 int flashc_fwd_sm90_available(int device);
@@ -37,7 +47,7 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
 
 /* Launches the forward on stream (a configuration flashc_fwd_sm90_supports accepted, on a device for which
  * flashc_fwd_sm90_available holds). Builds the Q, K, V tensor maps on the host, so it fails (without
- * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. */
-cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, cudaStream_t stream);
+ * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. sched: one of FC90_SCHED_*. */
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, cudaStream_t stream);
 
 #endif /* FLASHC_CUDA_FWD_SM90_H */
