@@ -71,7 +71,12 @@ class Attention(nn.Module):
             y = flashc.flash_attn_qkvpacked_func(qkv, causal=True)  # (B, N, H, D)
         else:
             q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, D)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            if self.impl == "sdpa-math":  # the unfused reference: another rounding of the same function
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                with sdpa_kernel(SDPBackend.MATH):
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         return self.proj(y.reshape(b, n, c))
 
 
@@ -161,6 +166,9 @@ def main():
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast on cuda")
     ap.add_argument("--log-every", type=int, default=0, help="rows in the loss table (default: about 15)")
+    ap.add_argument("--noise", action="store_true",
+                    help="a third run on torch's unfused (math) attention: how far two torch kernels drift apart, "
+                         "the scale of the rounding noise the flashc-vs-sdpa gap is judged against")
     args = ap.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and flashc.cuda_available() else "cpu"
@@ -177,7 +185,7 @@ def main():
           % (data.entropy, math.log(args.vocab)))
 
     runs = {}
-    for impl in ("flashc", "sdpa"):
+    for impl in ("flashc", "sdpa") + (("sdpa-math",) if args.noise else ()):
         runs[impl] = train(impl, args, data, device, init)
 
     every = args.log_every or max(1, args.steps // 15)
@@ -190,6 +198,10 @@ def main():
     diffs = [abs(a - b) for a, b in zip(runs["flashc"][0], runs["sdpa"][0])]
     print("\nmax |loss flashc - loss sdpa| over all steps: %.3e (final %.4f vs %.4f)"
           % (max(diffs), runs["flashc"][0][-1], runs["sdpa"][0][-1]))
+    if args.noise:
+        ref = [abs(a - b) for a, b in zip(runs["sdpa-math"][0], runs["sdpa"][0])]
+        print("max |loss sdpa-math - loss sdpa| over all steps: %.3e (final %.4f): the noise scale"
+              % (max(ref), runs["sdpa-math"][0][-1]))
     skip = min(5, max(0, args.steps - 1))  # leave out the first steps (allocator and kernel warm-up)
     for impl in ("flashc", "sdpa"):
         t = runs[impl][2][skip:]
