@@ -254,6 +254,10 @@ int main(int argc, char **argv) {
         long_shape(ctx, "splitkv_q16_causal", (shape){1, 16, 20000, 4, 4, 64, 1}, 16, 12);
         determinism(ctx, "determinism_causal", (shape){2, 1000, 1000, 4, 4, 128, 1}, 100);
         determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100);
+        /* d 256 on Hopper: a key tile (80) that does not divide the lengths, many turns of the ring, and the
+         * output staged over Q and K once both consumers are done (enough blocks for a wave: no split-KV) */
+        long_shape(ctx, "d256_long_causal_gqa", (shape){2, 1500, 1700, 8, 2, 256, 1}, 128, 15);
+        determinism(ctx, "determinism_d256", (shape){2, 1000, 1000, 8, 8, 256, 0}, 100);
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

@@ -12,11 +12,11 @@
  *
  * Block: 3 warpgroups (384 threads) per (query tile of 128 rows, head, sequence). Warpgroup 0 is the producer:
  * it gives registers back (setmaxnreg.dec to 24) and one thread issues the TMA loads: Q once, then K and V
- * tiles of 128 keys into a ring of 2 stages. Warpgroups 1 and 2 are consumers (setmaxnreg.inc to 240), each
- * owning 64 query rows: per key tile, S = Q K^T by wgmma m64n128k16 with Q and K in shared memory, masks and
+ * tiles of bc keys into a ring of 2 stages. Warpgroups 1 and 2 are consumers (setmaxnreg.inc to 240), each
+ * owning 64 query rows: per key tile, S = Q K^T by wgmma m64n{bc}k16 with Q and K in shared memory, masks and
  * the online softmax on the S accumulators, P rounded to 16 bits straight into wgmma's A-register fragment,
- * and O += P V by wgmma m64n{64,128}k16 with V in shared memory read N-major (transpose bit), since V is stored
- * keys x d. Tile sizes: fc90_tile_for in fwd_sm90.h.
+ * and O += P V by wgmma m64n{d}k16 with V in shared memory read N-major (transpose bit), since V is stored
+ * keys x d. Tile sizes (bc 128 at d 64 and 128, 80 at d 256): fc90_tile_for in fwd_sm90.h.
  *
  * Consumer schedules. SERIAL: per tile, S, softmax, P V, each waited for. The overlapped ones work in turns:
  * turn j issues S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (O is rescaled by softmax j - 1's factor
@@ -67,23 +67,39 @@
 #define FC90_PRODUCER_REGS 24
 #define FC90_CONSUMER_REGS 240
 #define FC90_BAR_TURN 1 /* named barriers 1 and 2: the consumers' ping-pong turns (0 is __syncthreads') */
+#define FC90_BAR_EPILOGUE 3 /* both consumers past their last product, before an aliased output staging */
 /* The block starts with 65536 / 384 = 168 registers per thread (launch bounds with 1 block per SM); the
  * consumers can only grow by what the producer gives back. */
 static_assert(128 * FC90_PRODUCER_REGS + 256 * FC90_CONSUMER_REGS <= FC90_THREADS * 168, "register split");
 
-/* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging, mbarriers. */
+/* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging (unless it
+ * overlays Q and K), mbarriers. */
+#define FC90_SMEM_MAX (227 * 1024) /* per block on sm_90 */
 __host__ __device__ constexpr uint32_t fc90_q_bytes(fc90_tile t) { return (uint32_t)t.br * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90_kv_bytes(fc90_tile t) { return (uint32_t)t.bc * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90_off_k(fc90_tile t) { return fc90_q_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90_off_v(fc90_tile t) { return fc90_off_k(t) + t.st * fc90_kv_bytes(t); }
-__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_off_v(t) + t.st * fc90_kv_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90_end_v(fc90_tile t) { return fc90_off_v(t) + t.st * fc90_kv_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90_o_row(fc90_tile t) { return t.d + 8; } /* elements; odd 16-byte count */
-__host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) { return fc90_off_o(t) + t.br * fc90_o_row(t) * 2; }
-/* + 1024: the dynamic shared memory base is only guaranteed 16-byte aligned; the kernel rounds it up. */
-/* Barriers: q_full, then k_full, v_full, k_empty, v_empty of st slots each. */
-__host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) {
-    return fc90_off_bar(t) + 8 * (1 + 4 * t.st) + 1024;
+__host__ __device__ constexpr uint32_t fc90_o_bytes(fc90_tile t) { return t.br * fc90_o_row(t) * 2; }
+/* Barriers: q_full, then k_full, v_full, k_empty, v_empty of st slots each; + 1024: the dynamic shared memory
+ * base is only guaranteed 16-byte aligned, and the kernel rounds it up. */
+__host__ __device__ constexpr uint32_t fc90_tail_bytes(fc90_tile t) { return 8 * (1 + 4 * t.st) + 1024; }
+/* When a staging tile of its own does not fit, the output is staged from offset 0, over Q and the K ring, which
+ * nothing reads or writes any more once both consumers have waited for their last product (every load the
+ * producer issues is consumed before that). */
+__host__ __device__ constexpr bool fc90_o_aliased(fc90_tile t) {
+    return fc90_end_v(t) + fc90_o_bytes(t) + fc90_tail_bytes(t) > FC90_SMEM_MAX;
 }
+__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_o_aliased(t) ? 0 : fc90_end_v(t); }
+__host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) {
+    return fc90_o_aliased(t) ? fc90_end_v(t) : fc90_end_v(t) + fc90_o_bytes(t);
+}
+__host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) { return fc90_off_bar(t) + fc90_tail_bytes(t); }
+static_assert(fc90_smem_bytes(fc90_tile_for(64)) <= FC90_SMEM_MAX && fc90_smem_bytes(fc90_tile_for(128)) <= FC90_SMEM_MAX &&
+                  fc90_smem_bytes(fc90_tile_for(256)) <= FC90_SMEM_MAX,
+              "shared memory per block");
+static_assert(fc90_o_bytes(fc90_tile_for(256)) <= fc90_end_v(fc90_tile_for(256)), "aliased staging within Q, K, V");
 
 #if FC90_DEVICE
 
@@ -207,15 +223,35 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
 #define FC90_ACC8(d, i)                                                                                      \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
         "+f"(d[i + 7])
-#define FC90_ACC32(d) FC90_ACC8(d, 0), FC90_ACC8(d, 8), FC90_ACC8(d, 16), FC90_ACC8(d, 24)
-#define FC90_ACC64(d) FC90_ACC32(d), FC90_ACC8(d, 32), FC90_ACC8(d, 40), FC90_ACC8(d, 48), FC90_ACC8(d, 56)
+#define FC90_ACC32(d, i) FC90_ACC8(d, i), FC90_ACC8(d, i + 8), FC90_ACC8(d, i + 16), FC90_ACC8(d, i + 24)
+#define FC90_ACC40(d) FC90_ACC32(d, 0), FC90_ACC8(d, 32)
+#define FC90_ACC64(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32)
+#define FC90_ACC96(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32), FC90_ACC32(d, 64)
+#define FC90_ACC128(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32), FC90_ACC32(d, 64), FC90_ACC32(d, 96)
 #define FC90_REGS32                                                                                          \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
     "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FC90_REGS40                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FC90_REGS64                                                                                          \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
     "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
     "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FC90_REGS96                                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+    "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+    "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define FC90_REGS128                                                                                         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+    "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+    "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
+    "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "      \
+    "%123, %124, %125, %126, %127}"
 /* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits 0). */
 #define FC90_SS(N, TY, REGS, DA, DB, SC)                                                                     \
     "{\n.reg .pred fc90_acc;\nsetp.ne.b32 fc90_acc, " SC ", 0;\nwgmma.mma_async.sync.aligned.m64n" N          \
@@ -223,50 +259,54 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
 /* D += A B, A from four registers, B from a descriptor, N-major (transpose bit 1). */
 #define FC90_RS(N, TY, REGS, A0, DB)                                                                         \
     "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS ", {" A0 "}, " DB ", 1, 1, 1, 1;\n"
+/* The f16 and bf16 forms of one shape (the type is part of the instruction's text). */
+#define FC90_SS_ASM(N, REGS, ACC, DA, DB, SC)                                                                \
+    if constexpr (BF)                                                                                        \
+        asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC) : ACC : "l"(da), "l"(db), "r"(acc));               \
+    else                                                                                                     \
+        asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC) : ACC : "l"(da), "l"(db), "r"(acc))
+#define FC90_RS_ASM(N, REGS, ACC, A0, DB)                                                                    \
+    if constexpr (BF)                                                                                        \
+        asm volatile(FC90_RS(N, "bf16", REGS, A0, DB) : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)); \
+    else                                                                                                     \
+        asm volatile(FC90_RS(N, "f16", REGS, A0, DB) : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
 
 /*
- * wgmma.mma_async.m64nNk16.f32 with A and B in shared memory. Accumulator layout (per warpgroup, 64 x N): warp
- * w holds rows 16w..16w+15; for each n8 block j, thread lane holds d[4j], d[4j+1] at row 16w + lane/4, columns
- * 8j + 2(lane%4) + {0, 1}, and d[4j+2], d[4j+3] at row 16w + lane/4 + 8, same columns.
+ * wgmma.mma_async.m64nNk16.f32 with A and B in shared memory (S = Q K^T: N is the key tile bc). Accumulator
+ * layout (per warpgroup, 64 x N): warp w holds rows 16w..16w+15; for each n8 block j, thread lane holds d[4j],
+ * d[4j+1] at row 16w + lane/4, columns 8j + 2(lane%4) + {0, 1}, and d[4j+2], d[4j+3] at row 16w + lane/4 + 8,
+ * same columns.
  */
 template <int N, int BF>
 static __device__ __forceinline__ void fc90_mma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
-    static_assert(N == 64 || N == 128, "wgmma N");
-    if constexpr (N == 128 && BF)
-        asm volatile(FC90_SS("128", "bf16", FC90_REGS64, "%64", "%65", "%66")
-                     : FC90_ACC64(d) : "l"(da), "l"(db), "r"(acc));
-    else if constexpr (N == 128)
-        asm volatile(FC90_SS("128", "f16", FC90_REGS64, "%64", "%65", "%66")
-                     : FC90_ACC64(d) : "l"(da), "l"(db), "r"(acc));
-    else if constexpr (BF)
-        asm volatile(FC90_SS("64", "bf16", FC90_REGS32, "%32", "%33", "%34")
-                     : FC90_ACC32(d) : "l"(da), "l"(db), "r"(acc));
-    else
-        asm volatile(FC90_SS("64", "f16", FC90_REGS32, "%32", "%33", "%34")
-                     : FC90_ACC32(d) : "l"(da), "l"(db), "r"(acc));
+    static_assert(N == 64 || N == 80 || N == 128 || N == 192, "wgmma N of S: a key tile of the tile table");
+    if constexpr (N == 192) {
+        FC90_SS_ASM("192", FC90_REGS96, FC90_ACC96(d), "%96", "%97", "%98");
+    } else if constexpr (N == 128) {
+        FC90_SS_ASM("128", FC90_REGS64, FC90_ACC64(d), "%64", "%65", "%66");
+    } else if constexpr (N == 80) {
+        FC90_SS_ASM("80", FC90_REGS40, FC90_ACC40(d), "%40", "%41", "%42");
+    } else {
+        FC90_SS_ASM("64", FC90_REGS32, FC90_ACC32(d, 0), "%32", "%33", "%34");
+    }
 }
 
 /*
- * wgmma.mma_async.m64nNk16.f32 with A (64 x 16) in registers: warp w holds rows 16w..16w+15; a[0] = row
- * 16w + lane/4, k 2(lane%4) + {0, 1} (low half first); a[1] = the same k, row + 8; a[2] = row, k + 8;
- * a[3] = row + 8, k + 8. That is the accumulator layout above for the n8 blocks 2c and 2c + 1 of S, so P
- * needs no data movement between the two products.
+ * wgmma.mma_async.m64nNk16.f32 with A (64 x 16) in registers (O += P V: N is the head dim): warp w holds rows
+ * 16w..16w+15; a[0] = row 16w + lane/4, k 2(lane%4) + {0, 1} (low half first); a[1] = the same k, row + 8;
+ * a[2] = row, k + 8; a[3] = row + 8, k + 8. That is the accumulator layout above for the n8 blocks 2c and
+ * 2c + 1 of S, so P needs no data movement between the two products.
  */
 template <int N, int BF>
 static __device__ __forceinline__ void fc90_mma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
-    static_assert(N == 64 || N == 128, "wgmma N");
-    if constexpr (N == 128 && BF)
-        asm volatile(FC90_RS("128", "bf16", FC90_REGS64, "%64, %65, %66, %67", "%68")
-                     : FC90_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-    else if constexpr (N == 128)
-        asm volatile(FC90_RS("128", "f16", FC90_REGS64, "%64, %65, %66, %67", "%68")
-                     : FC90_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-    else if constexpr (BF)
-        asm volatile(FC90_RS("64", "bf16", FC90_REGS32, "%32, %33, %34, %35", "%36")
-                     : FC90_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-    else
-        asm volatile(FC90_RS("64", "f16", FC90_REGS32, "%32, %33, %34, %35", "%36")
-                     : FC90_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma N of O: a head dim of the tile table");
+    if constexpr (N == 256) {
+        FC90_RS_ASM("256", FC90_REGS128, FC90_ACC128(d), "%128, %129, %130, %131", "%132");
+    } else if constexpr (N == 128) {
+        FC90_RS_ASM("128", FC90_REGS64, FC90_ACC64(d), "%64, %65, %66, %67", "%68");
+    } else {
+        FC90_RS_ASM("64", FC90_REGS32, FC90_ACC32(d, 0), "%32, %33, %34, %35", "%36");
+    }
 }
 
 /* ---- the consumer's tile operations ------------------------------------------------------------------------ */
@@ -645,7 +685,9 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
 
     const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
     if (a.out_vec) {
-        /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. */
+        /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. Over Q
+         * and K, the other consumer may still be reading them. */
+        if (fc90_o_aliased(TL)) fc90_nbar_sync(FC90_BAR_EPILOGUE);
         uint16_t *sO = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL)) + wrow * OROW;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
@@ -787,7 +829,8 @@ int flashc_fwd_sm90_available(int device) {
 }
 
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
-    if ((head_dim_compiled != 64 && head_dim_compiled != 128) || a->D != head_dim_compiled) return 0;
+    if ((head_dim_compiled != 64 && head_dim_compiled != 128 && head_dim_compiled != 256) || a->D != head_dim_compiled)
+        return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->varlen || a->nsplit != 1) return 0;
     if (a->softcap2 != 0.f || a->alibi || a->bm) return 0;
     if (!(a->score_mul > 0.f)) return 0; /* the scale folds into the exponent, which needs it positive */
@@ -803,5 +846,6 @@ cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, cudaStre
     if (sched < FC90_SCHED_SERIAL || sched > FC90_SCHED_BOTH) return cudaErrorInvalidValue;
     if (a->D == 64) return a->bf16 ? fc90_run<64, 1>(a, sched, stream) : fc90_run<64, 0>(a, sched, stream);
     if (a->D == 128) return a->bf16 ? fc90_run<128, 1>(a, sched, stream) : fc90_run<128, 0>(a, sched, stream);
+    if (a->D == 256) return a->bf16 ? fc90_run<256, 1>(a, sched, stream) : fc90_run<256, 0>(a, sched, stream);
     return cudaErrorInvalidValue;
 }

@@ -15,15 +15,30 @@
  * Tile sizes per head dim, the one table. br: query rows per block, split between two consumer warpgroups of
  * br / 2 = 64 rows (the M of wgmma); bc: keys per K/V tile (the N of the S = Q K^T wgmma, the K of O += P V);
  * st: stages of the K/V ring. A consumer thread holds bc / 2 S accumulators, d / 2 O accumulators and bc / 4
- * packed P registers: at d 128, bc 128 that is 160 of its 240 registers. Shared memory: Q br x d, st stages of
- * K and V bc x d, an output staging tile br x (d + 8), all 16-bit: 99 KB at d 64, 195 KB at d 128 (of 227).
+ * packed P registers: at d 128, bc 128 that is 160 of its 240 registers; at d 256, bc 80 it is 188, which is
+ * why d 256 takes a narrower key tile (bc 128 would need 224 before any address or softmax register).
+ * Shared memory: Q br x d, st stages of K and V bc x d, an output staging tile br x (d + 8), all 16-bit:
+ * 99 KB at d 64, 195 KB at d 128 (of 227). At d 256 Q and the ring alone take 224 KB, so the output is staged
+ * over Q and K once both consumers are past their last product (fc90_o_aliased).
  */
 typedef struct fc90_tile {
     int d, br, bc, st;
 } fc90_tile;
 
+/* A lab build may try others: FLASHC_CUDA_TILES_FILE (fwd_sm80.h) may define FC90_TILE_<d> (bc of S: 64, 80, 128
+ * or 192, the N of a wgmma the kernel has). */
+#ifndef FC90_TILE_64
+#define FC90_TILE_64 fc90_tile{64, 128, 128, 2}
+#endif
+#ifndef FC90_TILE_128
+#define FC90_TILE_128 fc90_tile{128, 128, 128, 2}
+#endif
+#ifndef FC90_TILE_256
+#define FC90_TILE_256 fc90_tile{256, 128, 80, 2}
+#endif
+
 __host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
-    return d <= 64 ? fc90_tile{64, 128, 128, 2} : fc90_tile{128, 128, 128, 2};
+    return d <= 64 ? FC90_TILE_64 : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
 }
 
 /*
@@ -41,7 +56,7 @@ enum { FC90_SCHED_SERIAL = 0, FC90_SCHED_PINGPONG = 1, FC90_SCHED_OVERLAP = 2, F
 int flashc_fwd_sm90_available(int device);
 
 /* 1 when the Hopper kernel of head dim head_dim_compiled (the forward entry cuda.cu picked) takes this
- * configuration: a->D == head_dim_compiled in {64, 128}, 16-bit inputs with 16-byte aligned rows (TMA), no
+ * configuration: a->D == head_dim_compiled in {64, 128, 256}, 16-bit inputs with 16-byte aligned rows (TMA), no
  * varlen, no split-KV, no softcap / ALiBi / block mask, window (-1, -1) or causal (-1, 0). */
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
 
