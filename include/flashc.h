@@ -171,6 +171,13 @@ FLASHC_API flashc_status flashc_supported(flashc_context_t ctx, flashc_op op, co
                                           const flashc_tensor *k, const flashc_tensor *v,
                                           const flashc_params *params);
 
+/* Which kernel this backend would run for the configuration, as a short static string (e.g. "sm90 (wgmma, TMA,
+ * warp-specialized)" or "tensor cores (mma.sync)" on CUDA); NULL when it is not supported (the reason is then the
+ * last error). Arguments as for flashc_supported. */
+FLASHC_API const char *flashc_kernel_name(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
+                                          const flashc_tensor *k, const flashc_tensor *v,
+                                          const flashc_params *params);
+
 /* Bytes of workspace flashc_forward / flashc_backward need for this problem. */
 FLASHC_API flashc_status flashc_forward_workspace_size(flashc_context_t ctx, const flashc_tensor *q,
                                                        const flashc_tensor *k, const flashc_tensor *v,

@@ -504,6 +504,24 @@ flashc_status flashc_supported(flashc_context_t ctx, flashc_op op, const flashc_
     return FLASHC_STATUS_OK;
 }
 
+const char *flashc_kernel_name(flashc_context_t ctx, flashc_op op, const flashc_tensor *q, const flashc_tensor *k,
+                               const flashc_tensor *v, const flashc_params *params) {
+    if (!ctx) {
+        FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+        return NULL;
+    }
+    flashc_problem p;
+    if (flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p) != FLASHC_STATUS_OK ||
+        supported_problem(ctx, &p) != FLASHC_STATUS_OK)
+        return NULL;
+    ctx->error[0] = '\0';
+#ifdef FLASHC_WITH_CUDA
+    if (ctx->backend == FLASHC_BACKEND_CUDA)
+        return op == FLASHC_OP_FORWARD ? flashc_cuda_fwd_path(ctx, &p) : flashc_cuda_bwd_path(&p);
+#endif
+    return "CPU tiles (SIMD microkernels)";
+}
+
 static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
                                     const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
                                     size_t *bytes) {

@@ -192,6 +192,12 @@ int main(void) {
            FLASHC_STATUS_INVALID_ARGUMENT, NULL);
     expect("supported: unknown op 7", flashc_supported(ctx, (flashc_op)7, &base.q, &base.k, &base.v, &base.prm),
            FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+    check_true("kernel_name: NULL ctx gives NULL",
+               flashc_kernel_name(NULL, FLASHC_OP_FORWARD, &base.q, &base.k, &base.v, &base.prm) == NULL);
+    check_true("kernel_name: unknown op gives NULL",
+               flashc_kernel_name(ctx, (flashc_op)7, &base.q, &base.k, &base.v, &base.prm) == NULL);
+    check_true("kernel_name: a valid forward is named",
+               flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &base.q, &base.k, &base.v, &base.prm) != NULL);
     expect("workspace_size: NULL bytes",
            flashc_forward_workspace_size(ctx, &base.q, &base.k, &base.v, &base.prm, NULL),
            FLASHC_STATUS_INVALID_ARGUMENT, ctx);

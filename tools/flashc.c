@@ -87,6 +87,24 @@ int cli_info(int argc, char **argv) {
         printf("command:   %s\n", cli_cuda_runtime() ? "run, check and bench can use CUDA"
                                                      : "built without the CUDA runtime: run, check and bench use "
                                                        "the CPU");
+        flashc_context_t ctx = NULL;
+        if (n > 0 && flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0) == FLASHC_STATUS_OK) {
+            /* Which kernels cuda:0 runs, at the benchmark sweep's shape (bf16, B 1, N 4096, H 2048 / D). */
+            printf("kernels on cuda:0 (bf16, N 4096; forward | backward):\n");
+            static const int dims[] = {64, 128, 256};
+            for (int i = 0; i < 3; i++)
+                for (int causal = 0; causal < 2; causal++) {
+                    const flashc_tensor t = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_BF16, 1, 4096, 2048 / dims[i],
+                                                                     dims[i]);
+                    flashc_params prm = flashc_params_default();
+                    prm.causal = causal;
+                    const char *f = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &t, &t, &t, &prm);
+                    const char *b = flashc_kernel_name(ctx, FLASHC_OP_BACKWARD, &t, &t, &t, &prm);
+                    printf("  d %3d %-7s %s | %s\n", dims[i], causal ? "causal" : "", f ? f : "not supported",
+                           b ? b : "not supported");
+                }
+            flashc_context_destroy(ctx);
+        }
     } else {
         printf("gpus:      - (CUDA backend not compiled)\n");
     }

@@ -30,7 +30,7 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cud
 
 /* The path flashc_cuda_bwd_launch takes for p: "tensor cores (mma.sync)" or "CUDA cores" (a static string).
  * FLASHC_CUDA_BWD=simt in the environment forces the CUDA-core baseline. */
-const char *flashc_cuda_bwd_path(const flashc_problem *p);
+extern "C" const char *flashc_cuda_bwd_path(const flashc_problem *p);
 
 /* The CUDA-core baseline (bwd_simt.cu): any strides, every feature, fp32 throughout; deterministic. dvec: rows x
  * H floats of workspace for D_i. */

@@ -106,7 +106,7 @@ const char *flashc_cuda_bwd_unsupported(const flashc_problem *p) {
     return flashc_cuda_bwd_simt_unsupported(p);
 }
 
-const char *flashc_cuda_bwd_path(const flashc_problem *p) {
+extern "C" const char *flashc_cuda_bwd_path(const flashc_problem *p) {
     return bwd_tensor_cores(p) ? "tensor cores (mma.sync)" : "CUDA cores";
 }
 
