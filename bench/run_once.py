@@ -22,8 +22,10 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--b", type=int, default=0, help="batch (default 16384 / N)")
+    ap.add_argument("--h", type=int, default=0, help="heads (default 2048 / D)")
     args = ap.parse_args()
-    H, B = 2048 // args.d, 16384 // args.n
+    H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for _ in range(args.repeat):
         out, lse = flashc.attention(q, k, v, causal=args.causal)
