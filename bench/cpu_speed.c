@@ -177,6 +177,7 @@ typedef struct kernel_case {
     const float *a, *b;
     int64_t rs_a, cs_a, ldb;
     float *c;
+    int64_t ldc;
     int softmax;
     float *m_run, *l_run, *alpha;
 } kernel_case;
@@ -186,15 +187,16 @@ static int run_kernel(void *arg) {
     for (int it = 0; it < 50; it++) {
         if (c->softmax) {
             for (int r = 0; r < c->n; r++) c->m_run[r] = -INFINITY, c->l_run[r] = 0.0f;
-            c->k->softmax(c->m, c->n, c->c, c->n, c->m_run, c->l_run, c->alpha);
+            c->k->softmax(c->m, c->n, c->c, c->ldc, c->m_run, c->l_run, c->alpha);
         } else {
-            c->k->gemm(c->m, c->n, c->kk, c->a, c->rs_a, c->cs_a, c->b, c->ldb, c->c, c->n, 1);
+            c->k->gemm(c->m, c->n, c->kk, c->a, c->rs_a, c->cs_a, c->b, c->ldb, c->c, c->ldc, 1);
         }
     }
     return 0;
 }
 
-/* The forward's two products per tile, as the driver calls them (bc keys x br queries, head dim D), one thread. */
+/* The forward's two products per tile, as the driver calls them (bc keys x br queries, head dim D, query-major
+ * tiles with the driver's padded leading dim), one thread. */
 static void kernel_report(void) {
     const flashc_cpu_kernels *k = flashc_cpu_select_kernels();
     printf("\nmicrokernel %s, one thread, forward tile shapes (50 calls per timing, median of 7):\n", k->name);
@@ -203,20 +205,20 @@ static void kernel_report(void) {
     for (int di = 0; di < 2; di++) {
         const int D = dims[di];
         flashc_cpu_tiles t = flashc_cpu_choose_tiles(D, 0);
-        const int br = t.br, bc = t.bc;
-        float *kt = malloc(sizeof(float) * (size_t)bc * D), *qt = malloc(sizeof(float) * (size_t)D * br);
-        float *st = malloc(sizeof(float) * (size_t)bc * br), *v = malloc(sizeof(float) * (size_t)bc * D);
+        const int br = t.br, bc = t.bc, ld = br + FLASHC_CPU_LD_PAD;
+        float *kt = malloc(sizeof(float) * (size_t)bc * D), *qt = malloc(sizeof(float) * (size_t)D * ld);
+        float *st = malloc(sizeof(float) * (size_t)bc * ld), *v = malloc(sizeof(float) * (size_t)bc * D);
         float *o = malloc(sizeof(float) * (size_t)br * D), *m = malloc(sizeof(float) * (size_t)br);
         float *l = malloc(sizeof(float) * (size_t)br), *al = malloc(sizeof(float) * (size_t)br);
         for (int i = 0; i < bc * D; i++) kt[i] = frand(), v[i] = frand();
-        for (int i = 0; i < D * br; i++) qt[i] = frand();
+        for (int i = 0; i < D * ld; i++) qt[i] = frand();
         for (int i = 0; i < br * D; i++) o[i] = frand();
-        for (int i = 0; i < bc * br; i++) st[i] = frand();
-        kernel_case s = {k, bc, br, D, kt, qt, D, 1, br, st, 0, NULL, NULL, NULL};
-        kernel_case pv = {k, br, D, bc, st, v, 1, br, D, o, 0, NULL, NULL, NULL};
-        kernel_case sm = {k, bc, br, 0, NULL, NULL, 0, 0, 0, st, 1, m, l, al};
+        for (int i = 0; i < bc * ld; i++) st[i] = frand();
+        kernel_case s = {k, bc, br, D, kt, qt, D, 1, ld, st, ld, 0, NULL, NULL, NULL};
+        kernel_case pv = {k, br, D, bc, st, v, 1, ld, D, o, D, 0, NULL, NULL, NULL};
+        kernel_case sm = {k, bc, br, 0, NULL, NULL, 0, 0, 0, st, ld, 1, m, l, al};
         double ts = time_median(run_kernel, &s, 7) / 50, tp = time_median(run_kernel, &pv, 7) / 50;
-        for (int i = 0; i < bc * br; i++) st[i] = frand() * 8.0f;
+        for (int i = 0; i < bc * ld; i++) st[i] = frand() * 8.0f;
         double tm = time_median(run_kernel, &sm, 7) / 50;
         const double f = 2.0 * bc * br * D;
         char name[64];

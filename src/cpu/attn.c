@@ -35,9 +35,9 @@ static int imin(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
 
 /* Per-thread tiles; every piece 64-byte aligned (sizes are multiples of 16 floats). */
 typedef struct tile_bufs {
-    float *qt, *dot;    /* (scale Q)^T, dO^T: dp x br */
+    float *qt, *dot;    /* (scale Q)^T, dO^T: dp x ld */
     float *o, *dq;      /* br x dp */
-    float *st, *dpt, *t; /* bc x br: scores / P, dP / dS, tanh for softcap */
+    float *st, *dpt, *t; /* bc x ld: scores / P, dP / dS, tanh for softcap */
     float *kbuf, *vbuf; /* bc x dp: converted K, V rows */
     float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
     float *dk, *dv;     /* bc x dp */
@@ -46,6 +46,7 @@ typedef struct tile_bufs {
 
 typedef struct layout {
     int br, bc, dp;
+    int ld; /* leading dim of the query-major tiles (Q^T, dO^T, S^T, dP^T): br + FLASHC_CPU_LD_PAD */
     int64_t nqb, nkb;
     size_t per_thread; /* floats */
 } layout;
@@ -56,13 +57,14 @@ static layout make_layout(const flashc_problem *p, int backward) {
     L.br = t.br;
     L.bc = t.bc;
     L.dp = (int)round_up(p->D, 16);
+    L.ld = L.br + FLASHC_CPU_LD_PAD;
     L.nqb = (p->Nq + L.br - 1) / L.br;
     L.nkb = (p->Nk + L.bc - 1) / L.bc;
-    size_t br = (size_t)L.br, bc = (size_t)L.bc, dp = (size_t)L.dp;
+    size_t br = (size_t)L.br, bc = (size_t)L.bc, dp = (size_t)L.dp, ld = (size_t)L.ld;
     if (!backward)
-        L.per_thread = 2 * dp * br + bc * br + 2 * bc * dp + 3 * br;
+        L.per_thread = dp * ld + br * dp + bc * ld + 2 * bc * dp + 3 * br;
     else
-        L.per_thread = 2 * dp * br + br * dp + 3 * bc * br + 4 * bc * dp + 2 * br * dp + 2 * br;
+        L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * bc * dp + 2 * br * dp + 2 * br;
     return L;
 }
 
@@ -71,10 +73,10 @@ static float *align64(void *ptr) { return (float *)(((uintptr_t)ptr + 63) & ~(ui
 static tile_bufs carve(float *x, const layout *L, int backward) {
     tile_bufs b;
     memset(&b, 0, sizeof b);
-    size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp;
+    size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp, ld = (size_t)L->ld;
 #define TAKE(ptr, n) (ptr = x, x += (n))
-    TAKE(b.qt, dp * br);
-    TAKE(b.st, bc * br);
+    TAKE(b.qt, dp * ld);
+    TAKE(b.st, bc * ld);
     TAKE(b.kbuf, bc * dp);
     TAKE(b.vbuf, bc * dp);
     if (!backward) {
@@ -83,10 +85,10 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
         TAKE(b.l, br);
         TAKE(b.alpha, br);
     } else {
-        TAKE(b.dot, dp * br);
+        TAKE(b.dot, dp * ld);
         TAKE(b.dq, br * dp);
-        TAKE(b.dpt, bc * br);
-        TAKE(b.t, bc * br);
+        TAKE(b.dpt, bc * ld);
+        TAKE(b.t, bc * ld);
         TAKE(b.dk, bc * dp);
         TAKE(b.dv, bc * dp);
         TAKE(b.qbuf, br * dp);
@@ -126,10 +128,10 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
                           int64_t b, int64_t h, int64_t i0, int rows, int64_t jlo, int64_t jhi) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
+    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br, ld = L->ld;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
 
-    flashc_cpu_load_t(kern, t->qt, br, &p->q, tb, q0 + i0, rows, br, h, D, flashc_cpu_qscale(p));
+    flashc_cpu_load_t(kern, t->qt, ld, &p->q, tb, q0 + i0, rows, br, h, D, flashc_cpu_qscale(p));
     memset(t->o, 0, sizeof(float) * (size_t)br * dp);
     for (int r = 0; r < br; r++) {
         t->m[r] = -INFINITY;
@@ -141,16 +143,16 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
         int64_t ldk, ldv;
         const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
         const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
-        kern->gemm(cols, br, D, k, ldk, 1, t->qt, br, t->st, br, 0); /* S^T = K (scale Q)^T */
+        kern->gemm(cols, br, D, k, ldk, 1, t->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
         if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
-            flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, br, NULL);
-        kern->softmax(cols, br, t->st, br, t->m, t->l, t->alpha);
+            flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, NULL);
+        kern->softmax(cols, br, t->st, ld, t->m, t->l, t->alpha);
         for (int r = 0; r < rows; r++)
             if (t->alpha[r] != 1.0f) {
                 float *orow = t->o + (size_t)r * dp;
                 for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
             }
-        kern->gemm(rows, D, cols, t->st, 1, br, v, ldv, t->o, dp, 1); /* O += P V */
+        kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, t->o, dp, 1); /* O += P V */
     }
 }
 
@@ -178,7 +180,9 @@ static void forward_store(const flashc_problem *p, const layout *L, float *o, co
 /* Query rows [*i0, *i0 + *rows) of task index task (b, h, qb); 0 when the block lies past the sequence. */
 static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int64_t *b, int64_t *h, int64_t *i0,
                      int *rows, int64_t *lo, int64_t *hi) {
-    const int64_t qb = task % L->nqb, bh = task / L->nqb;
+    /* Query blocks in decreasing order within each head: with causal masks the last blocks see the most keys, so
+     * the dynamic schedule hands out the long tasks first and ends on short ones. */
+    const int64_t qb = L->nqb - 1 - task % L->nqb, bh = task / L->nqb;
     *b = bh / p->H;
     *h = bh % p->H;
     int64_t q0, nq, k0, nk;
@@ -280,7 +284,7 @@ static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p-
 /* Per thread in the single-pass mode: dQ, (scale Q)^T and dO^T of one sequence, its lse and D. */
 static size_t dq_seq_floats(const flashc_problem *p, const layout *L) {
     const size_t npad = (size_t)(L->nqb * L->br);
-    return 3 * npad * L->dp + 2 * npad;
+    return npad * L->dp + 2 * (npad + FLASHC_CPU_LD_PAD) * L->dp + 2 * npad;
 }
 
 static size_t dkv_head_floats(const flashc_problem *p, const layout *L) {
@@ -325,7 +329,7 @@ static query_side load_query_side(const flashc_problem *p, const flashc_cpu_kern
 static query_side block_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
                                    tile_bufs *t, const float *dvec, int64_t b, int64_t h, int64_t q0, int64_t i0,
                                    int rows) {
-    return load_query_side(p, kern, t->qt, t->dot, t->lse2, t->di, L->br, dvec, b, h, q0, i0, rows, L->br);
+    return load_query_side(p, kern, t->qt, t->dot, t->lse2, t->di, L->ld, dvec, b, h, q0, i0, rows, L->br);
 }
 
 /*
@@ -335,18 +339,18 @@ static query_side block_query_side(const flashc_problem *p, const flashc_cpu_ker
 static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
                     const query_side *qs, const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b,
                     int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0, int cols) {
-    const int br = L->br, D = (int)p->D;
-    kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, br, 0);   /* S^T = K (scale Q)^T */
+    const int br = L->br, ld = L->ld, D = (int)p->D;
+    kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, ld, 0);   /* S^T = K (scale Q)^T */
     if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
-        flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, br, p->softcap > 0.0f ? t->t : NULL);
-    kern->exp2_sub(cols, br, t->st, br, qs->lse2);                      /* P = 2^(S - lse) */
-    kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, br, 0); /* dP^T = V dO^T */
+        flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
+    kern->exp2_sub(cols, br, t->st, ld, qs->lse2);                      /* P = 2^(S - lse) */
+    kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, ld, 0); /* dP^T = V dO^T */
     for (int c = 0; c < cols; c++) {
-        const float *pc = t->st + (size_t)c * br;
-        float *dsc = t->dpt + (size_t)c * br;
+        const float *pc = t->st + (size_t)c * ld;
+        float *dsc = t->dpt + (size_t)c * ld;
         for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - qs->di[r]); /* dS = P (dP - D) */
         if (p->softcap > 0.0f) { /* d(c tanh(x / c)) / dx = 1 - tanh^2 */
-            const float *tc = t->t + (size_t)c * br;
+            const float *tc = t->t + (size_t)c * ld;
             for (int r = 0; r < rows; r++) dsc[r] *= 1.0f - tc[r] * tc[r];
         }
     }
@@ -381,12 +385,12 @@ static int tile_meets(const flashc_problem *p, int64_t b, int64_t h, int64_t nq,
 /* dV += P^T dO and dK += dS^T Q for one tile whose P (st) and dS (dpt) tile_ds has just computed. */
 static void accumulate_dkdv(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
                             int64_t tb, int64_t h, int64_t row0, int rows, int cols) {
-    const int D = (int)p->D, dp = L->dp, br = L->br;
+    const int D = (int)p->D, dp = L->dp, ld = L->ld;
     int64_t ldq, ldo;
     const float *q = flashc_cpu_rows(kern, &p->q, tb, row0, rows, h, D, t->qbuf, dp, &ldq);
     const float *dout = flashc_cpu_rows(kern, &p->dout, tb, row0, rows, h, D, t->dobuf, dp, &ldo);
-    kern->gemm(cols, D, rows, t->st, br, 1, dout, ldo, t->dv, dp, 1); /* dV += P^T dO */
-    kern->gemm(cols, D, rows, t->dpt, br, 1, q, ldq, t->dk, dp, 1);   /* dK += dS^T Q */
+    kern->gemm(cols, D, rows, t->st, ld, 1, dout, ldo, t->dv, dp, 1); /* dV += P^T dO */
+    kern->gemm(cols, D, rows, t->dpt, ld, 1, q, ldq, t->dk, dp, 1);   /* dK += dS^T Q */
 }
 
 static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
@@ -422,7 +426,7 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     if (!task_rows(p, L, task, &b, &h, &i0, &rows, &lo, &hi)) return;
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
+    const int D = (int)p->D, dp = L->dp, bc = L->bc, ld = L->ld;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
     const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
     memset(t->dq, 0, sizeof(float) * (size_t)rows * dp);
@@ -433,7 +437,7 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
         const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
         const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
         tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
-        kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, t->dq, dp, 1); /* dQ += dS K */
+        kern->gemm(rows, D, cols, t->dpt, 1, ld, k, ldk, t->dq, dp, 1); /* dQ += dS K */
     }
     flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp, p->scale);
 }
@@ -448,11 +452,12 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv), npad = L->nqb * L->br;
-    /* The query side of the whole sequence, transposed once: dQ (npad x dp), Q^T, dO^T (dp x npad), lse, D. */
-    float *dq_seq = seq, *qt = dq_seq + (size_t)npad * dp, *dot = qt + (size_t)npad * dp;
-    float *lse2 = dot + (size_t)npad * dp, *di = lse2 + npad;
+    /* The query side of the whole sequence, transposed once: dQ (npad x dp), Q^T, dO^T (dp x ldq), lse, D. */
+    const int64_t ldq = npad + FLASHC_CPU_LD_PAD;
+    float *dq_seq = seq, *qt = dq_seq + (size_t)npad * dp, *dot = qt + (size_t)ldq * dp;
+    float *lse2 = dot + (size_t)ldq * dp, *di = lse2 + npad;
     const int padded = (int)((nq + br - 1) / br * br);
-    const query_side whole = load_query_side(p, kern, qt, dot, lse2, di, npad, dvec, b, h, q0, 0, (int)nq, padded);
+    const query_side whole = load_query_side(p, kern, qt, dot, lse2, di, ldq, dvec, b, h, q0, 0, (int)nq, padded);
     memset(dq_seq, 0, sizeof(float) * (size_t)nq * dp);
     for (int64_t j0 = 0; j0 < nk; j0 += bc) {
         const int cols = imin(bc, nk - j0);
@@ -467,7 +472,7 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             const query_side qs = {whole.qt + i0, whole.dot + i0, whole.lse2 + i0, whole.di + i0, whole.ld};
             tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
             accumulate_dkdv(p, kern, L, t, tb, h, q0 + i0, rows, cols);
-            kern->gemm(rows, D, cols, t->dpt, 1, br, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1); /* dQ += dS K */
+            kern->gemm(rows, D, cols, t->dpt, 1, L->ld, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1); /* dQ += dS K */
         }
         if (!dkv_heads) {
             flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);

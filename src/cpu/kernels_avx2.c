@@ -2,8 +2,8 @@
  * AVX2 + FMA + F16C microkernels (built with -mavx2 -mfma -mf16c, chosen at run time).
  * gemm: a 6x16 register tile (12 ymm accumulators, 2 for the B row, 1 for the A broadcast: 15 of 16 ymm), the
  * shape of BLIS's haswell sgemm kernel, with masked loads/stores for the last columns.
- * exp2: 2^x = 2^n * 2^f, n = round(x), f in [-1/2, 1/2], 2^f by its degree-7 Taylor polynomial in f*ln2
- * (truncation below 6e-9 relative); inputs below -126 (and -inf, NaN) give 0.
+ * exp2: 2^x = 2^n * 2^f, n = round(x), f in [-1/2, 1/2], 2^f by a degree-6 polynomial in f (FLASHC_EXP2_C*, cpu.h);
+ * inputs below -126 (and -inf, NaN) give 0.
  */
 #include "cpu.h"
 
@@ -20,40 +20,45 @@ AI __m256i lanes(int n) {
     return _mm256_loadu_si256((const __m256i *)(mask_table + 8 - n));
 }
 
+/*
+ * C[0..MR)[0..nr) (+)= A B for one 6x16 register tile, k steps. A(i, p) = a[i * rs_a + p * cs_a] is addressed from
+ * two row bases (rows 0 and 3) plus one and two row strides, which keeps the loop free of spilled pointers whichever
+ * way A is laid out (the AVX-512 kernel explains why that matters).
+ */
 AI void ukr_6x16(const int MR, int nr, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b,
                  int64_t ldb, float *c, int64_t ldc, int accumulate) {
     __m256 c0[6], c1[6];
 #pragma GCC unroll 6
     for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm256_setzero_ps();
-    const float *ap[6];
+    if (accumulate) /* the C tile is read only after the k loop: start its lines on their way now */
 #pragma GCC unroll 6
-    for (int i = 0; i < MR; i++) ap[i] = a + (size_t)i * rs_a;
+        for (int i = 0; i < MR; i++) _mm_prefetch((const char *)(c + (size_t)i * ldc), _MM_HINT_T0);
+    const float *a0 = a, *a3 = a + 3 * rs_a, *bp = b;
+    const int64_t r1 = rs_a, r2 = 2 * rs_a;
+/* C row i += A(i, p) * (b0, b1), where ptr points at A(i, p). */
+#define ROW(i, ptr)                                                                                                   \
+    if (i < MR) {                                                                                                     \
+        const __m256 ai = _mm256_broadcast_ss(ptr);                                                                   \
+        c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);                                                                       \
+        c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);                                                                       \
+    }
+#define K_STEP                                                                                                        \
+    ROW(0, a0) ROW(1, a0 + r1) ROW(2, a0 + r2) ROW(3, a3) ROW(4, a3 + r1) ROW(5, a3 + r2)                             \
+    a0 += cs_a, a3 += cs_a, bp += ldb;
     if (nr == 16) {
         for (int p = 0; p < k; p++) {
-            const float *bp = b + (size_t)p * ldb;
             const __m256 b0 = _mm256_loadu_ps(bp), b1 = _mm256_loadu_ps(bp + 8);
-            const size_t off = (size_t)p * cs_a;
-#pragma GCC unroll 6
-            for (int i = 0; i < MR; i++) {
-                const __m256 ai = _mm256_broadcast_ss(ap[i] + off);
-                c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
-                c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
-            }
+            K_STEP
         }
     } else {
         const __m256i m0 = lanes(nr), m1 = lanes(nr - 8);
         for (int p = 0; p < k; p++) {
-            const float *bp = b + (size_t)p * ldb;
             const __m256 b0 = _mm256_maskload_ps(bp, m0), b1 = _mm256_maskload_ps(bp + 8, m1);
-            const size_t off = (size_t)p * cs_a;
-#pragma GCC unroll 6
-            for (int i = 0; i < MR; i++) {
-                const __m256 ai = _mm256_broadcast_ss(ap[i] + off);
-                c0[i] = _mm256_fmadd_ps(ai, b0, c0[i]);
-                c1[i] = _mm256_fmadd_ps(ai, b1, c1[i]);
-            }
+            K_STEP
         }
     }
+#undef K_STEP
+#undef ROW
     const __m256i m0 = lanes(nr), m1 = lanes(nr - 8);
 #pragma GCC unroll 6
     for (int i = 0; i < MR; i++) {
@@ -102,14 +107,13 @@ AI __m256 exp2_ps(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(127.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.6931471805599453f)); /* f ln2 */
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(FLASHC_EXP2_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FLASHC_EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FLASHC_EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FLASHC_EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FLASHC_EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(FLASHC_EXP2_C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);

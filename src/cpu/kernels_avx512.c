@@ -1,7 +1,8 @@
 /*
  * AVX-512F microkernels (built with -mavx512f -mfma -mf16c, chosen at run time).
  * gemm: a 12x32 register tile (24 zmm accumulators, 2 for the B row, 1 for the A broadcast), masked for the
- * last columns. exp2: as the AVX2 kernel (degree-7 polynomial of 2^f), scaled by 2^n with vscalefps.
+ * last columns, A read in place through either stride (no packing). exp2: as the AVX2 kernel (degree-6 polynomial
+ * of 2^f), scaled by 2^n with vscalefps.
  */
 #include "cpu.h"
 
@@ -12,26 +13,51 @@
 
 AI __mmask16 first(int n) { return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
 
+/*
+ * C[0..MR)[0..nr) (+)= A B for one 12x32 register tile, k steps. A(i, p) = a[i * rs_a + p * cs_a] is addressed
+ * from four row bases (rows 0, 3, 6, 9) plus one and two row strides, so the twelve broadcasts need six registers
+ * whichever way A is laid out: with twelve row pointers the compiler spilled them and reloaded the masks inside the
+ * loop, and those extra instructions compete with the FMAs for the vector ports (on Intel cores, ports 0 and 5).
+ * Full-width tiles load B without masks for the same reason.
+ */
 AI void ukr_12x32(const int MR, int nr, int k, const float *a, int64_t rs_a, int64_t cs_a, const float *b,
                   int64_t ldb, float *c, int64_t ldc, int accumulate) {
     __m512 c0[12], c1[12];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
-    const float *ap[12];
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) ap[i] = a + (size_t)i * rs_a;
-    const __mmask16 m0 = first(nr), m1 = first(nr - 16);
-    for (int p = 0; p < k; p++) {
-        const float *bp = b + (size_t)p * ldb;
-        const __m512 b0 = _mm512_maskz_loadu_ps(m0, bp), b1 = _mm512_maskz_loadu_ps(m1, bp + 16);
-        const size_t off = (size_t)p * cs_a;
+    if (accumulate) /* the C tile is read only after the k loop: start its lines on their way now */
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
-            const __m512 ai = _mm512_set1_ps(ap[i][off]);
-            c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);
-            c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);
+            _mm_prefetch((const char *)(c + (size_t)i * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + (size_t)i * ldc + 16), _MM_HINT_T0);
+        }
+    const __mmask16 m0 = first(nr), m1 = first(nr - 16);
+    const float *a0 = a, *a3 = a + 3 * rs_a, *a6 = a + 6 * rs_a, *a9 = a + 9 * rs_a, *bp = b;
+    const int64_t r1 = rs_a, r2 = 2 * rs_a;
+/* C row i += A(i, p) * (b0, b1), where ptr points at A(i, p). */
+#define ROW(i, ptr)                                                                                                   \
+    if (i < MR) {                                                                                                     \
+        const __m512 ai = _mm512_set1_ps(*(ptr));                                                                     \
+        c0[i] = _mm512_fmadd_ps(ai, b0, c0[i]);                                                                       \
+        c1[i] = _mm512_fmadd_ps(ai, b1, c1[i]);                                                                       \
+    }
+#define K_STEP                                                                                                        \
+    ROW(0, a0) ROW(1, a0 + r1) ROW(2, a0 + r2) ROW(3, a3) ROW(4, a3 + r1) ROW(5, a3 + r2)                             \
+    ROW(6, a6) ROW(7, a6 + r1) ROW(8, a6 + r2) ROW(9, a9) ROW(10, a9 + r1) ROW(11, a9 + r2)                           \
+    a0 += cs_a, a3 += cs_a, a6 += cs_a, a9 += cs_a, bp += ldb;
+    if (nr == 32) {
+        for (int p = 0; p < k; p++) {
+            const __m512 b0 = _mm512_loadu_ps(bp), b1 = _mm512_loadu_ps(bp + 16);
+            K_STEP
+        }
+    } else {
+        for (int p = 0; p < k; p++) {
+            const __m512 b0 = _mm512_maskz_loadu_ps(m0, bp), b1 = _mm512_maskz_loadu_ps(m1, bp + 16);
+            K_STEP
         }
     }
+#undef K_STEP
+#undef ROW
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) {
         float *ci = c + (size_t)i * ldc;
@@ -72,18 +98,18 @@ static void gemm_avx512(int m, int n, int k, const float *a, int64_t rs_a, int64
     }
 }
 
+/* Clamped to [-126, 128]: vscalefps turns n = 128 into +inf, and +inf inputs never reach inf - inf = NaN. */
 AI __m512 exp2_ps(__m512 x) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(127.0f));
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(128.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(FLASHC_EXP2_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
