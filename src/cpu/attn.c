@@ -17,7 +17,9 @@
  * pass sums over the group in head order. With fewer pairs than threads (long sequences, few heads), two passes
  * share the work finer: one per (sequence, kv head, key block) for dK, dV, one per (sequence, head, query block)
  * for dQ, at the cost of computing S and dP twice. Either way every gradient element has one writer and a fixed
- * summation order, so results are deterministic and race-free for any thread count.
+ * summation order, so results are race-free and bitwise reproducible from run to run at any thread count. The
+ * two modes group a GQA head group's dK, dV sums differently, so with GQA a thread count that switches the mode
+ * can change their last bits.
  *
  * Extra memory: per thread a few tiles (sizes below, O(br * D + bc * D + br * bc)); split-KV partials
  * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode dQ, Q^T and dO^T of one
