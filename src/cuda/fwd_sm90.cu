@@ -10,10 +10,10 @@
  * in base 2, exactly as in fwd_sm80.cuh. The schedule is a launch-time choice (fc90_sched in fwd_sm90.h); all
  * of them do the same arithmetic in the same order.
  *
- * Block: 3 warpgroups (384 threads) per (query tile of 128 rows, head, sequence). Warpgroup 0 is the producer:
- * it gives registers back (setmaxnreg.dec to 24) and one thread issues the TMA loads: Q once, then K and V
- * tiles of bc keys into a ring of 2 stages. Warpgroups 1 and 2 are consumers (setmaxnreg.inc to 240), each
- * owning 64 query rows: per key tile, S = Q K^T by wgmma m64n{bc}k16 with Q and K in shared memory, masks and
+ * Block: 1 + br / 64 warpgroups per (query tile of br rows, head, sequence): 384 threads at br 128, 512 at
+ * br 192 (d 64). Warpgroup 0 is the producer: it gives registers back (setmaxnreg.dec to 24) and one thread
+ * issues the TMA loads: Q once, then K and V tiles of bc keys into a ring of 2 stages. The others are consumers
+ * (setmaxnreg.inc to 240 with two, 160 with three), each owning 64 query rows: per key tile, S = Q K^T by wgmma m64n{bc}k16 with Q and K in shared memory, masks and
  * the online softmax on the S accumulators, P rounded to 16 bits straight into wgmma's A-register fragment,
  * and O += P V by wgmma m64n{d}k16 with V in shared memory read N-major (transpose bit), since V is stored
  * keys x d. Tile sizes (bc 128 at d 64 and 128, 80 at d 256): fc90_tile_for in fwd_sm90.h.
@@ -21,8 +21,8 @@
  * Consumer schedules. SERIAL: per tile, S, softmax, P V, each waited for. The overlapped ones work in turns:
  * turn j issues S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (O is rescaled by softmax j - 1's factor
  * just before, since that P V is only added now), then runs softmax j on S_j, so S_j and the packed P_(j-1)
- * live in registers together. PINGPONG: the two consumers take turns at issuing (named barriers 1 and 2), so
- * the tensor cores run one warpgroup's products while the other does its softmax. OVERLAP: softmax j starts once
+ * live in registers together. PINGPONG: the consumers take turns at issuing, round robin (named barriers 1 ..
+ * consumers), so the tensor cores run one warpgroup's products while the others do their softmax. OVERLAP: softmax j starts once
  * S_j is done, while P_(j-1) V_(j-1) is still in flight.
  *
  * Shared memory holds every operand in the 128-byte swizzled layout, written by TMA (CU_TENSOR_MAP_SWIZZLE_128B)
@@ -36,12 +36,12 @@
  *   k_full[s]    1 arrival (expect_tx) + the K bytes of the tile in slot s (SERIAL: the K and V bytes). Tile it
  *                uses slot it % 2 in its (it / 2)-th round; consumers wait for parity (it / 2) & 1.
  *   v_full[s]    the same for V (not used by SERIAL).
- *   k_empty[s]   256 arrivals, one per consumer thread once its S = Q K^T (SERIAL: its P V) of the tile in slot
+ *   k_empty[s]   128 x consumers arrivals, one per consumer thread once its S = Q K^T (SERIAL: its P V) of the tile in slot
  *                s is complete. Before refilling slot s for tile it the producer waits for parity
  *                ((it / 2) & 1) ^ 1: at once in round 0, then for the consumers' release of the round before.
  *   v_empty[s]   the same for V, released once P V is complete. V is read one turn after K, so a 2-stage
  *                ring per operand keeps a load a whole turn ahead of its use.
- * Turns (PINGPONG): named barrier 1 + c is consumer c's turn; see fc90_turn_begin. Otherwise the warpgroups
+ * Turns (PINGPONG): named barrier 1 + c is consumer c's turn, round robin; see fc90_turn_begin. Otherwise the warpgroups
  * synchronize only through the mbarriers; each consumer warp stages its own output rows.
  *
  * Masks: key tiles wholly above the causal diagonal of the block's last row are never loaded; tiles cut by the
@@ -63,14 +63,20 @@
 #define FC90_DEVICE 0
 #endif
 
-#define FC90_THREADS 384 /* warpgroup 0: producer; 1 and 2: consumers */
+/* Warpgroup 0 is the producer; 1 .. br / 64 are consumers (2, or 3 at d 64). */
+__host__ __device__ constexpr int fc90_consumers(fc90_tile t) { return t.br / 64; }
+__host__ __device__ constexpr int fc90_threads(fc90_tile t) { return 128 * (1 + fc90_consumers(t)); }
 #define FC90_PRODUCER_REGS 24
-#define FC90_CONSUMER_REGS 240
-#define FC90_BAR_TURN 1 /* named barriers 1 and 2: the consumers' ping-pong turns (0 is __syncthreads') */
-#define FC90_BAR_EPILOGUE 3 /* both consumers past their last product, before an aliased output staging */
-/* The block starts with 65536 / 384 = 168 registers per thread (launch bounds with 1 block per SM); the
- * consumers can only grow by what the producer gives back. */
-static_assert(128 * FC90_PRODUCER_REGS + 256 * FC90_CONSUMER_REGS <= FC90_THREADS * 168, "register split");
+/* The block starts with 65536 / threads registers per thread (launch bounds with 1 block per SM): 168 with 2
+ * consumers, 128 with 3; the consumers can only grow by what the producer gives back (setmaxnreg takes
+ * multiples of 8). */
+__host__ __device__ constexpr int fc90_consumer_regs(fc90_tile t) { return fc90_consumers(t) == 2 ? 240 : 160; }
+#define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
+#define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
+__host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
+    return 128 * FC90_PRODUCER_REGS + 128 * fc90_consumers(t) * fc90_consumer_regs(t) <= 65536 &&
+           fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
+}
 
 /* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging (unless it
  * overlays Q and K), mbarriers. */
@@ -136,10 +142,10 @@ static __device__ __forceinline__ void fc90_bar_wait(uint32_t bar, uint32_t pari
 
 /* ---- named barriers between the two consumer warpgroups --------------------------------------------------- */
 
-/* bar.sync id, 256: returns once the 256 consumer threads have reached barrier id, this warpgroup's 128 by
- * syncing here and the other's by bar.arrive (which does not wait). Id 0 is __syncthreads'. */
-static __device__ __forceinline__ void fc90_nbar_sync(int id) {
-    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+/* bar.sync id, n: returns once n threads have reached barrier id: for a turn, this warpgroup's 128 by syncing
+ * here and the previous one's by bar.arrive (which does not wait). Id 0 is __syncthreads'. */
+static __device__ __forceinline__ void fc90_nbar_sync(int id, int n = 256) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 static __device__ __forceinline__ void fc90_nbar_arrive(int id) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
@@ -467,18 +473,19 @@ static __device__ __forceinline__ void fc90_mask_tile(float (&s)[BC / 2], int i0
         fc90_mask<BC>(s, i0, n0, nk, diag, win_right, tig);
 }
 
-/* The ping-pong's turn (FA3 section 3.1): consumer cw waits for its turn before issuing its products and, once
- * they are issued (not completed), hands the turn to the other, so that the tensor cores take the two
- * warpgroups' products alternately and each one's softmax runs under the other's products. Consumer 0 takes
- * the first turn (consumer 1 arrives once ahead); consumer 1 does not hand over after its last turn, so every
- * arrival on a barrier meets a sync and none is left pending at exit. */
-template <bool PP>
+/* The ping-pong's turn (FA3 section 3.1), a round robin over the NC consumers: consumer cw waits for its turn
+ * before issuing its products and, once they are issued (not completed), hands the turn to the next, so that
+ * the tensor cores take the warpgroups' products in turn and the others' softmax runs under them (with 3
+ * consumers, two softmaxes under one's products). Consumer 0 takes the first turn (the last consumer arrives
+ * once ahead); the last does not hand over after its last turn, so every arrival on a barrier meets a sync
+ * and none is left pending at exit (every consumer of a block takes the same number of turns). */
+template <bool PP, int NC>
 static __device__ __forceinline__ void fc90_turn_begin(int cw) {
     if (PP) fc90_nbar_sync(FC90_BAR_TURN + cw);
 }
-template <bool PP>
+template <bool PP, int NC>
 static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
-    if (PP && !(last && cw == 1)) fc90_nbar_arrive(FC90_BAR_TURN + (cw ^ 1));
+    if (PP && !(last && cw == NC - 1)) fc90_nbar_arrive(FC90_BAR_TURN + (cw + 1) % NC);
 }
 
 #endif /* FC90_DEVICE */
@@ -490,15 +497,15 @@ static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
  * SCHED: the consumers' schedule (fwd_sm90.h, fc90_sched).
  */
 template <int D, int BF, int SCHED>
-__global__ void __launch_bounds__(FC90_THREADS, 1)
+__global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
 #if FC90_DEVICE
     constexpr fc90_tile TL = fc90_tile_for(D);
-    constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL);
+    constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PP = SCHED & FC90_SCHED_PINGPONG, OV = SCHED & FC90_SCHED_OVERLAP;
-    static_assert(TL.d == D && D % 64 == 0 && BR == 128 && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
+    static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
     static_assert(SCHED >= 0 && SCHED <= FC90_SCHED_BOTH, "schedule");
 
     extern __shared__ uint8_t fc90_smem[];
@@ -525,8 +532,8 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
         for (int s = 0; s < ST; ++s) {
             fc90_bar_init(bar_kfull + 8 * s, 1);
             fc90_bar_init(bar_vfull + 8 * s, 1);
-            fc90_bar_init(bar_kempty + 8 * s, 256);
-            fc90_bar_init(bar_vempty + 8 * s, 256);
+            fc90_bar_init(bar_kempty + 8 * s, 128 * NC);
+            fc90_bar_init(bar_vempty + 8 * s, 128 * NC);
         }
         fc90_bar_init_fence();
     }
@@ -571,7 +578,7 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
     }
 
     /* Consumer warpgroup cw owns tile rows [64 cw, 64 cw + 64); this thread rows row0 and row0 + 8. */
-    fc90_regs_inc<FC90_CONSUMER_REGS>();
+    fc90_regs_inc<fc90_consumer_regs(TL)>();
     const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
     const int row0 = 64 * cw + 16 * warp + g;
 
@@ -611,14 +618,14 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
         uint32_t pa[BC / 16][4];
         float alpha[2];
         fc90_bar_wait(bar_q, 0);
-        if (PP && cw == 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
+        if (PP && cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
 
         fc90_bar_wait(bar_kfull, 0);
-        fc90_turn_begin<PP>(cw);
+        fc90_turn_begin<PP, NC>(cw);
         fc90_pin(s);
         fc90_wgmma_fence();
         fc90_qk_issue<D, BF>(s, dq, dk);
-        fc90_turn_end<PP>(cw, false);
+        fc90_turn_end<PP, NC>(cw, false);
         fc90_wgmma_wait<0>();
         fc90_pin(s);
         fc90_bar_arrive(bar_kempty);
@@ -630,7 +637,7 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
             const int ks = it % ST, vs = (it - 1) % ST;
             fc90_bar_wait(bar_kfull + 8 * ks, (it / ST) & 1);
             fc90_bar_wait(bar_vfull + 8 * vs, ((it - 1) / ST) & 1);
-            fc90_turn_begin<PP>(cw);
+            fc90_turn_begin<PP, NC>(cw);
             fc90_rescale<D>(o, alpha);
             fc90_pin(s);
             fc90_pin(o);
@@ -638,7 +645,7 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
             fc90_wgmma_fence();
             fc90_qk_issue<D, BF>(s, dq, dk + ((ks * KV_BYTES) >> 4));
             fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-            fc90_turn_end<PP>(cw, false);
+            fc90_turn_end<PP, NC>(cw, false);
             fc90_wgmma_wait<OV ? 1 : 0>();
             fc90_pin(s);
             fc90_bar_arrive(bar_kempty + 8 * ks);
@@ -654,13 +661,13 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
 
         const int vs = (ntiles - 1) % ST;
         fc90_bar_wait(bar_vfull + 8 * vs, ((ntiles - 1) / ST) & 1);
-        fc90_turn_begin<PP>(cw);
+        fc90_turn_begin<PP, NC>(cw);
         fc90_rescale<D>(o, alpha);
         fc90_pin(o);
         fc90_pin(pa);
         fc90_wgmma_fence();
         fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-        fc90_turn_end<PP>(cw, true);
+        fc90_turn_end<PP, NC>(cw, true);
         fc90_wgmma_wait<0>();
         fc90_pin(o);
         fc90_bar_arrive(bar_vempty + 8 * vs);
@@ -687,7 +694,7 @@ __global__ void __launch_bounds__(FC90_THREADS, 1)
     if (a.out_vec) {
         /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. Over Q
          * and K, the other consumer may still be reading them. */
-        if (fc90_o_aliased(TL)) fc90_nbar_sync(FC90_BAR_EPILOGUE);
+        if (fc90_o_aliased(TL)) fc90_nbar_sync(FC90_BAR_EPILOGUE, 128 * NC);
         uint16_t *sO = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL)) + wrow * OROW;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
@@ -779,7 +786,7 @@ static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, 
     cudaError_t e =
         cudaFuncSetAttribute(fc90_fwd_kernel<D, BF, SCHED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF, SCHED><<<(unsigned)blocks, FC90_THREADS, smem, stream>>>(*k, *tq, *tk, *tv);
+    fc90_fwd_kernel<D, BF, SCHED><<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv);
     return cudaGetLastError();
 }
 

@@ -12,23 +12,26 @@
 #include <cuda_runtime.h>
 
 /*
- * Tile sizes per head dim, the one table. br: query rows per block, split between two consumer warpgroups of
- * br / 2 = 64 rows (the M of wgmma); bc: keys per K/V tile (the N of the S = Q K^T wgmma, the K of O += P V);
+ * Tile sizes per head dim, the one table. br: query rows per block, split between br / 64 consumer warpgroups
+ * (2, or 3 at d 64) of 64 rows each (the M of wgmma); bc: keys per K/V tile (the N of the S = Q K^T wgmma, the K of O += P V);
  * st: stages of the K/V ring. A consumer thread holds bc / 2 S accumulators, d / 2 O accumulators and bc / 4
  * packed P registers: at d 128, bc 128 that is 160 of its 240 registers; at d 256, bc 80 it is 188, which is
- * why d 256 takes a narrower key tile (bc 128 would need 224 before any address or softmax register).
+ * why d 256 takes a narrower key tile (bc 128 would need 224 before any address or softmax register). At d 64
+ * the products are short next to the softmax of a 128-key tile, so a third consumer (192 rows, 512 threads)
+ * puts two softmaxes under each one's products; it has 160 registers (of which 128 for those arrays), as
+ * 3 x 128 threads must share the register file with the producer.
  * Shared memory: Q br x d, st stages of K and V bc x d, an output staging tile br x (d + 8), all 16-bit:
- * 99 KB at d 64, 195 KB at d 128 (of 227). At d 256 Q and the ring alone take 224 KB, so the output is staged
+ * 115 KB at d 64, 195 KB at d 128 (of 227). At d 256 Q and the ring alone take 224 KB, so the output is staged
  * over Q and K once both consumers are past their last product (fc90_o_aliased).
  */
 typedef struct fc90_tile {
     int d, br, bc, st;
 } fc90_tile;
 
-/* A lab build may try others: FLASHC_CUDA_TILES_FILE (fwd_sm80.h) may define FC90_TILE_<d> (bc of S: 64, 80, 128
- * or 192, the N of a wgmma the kernel has). */
+/* A lab build may try others: FLASHC_CUDA_TILES_FILE (fwd_sm80.h) may define FC90_TILE_<d> (br: 128 or 192; bc of S: 64,
+ * 80, 128 or 192, the N of a wgmma the kernel has). The two-consumer d 64 tile: fc90_tile{64, 128, 128, 2}. */
 #ifndef FC90_TILE_64
-#define FC90_TILE_64 fc90_tile{64, 128, 128, 2}
+#define FC90_TILE_64 fc90_tile{64, 192, 128, 2}
 #endif
 #ifndef FC90_TILE_128
 #define FC90_TILE_128 fc90_tile{128, 128, 128, 2}
@@ -43,9 +46,9 @@ __host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
 
 /*
  * The consumers' schedule, chosen per launch (FLASHC_CUDA_SM90_SCHED, read by cuda.cu) so that the GPU can tell
- * a fault of the overlapped schedules from one of the first version. Bit 0, PINGPONG: the two consumer
- * warpgroups take turns at issuing their products (named barriers), so one's softmax runs under the other's
- * products (FA3 section 3.1). Bit 1, OVERLAP: a warpgroup issues S = Q K^T of tile j with P V of tile j - 1 and
+ * a fault of the overlapped schedules from one of the first version. Bit 0, PINGPONG: the consumer warpgroups
+ * take turns at issuing their products, round robin (named barriers), so the others' softmax runs under one's
+ * products (FA3 section 3.1; with three consumers measured level with OVERLAP alone at d 64). Bit 1, OVERLAP: a warpgroup issues S = Q K^T of tile j with P V of tile j - 1 and
  * starts softmax j while P V is still in flight (FA3 section 3.2). SERIAL (0) is the first version's loop.
  */
 enum { FC90_SCHED_SERIAL = 0, FC90_SCHED_PINGPONG = 1, FC90_SCHED_OVERLAP = 2, FC90_SCHED_BOTH = 3 };
