@@ -79,7 +79,7 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
       for tool in memcheck racecheck; do
         step "$tool sm90 d$d" "$LOG/${tool}_sm90_d$d.log" "${SANITIZE_LIMIT:-150}" env FLASHC_CUDA_LOG=1 \
           FLASHC_LIBRARY=build-gpu/libflashc.so compute-sanitizer --tool $tool --error-exitcode 3 \
-          python3 bench/run_once.py --d $d --n 700 --b 2 --h 16 --causal --repeat 1
+          python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 --causal --repeat 1
       done
     done
   fi

@@ -78,8 +78,9 @@ static int bwd_tensor_cores(const flashc_problem *p) {
     if (env && strcmp(env, "simt") == 0) return 0;
     const int e = bwd_entry_index(p->D);
     if (e < 0) return 0;
+    /* dout is absent from a supported()/workspace query (only q, k, v are passed): it is checked when present. */
     if (!head_dim_unit(&p->q, p->D) || !head_dim_unit(&p->k, p->D) || !head_dim_unit(&p->v, p->D) ||
-        !head_dim_unit(&p->dout, p->D))
+        (p->dout.data && !head_dim_unit(&p->dout, p->D)))
         return 0;
     if (p->Nq > BWD_MAX_LEN || p->Nk > BWD_MAX_LEN || p->total_q > BWD_MAX_LEN * 8 || p->total_k > BWD_MAX_LEN * 8)
         return 0;
