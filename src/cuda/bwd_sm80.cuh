@@ -84,35 +84,6 @@ static __device__ __forceinline__ void fc_bwd_elem(float &s, float &dp, float ls
     dp = p * (dp - dvec) * dcap;
 }
 
-/* acc (MT x 2 NC n8 tiles) += A B, where A is the MT m16 x K fragment set packed from the fp32 accumulators x
- * (n8 tiles 2kc, 2kc+1 form k16 step kc) and B (K x 16 NC) is read transposed from shared memory rows (key or
- * query major, row bytes ROWB) starting at byte address b (already offset by the lane's a_off pattern). */
-template <int BF, int MT, int KC, int NC>
-static __device__ __forceinline__ void fc_bwd_acc_product(float (*acc)[2 * NC][4], float (*x)[2 * KC][4], uint32_t b,
-                                                          int rowb) {
-#pragma unroll
-    for (int kc = 0; kc < KC; ++kc) {
-        uint32_t pa[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            pa[mt][0] = fc_pack2<BF>(x[mt][2 * kc][0], x[mt][2 * kc][1]);
-            pa[mt][1] = fc_pack2<BF>(x[mt][2 * kc][2], x[mt][2 * kc][3]);
-            pa[mt][2] = fc_pack2<BF>(x[mt][2 * kc + 1][0], x[mt][2 * kc + 1][1]);
-            pa[mt][3] = fc_pack2<BF>(x[mt][2 * kc + 1][2], x[mt][2 * kc + 1][3]);
-        }
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            uint32_t bf[4];
-            fc_ldsm_x4_t(bf, b + kc * 16 * rowb + c * 32);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                fc_mma<BF>(acc[mt][2 * c], pa[mt], bf[0], bf[1]);
-                fc_mma<BF>(acc[mt][2 * c + 1], pa[mt], bf[2], bf[3]);
-            }
-        }
-    }
-}
-
 /* s = A1 B1^T and dp = A2 B2^T over the head dim (KD k16 steps): A rows (MT m16 tiles, this warp's) and B rows
  * (2 KN n8 tiles) are both row-major in shared memory; a1/a2 carry the lane's a_off, b1/b2 its b_off. */
 template <int BF, int MT, int KN, int KD>
@@ -353,8 +324,8 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
         }
 
         /* dV += P^T dO, dK += dS^T Q over the tile's queries, this warp's columns. */
-        fc_bwd_acc_product<BF, MT, KQ, DW / 16>(dv, s, sGt + slot * BQ * ROWB, ROWB);
-        fc_bwd_acc_product<BF, MT, KQ, DW / 16>(dk, dp, sQt + slot * BQ * ROWB, ROWB);
+        fc_acc_product<BF, MT, KQ, DW / 16>(dv, s, sGt + slot * BQ * ROWB, ROWB);
+        fc_acc_product<BF, MT, KQ, DW / 16>(dk, dp, sQt + slot * BQ * ROWB, ROWB);
 
         if (a.dq_acc) {
             /* dQ += dS K: dS^T to shared memory (one warp of each key group writes), then the warps split the
@@ -594,7 +565,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
                 }
         }
         /* dQ += dS K over the tile's keys. */
-        fc_bwd_acc_product<BF, MT, KC, D / 16>(dq, dp, sKt + slot * BC * ROWB, ROWB);
+        fc_acc_product<BF, MT, KC, D / 16>(dq, dp, sKt + slot * BC * ROWB, ROWB);
     }
     fc_cp_async_wait<0>();
 

@@ -121,6 +121,36 @@ static __device__ __forceinline__ uint16_t fc_round16(float x) {
     return BF ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
 
+/* acc (MT x 2 NC n8 tiles) += A B, where A is the MT m16 x K fragment set packed from the fp32 accumulators x
+ * (the accumulators of n8 tiles 2kc, 2kc+1 are exactly the A fragment of k16 step kc) and B (K x 16 NC) is read
+ * transposed from shared-memory rows of rowb bytes starting at byte address b (already offset by the lane's
+ * a_off pattern): the forward's O += P V, the backward's dV += P^T dO, dK += dS^T Q and dQ += dS K. */
+template <int BF, int MT, int KC, int NC>
+static __device__ __forceinline__ void fc_acc_product(float (*acc)[2 * NC][4], float (*x)[2 * KC][4], uint32_t b,
+                                                          int rowb) {
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+        uint32_t pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            pa[mt][0] = fc_pack2<BF>(x[mt][2 * kc][0], x[mt][2 * kc][1]);
+            pa[mt][1] = fc_pack2<BF>(x[mt][2 * kc][2], x[mt][2 * kc][3]);
+            pa[mt][2] = fc_pack2<BF>(x[mt][2 * kc + 1][0], x[mt][2 * kc + 1][1]);
+            pa[mt][3] = fc_pack2<BF>(x[mt][2 * kc + 1][2], x[mt][2 * kc + 1][3]);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            uint32_t bf[4];
+            fc_ldsm_x4_t(bf, b + kc * 16 * rowb + c * 32);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                fc_mma<BF>(acc[mt][2 * c], pa[mt], bf[0], bf[1]);
+                fc_mma<BF>(acc[mt][2 * c + 1], pa[mt], bf[2], bf[3]);
+            }
+        }
+    }
+}
+
 /*
  * Tile load, rows (R) x cols (D) into shared memory rows of fc_smem_row(D) elements. Row r of the tile starts
  * at byte g + r * sn * element size. Rows >= nrows and columns >= dact read as zero, so padded head dims and
@@ -487,28 +517,8 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
                 }
         }
 
-        /* O += P V: the S accumulators of n8 tiles 2c, 2c+1 are exactly the A fragment of k16 step c. */
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-            uint32_t pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = fc_pack2<BF>(s[mt][2 * kc][0], s[mt][2 * kc][1]);
-                pa[mt][1] = fc_pack2<BF>(s[mt][2 * kc][2], s[mt][2 * kc][3]);
-                pa[mt][2] = fc_pack2<BF>(s[mt][2 * kc + 1][0], s[mt][2 * kc + 1][1]);
-                pa[mt][3] = fc_pack2<BF>(s[mt][2 * kc + 1][2], s[mt][2 * kc + 1][3]);
-            }
-#pragma unroll
-            for (int dt2 = 0; dt2 < KD; ++dt2) {
-                uint32_t bf[4];
-                fc_ldsm_x4_t(bf, vbase + kc * 16 * ROWB + dt2 * 32);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    fc_mma<BF>(o[mt][2 * dt2], pa[mt], bf[0], bf[1]);
-                    fc_mma<BF>(o[mt][2 * dt2 + 1], pa[mt], bf[2], bf[3]);
-                }
-            }
-        }
+        /* O += P V: P is the S accumulators, packed. */
+        fc_acc_product<BF, MT, KC, KD>(o, s, vbase, ROWB);
     }
     fc_cp_async_wait<0>();
 
