@@ -10,6 +10,7 @@
 #include "bwd.h"
 #include "bwd_sm80.h"
 #include "fwd_sm80.h"
+#include "launch.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -63,13 +64,6 @@ static size_t bwd_dvec_bytes(const flashc_problem *p) {
 }
 
 static int head_dim_unit(const flashc_tensor *t, int64_t D) { return D <= 1 || t->stride[3] == 1; }
-
-static int rows_aligned16(const flashc_tensor *t, int skip_batch) {
-    if ((uintptr_t)t->data % 16) return 0;
-    for (int d = skip_batch ? 1 : 0; d < 3; d++)
-        if (t->shape[d] > 1 && t->stride[d] % 8) return 0;
-    return 1;
-}
 
 /* Whether the tensor-core kernels take p: a compiled head dim, the head dim contiguous in the inputs they load
  * as tiles, 32-bit lengths, grids within one launch, and shared memory this GPU can give. */
@@ -189,8 +183,6 @@ static bwd_view view_of(const flashc_tensor *t) {
     return v;
 }
 
-static int clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 : (int)(w < limit ? w : limit); }
-
 static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, float *dq_acc, flashc_bwd_args *a) {
     memset(a, 0, sizeof *a);
     a->q = p->q.data, a->k = p->k.data, a->v = p->v.data, a->dout = p->dout.data;
@@ -208,31 +200,15 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->total_q = bwd_rows(p);
     a->varlen = p->varlen;
     a->cu_q = p->cu_q, a->cu_k = p->cu_k;
-    const float log2e = 1.4426950408889634f;
     a->scale = p->scale;
-    if (p->softcap > 0) {
-        a->score_mul = p->scale / p->softcap;
-        a->softcap2 = p->softcap * log2e;
-    } else {
-        a->score_mul = p->scale * log2e;
-    }
-    a->win_left = clamp_window(p->win_left, p->Nq + p->Nk);
-    a->win_right = clamp_window(p->win_right, p->Nq + p->Nk);
-    a->alibi = p->alibi, a->alibi_bs = p->alibi_batch_stride;
-    if (p->block_mask) {
-        a->bm = p->block_mask;
-        a->bm_q = (int)(p->bm_q < p->Nq ? p->bm_q : (p->Nq > 0 ? p->Nq : 1));
-        a->bm_k = (int)(p->bm_k < p->Nk ? p->bm_k : (p->Nk > 0 ? p->Nk : 1));
-        a->bm_batch = (int)p->bm_batch, a->bm_heads = (int)p->bm_heads;
-        a->bm_nqb = (int)p->bm_nqb, a->bm_nkb = (int)p->bm_nkb;
-    }
+    fc_set_scores_and_masks(p, a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
     a->bf16 = p->dtype != FLASHC_DTYPE_F16;
     a->out_dtype = p->dtype;
     if (f32)
         a->in_mode = FC_IN_F32;
-    else if (p->D % 8 == 0 && rows_aligned16(&p->q, p->varlen) && rows_aligned16(&p->k, p->varlen) &&
-             rows_aligned16(&p->v, p->varlen) && rows_aligned16(&p->dout, p->varlen))
+    else if (p->D % 8 == 0 && fc_rows_aligned16(&p->q, p->varlen) && fc_rows_aligned16(&p->k, p->varlen) &&
+             fc_rows_aligned16(&p->v, p->varlen) && fc_rows_aligned16(&p->dout, p->varlen))
         a->in_mode = FC_IN_ASYNC16;
     else
         a->in_mode = FC_IN_ELEM16;

@@ -49,24 +49,6 @@ static __device__ __forceinline__ void fc_load_rowvec(float *s, const float *g, 
     for (int r = tid; r < R; r += NT) fc_cp_async4(fc_smem_addr(s + r), r < nrows ? g + r : g, r < nrows ? 4 : 0);
 }
 
-/* Whether the block mask lets any of rows [i0, i1] see any of keys [j0, j1] (and *partial: some of its bytes
- * over that rectangle are 0). Every thread of the block calls it (the votes are barriers). */
-template <int NT>
-static __device__ int fc_bwd_mask_vote(const flashc_bwd_args &a, const uint8_t *bmrow, int i0, int i1, int j0, int j1,
-                                       int tid, int *partial) {
-    const int qb0 = i0 / a.bm_q, kb0 = j0 / a.bm_k;
-    const int nqb = i1 / a.bm_q - qb0 + 1, nkb = j1 / a.bm_k - kb0 + 1;
-    int on = 0, off = 0;
-    for (int e = tid; e < nqb * nkb; e += NT) {
-        const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * a.bm_nkb + kb0 + e % nkb];
-        on |= v != 0;
-        off |= v == 0;
-    }
-    on = __syncthreads_or(on);
-    *partial = __syncthreads_or(off);
-    return on;
-}
-
 /* One element of P and dS from its score s and dP (in place): p = 2^(x - lse2) with x the forward's base-2
  * score, ds = p (dp - D_i) (times d softcap / dx). vis false: p = ds = 0. */
 static __device__ __forceinline__ void fc_bwd_elem(float &s, float &dp, float lse2, float dvec, float score_mul,
@@ -219,7 +201,8 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
             const int h = hk * group + c / nqt, i0 = (qtb + c % nqt) * BQ;
             const int mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
             const uint8_t *bmrow = a.bm + ((int64_t)mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
-            if (fc_bwd_mask_vote<NT>(a, bmrow, i0, min(i0 + BQ, nq) - 1, j0, jlast, tid, &part)) break;
+            if (fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, i0, min(i0 + BQ, nq) - 1, j0, jlast, tid, &part))
+                break;
         }
         if (tid == 0) {
             s_item[slot] = c < items ? c : -1;
@@ -469,7 +452,9 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
     auto issue_next = [&](int slot) {
         int part = 0, t = cand;
         for (; t < te; ++t)
-            if (!bmrow || fc_bwd_mask_vote<NT>(a, bmrow, i0, ilast, t * BC, min(t * BC + BC, nk) - 1, tid, &part)) break;
+            if (!bmrow || fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, i0, ilast, t * BC, min(t * BC + BC, nk) - 1,
+                                           tid, &part))
+                break;
         if (tid == 0) {
             s_tile[slot] = t < te ? t : -1;
             s_part[slot] = part;

@@ -8,6 +8,7 @@
 #include "../internal.h"
 #include "bwd.h"
 #include "fwd_sm80.h"
+#include "launch.h"
 #include "fwd_sm90.h"
 
 #include <cuda_runtime.h>
@@ -153,14 +154,6 @@ static int fwd_entry_index(int64_t D) {
     return -1;
 }
 
-/* 16-byte aligned base and row strides that are multiples of 8 elements (dims of extent 1 never move). */
-static int rows_aligned16(const flashc_tensor *t, int skip_batch) {
-    if ((uintptr_t)t->data % 16) return 0;
-    for (int d = skip_batch ? 1 : 0; d < 3; d++)
-        if (t->shape[d] > 1 && t->stride[d] % 8) return 0;
-    return 1;
-}
-
 /* The tile a forward kernel was built with (by the architecture of the code the GPU loads) and its resident
  * blocks per SM, asked once per context. */
 static flashc_status fwd_info(struct flashc_context *ctx, int e, int bf16) {
@@ -265,8 +258,6 @@ static void cuda_workspace_free(struct flashc_context *ctx, void *ptr) {
 
 /* ---- forward ------------------------------------------------------------------------------------------- */
 
-static int clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 : (int)(w < limit ? w : limit); }
-
 /* The kernel arguments of a problem cuda_supported accepted; returns its forward entry. With more than one split
  * the partials go to workspace (NULL in a query: then only a.nsplit tells). */
 static int fwd_args(struct flashc_context *ctx, const flashc_problem *p, void *workspace, flashc_fwd_args *out) {
@@ -287,36 +278,18 @@ static int fwd_args(struct flashc_context *ctx, const flashc_problem *p, void *w
     a.varlen = p->varlen;
     a.total_q = p->varlen ? p->total_q : p->B * p->Nq;
     a.cu_q = p->cu_q, a.cu_k = p->cu_k;
-    const float log2e = 1.4426950408889634f;
-    if (p->softcap > 0) {
-        a.score_mul = p->scale / p->softcap;
-        a.softcap2 = p->softcap * log2e;
-    } else {
-        a.score_mul = p->scale * log2e;
-        a.softcap2 = 0.f;
-    }
-    /* A window wider than both lengths is unbounded in effect; clamping keeps the kernel's sums in int32. */
-    a.win_left = clamp_window(p->win_left, p->Nq + p->Nk);
-    a.win_right = clamp_window(p->win_right, p->Nq + p->Nk);
-    a.alibi = p->alibi, a.alibi_bs = p->alibi_batch_stride;
-    if (p->block_mask) {
-        a.bm = p->block_mask;
-        a.bm_q = (int)(p->bm_q < p->Nq ? p->bm_q : (p->Nq > 0 ? p->Nq : 1));
-        a.bm_k = (int)(p->bm_k < p->Nk ? p->bm_k : (p->Nk > 0 ? p->Nk : 1));
-        a.bm_batch = (int)p->bm_batch, a.bm_heads = (int)p->bm_heads;
-        a.bm_nqb = (int)p->bm_nqb, a.bm_nkb = (int)p->bm_nkb;
-    }
+    fc_set_scores_and_masks(p, &a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
     a.bf16 = p->dtype != FLASHC_DTYPE_F16; /* f32 inputs run on bf16 operands: the f32 range, never inf */
     a.out_f32 = f32;
     if (f32)
         a.in_mode = FC_IN_F32;
-    else if (p->D % 8 == 0 && rows_aligned16(&p->q, p->varlen) && rows_aligned16(&p->k, p->varlen) &&
-             rows_aligned16(&p->v, p->varlen))
+    else if (p->D % 8 == 0 && fc_rows_aligned16(&p->q, p->varlen) && fc_rows_aligned16(&p->k, p->varlen) &&
+             fc_rows_aligned16(&p->v, p->varlen))
         a.in_mode = FC_IN_ASYNC16;
     else
         a.in_mode = FC_IN_ELEM16;
-    a.out_vec = !f32 && p->D % 8 == 0 && rows_aligned16(&p->out, p->varlen);
+    a.out_vec = !f32 && p->D % 8 == 0 && fc_rows_aligned16(&p->out, p->varlen);
     a.n_mblk = (int)((p->Nq + t.br - 1) / t.br);
     a.nsplit = fwd_splits(ctx, p, e);
     if (a.nsplit > 1 && workspace) {

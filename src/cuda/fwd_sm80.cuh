@@ -222,6 +222,27 @@ static __device__ __forceinline__ void fc_load_tile(uint16_t *s, const char *g, 
 }
 
 /*
+ * Whether the block mask bmrow (rows of bm_nkb bytes, one per bm_q x bm_k block) lets any of rows [i0, i1] see
+ * any of keys [j0, j1], and *partial: whether some of its bytes over that rectangle are 0 (then the tile is masked
+ * element by element). Every thread of the block calls it (the votes are barriers); the answer is uniform.
+ */
+template <int NT>
+static __device__ int fc_mask_vote(const uint8_t *bmrow, int bm_q, int bm_k, int bm_nkb, int i0, int i1, int j0,
+                                   int j1, int tid, int *partial) {
+    const int qb0 = i0 / bm_q, kb0 = j0 / bm_k;
+    const int nqb = i1 / bm_q - qb0 + 1, nkb = j1 / bm_k - kb0 + 1;
+    int on = 0, off = 0;
+    for (int e = tid; e < nqb * nkb; e += NT) {
+        const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * bm_nkb + kb0 + e % nkb];
+        on |= v != 0;
+        off |= v == 0;
+    }
+    on = __syncthreads_or(on);
+    *partial = __syncthreads_or(off);
+    return on;
+}
+
+/*
  * The next key tile >= cand (and < te) that the block-sparse mask does not rule out entirely, and whether the
  * mask cuts it (*partial: some mask block it overlaps is 0). Without a mask every tile is visited. The whole
  * block takes part (the votes are barriers), so the answer is uniform.
@@ -232,18 +253,9 @@ static __device__ int fc_next_tile(const flashc_fwd_args &a, const uint8_t *bmro
     *partial = 0;
     if (!bmrow) return cand;
     for (; cand < te; ++cand) {
+        int off;
         const int n0 = cand * BC, nlast = min(n0 + BC, nk) - 1;
-        const int qb0 = m0 / a.bm_q, kb0 = n0 / a.bm_k;
-        const int nqb = mlast / a.bm_q - qb0 + 1, nkb = nlast / a.bm_k - kb0 + 1;
-        int on = 0, off = 0;
-        for (int e = tid; e < nqb * nkb; e += NT) {
-            const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * a.bm_nkb + kb0 + e % nkb];
-            on |= v != 0;
-            off |= v == 0;
-        }
-        on = __syncthreads_or(on);
-        off = __syncthreads_or(off);
-        if (on) {
+        if (fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, m0, mlast, n0, nlast, tid, &off)) {
             *partial = off;
             return cand;
         }

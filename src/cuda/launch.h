@@ -1,0 +1,49 @@
+/*
+ * launch.h - what the forward's (cuda.cu) and the backward's (bwd_sm80.cu) host sides both derive from a validated
+ * problem when they fill their kernel arguments. Host C++ only; not installed.
+ */
+#ifndef FLASHC_CUDA_LAUNCH_H
+#define FLASHC_CUDA_LAUNCH_H
+
+#include "../internal.h"
+
+#include <stdint.h>
+
+/* 16-byte aligned base and row strides that are multiples of 8 elements (dims of extent 1 never move): rows that
+ * cp.async can copy 16 bytes at a time. */
+static inline int fc_rows_aligned16(const flashc_tensor *t, int skip_batch) {
+    if ((uintptr_t)t->data % 16) return 0;
+    for (int d = skip_batch ? 1 : 0; d < 3; d++)
+        if (t->shape[d] > 1 && t->stride[d] % 8) return 0;
+    return 1;
+}
+
+/* A window wider than both lengths is unbounded in effect; clamping keeps the kernels' sums in int32. */
+static inline int fc_clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 : (int)(w < limit ? w : limit); }
+
+/* The score and mask fields that flashc_fwd_args and flashc_bwd_args share (same names), so that the backward
+ * forms P exactly as the forward did: scores in base 2 (the scale, or scale / softcap before the tanh, folded
+ * into score_mul), the band, ALiBi and the block mask with its block sizes clamped to the lengths. */
+template <typename Args>
+static inline void fc_set_scores_and_masks(const flashc_problem *p, Args *a) {
+    const float log2e = 1.4426950408889634f;
+    if (p->softcap > 0) {
+        a->score_mul = p->scale / p->softcap;
+        a->softcap2 = p->softcap * log2e;
+    } else {
+        a->score_mul = p->scale * log2e;
+        a->softcap2 = 0.f;
+    }
+    a->win_left = fc_clamp_window(p->win_left, p->Nq + p->Nk);
+    a->win_right = fc_clamp_window(p->win_right, p->Nq + p->Nk);
+    a->alibi = p->alibi, a->alibi_bs = p->alibi_batch_stride;
+    if (p->block_mask) {
+        a->bm = p->block_mask;
+        a->bm_q = (int)(p->bm_q < p->Nq ? p->bm_q : (p->Nq > 0 ? p->Nq : 1));
+        a->bm_k = (int)(p->bm_k < p->Nk ? p->bm_k : (p->Nk > 0 ? p->Nk : 1));
+        a->bm_batch = (int)p->bm_batch, a->bm_heads = (int)p->bm_heads;
+        a->bm_nqb = (int)p->bm_nqb, a->bm_nkb = (int)p->bm_nkb;
+    }
+}
+
+#endif /* FLASHC_CUDA_LAUNCH_H */
