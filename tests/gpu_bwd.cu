@@ -58,26 +58,6 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
 
 /* ---- deterministic mode ---------------------------------------------------------------------------------- */
 
-/* Pseudo-normal values (hash + Box-Muller) written in the tensor's dtype, straight on the GPU. */
-__device__ float hash_normal(int64_t i, uint64_t seed) {
-    uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u1 = ((float)(uint32_t)(z >> 40) + 1.f) * (1.f / 16777217.f);
-    const float u2 = (float)(uint32_t)(z & 0xffffff) * (1.f / 16777216.f);
-    return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-}
-
-__global__ void fill_normal(void *x, flashc_dtype dt, int64_t n, uint64_t seed, float scale) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float v = scale * hash_normal(i, seed);
-        if (dt == FLASHC_DTYPE_F32) ((float *)x)[i] = v;
-        else if (dt == FLASHC_DTYPE_F16) ((__half *)x)[i] = __float2half_rn(v);
-        else ((__nv_bfloat16 *)x)[i] = __float2bfloat16_rn(v);
-    }
-}
-
 static void fill(void *x, flashc_dtype dt, int64_t n, uint64_t seed, float scale) {
     fill_normal<<<1024, 256>>>(x, dt, n, seed, scale);
     CHECK_CUDA(cudaGetLastError());

@@ -8,7 +8,11 @@
 #include "flashc.h"
 #include "ref/testkit.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -58,6 +62,28 @@ static flashc_context_t gpu_test_context(void) {
     static const flashc_case_memory mem = {dev_alloc, dev_free, to_device, to_host};
     flashc_case_set_memory(&mem);
     return ctx;
+}
+
+/* Pseudo-normal values (hash + Box-Muller) of index i, so that inputs are written straight on the GPU: multi-GB
+ * tensors without host traffic, and the same values for any launch shape. */
+static __device__ float hash_normal(int64_t i, uint64_t seed) {
+    uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + seed;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u1 = ((float)(uint32_t)(z >> 40) + 1.f) * (1.f / 16777217.f);
+    const float u2 = (float)(uint32_t)(z & 0xffffff) * (1.f / 16777216.f);
+    return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
+}
+
+/* n elements of scale x hash_normal in dtype dt (rounded to nearest even). */
+static __global__ void fill_normal(void *x, flashc_dtype dt, int64_t n, uint64_t seed, float scale) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = scale * hash_normal(i, seed);
+        if (dt == FLASHC_DTYPE_F32) ((float *)x)[i] = v;
+        else if (dt == FLASHC_DTYPE_F16) ((__half *)x)[i] = __float2half_rn(v);
+        else ((__nv_bfloat16 *)x)[i] = __float2bfloat16_rn(v);
+    }
 }
 
 #endif /* FLASHC_TESTS_GPU_COMMON_H */

@@ -51,25 +51,9 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
 
 /* ---- long shapes, checked on row blocks ------------------------------------------------------------------ */
 
-/* Pseudo-normal fill (hash + Box-Muller) straight on the GPU: multi-GB inputs without host traffic. */
-__global__ void fill_normal_bf16(uint16_t *x, int64_t n, uint64_t seed, float scale) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + seed;
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        const float u1 = ((float)(uint32_t)(z >> 40) + 1.f) * (1.f / 16777217.f);
-        const float u2 = (float)(uint32_t)(z & 0xffffff) * (1.f / 16777216.f);
-        const float v = scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-        uint32_t b;
-        memcpy(&b, &v, 4);
-        b += 0x7fffu + ((b >> 16) & 1u);
-        x[i] = (uint16_t)(b >> 16);
-    }
-}
-
+/* bf16 pseudo-normal inputs written on the GPU (gpu_common.h). */
 static void fill(uint16_t *x, int64_t n, uint64_t seed, float scale) {
-    fill_normal_bf16<<<4096, 256>>>(x, n, seed, scale);
+    fill_normal<<<4096, 256>>>(x, FLASHC_DTYPE_BF16, n, seed, scale);
     CHECK_CUDA(cudaGetLastError());
 }
 
