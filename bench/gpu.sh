@@ -106,6 +106,8 @@ echo "== $(head -1 "$LOG/machine.txt" >/dev/null; sed -n 2p "$LOG/machine.txt")"
 echo "== spills:"; cat "$LOG/spills.txt" 2>/dev/null
 echo "== gpu tests (failures and extras):"
 grep -E ": (FAIL|table|PASSED|FAILED|ok   (splitkv|determinism|n64k|over_2e31))|: +(splitkv|n64k|over)" "$LOG/gpu_tests.log" 2>/dev/null | cut -d' ' -f2- | tail -30
+echo "== backward kernels in the gpu tests:"
+grep -hoE "CUDA backward .* on .*" "$LOG/gpu_tests.log" 2>/dev/null | sed 's/.* on //' | sort | uniq -c
 for f in memcheck racecheck memcheck_bwd racecheck_bwd memcheck_sm90_d64 racecheck_sm90_d64 memcheck_sm90_d128 \
   racecheck_sm90_d128 memcheck_sm90_d256 racecheck_sm90_d256; do
   [ -f "$LOG/$f.log" ] && echo "== $f: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED|on sm90" "$LOG/$f.log" | sort | uniq -c | tr '\n' ' ')"

@@ -517,7 +517,7 @@ const char *flashc_kernel_name(flashc_context_t ctx, flashc_op op, const flashc_
     ctx->error[0] = '\0';
 #ifdef FLASHC_WITH_CUDA
     if (ctx->backend == FLASHC_BACKEND_CUDA)
-        return op == FLASHC_OP_FORWARD ? flashc_cuda_fwd_path(ctx, &p) : flashc_cuda_bwd_path(&p);
+        return op == FLASHC_OP_FORWARD ? flashc_cuda_fwd_path(ctx, &p) : flashc_cuda_bwd_path(ctx, &p);
 #endif
     return "CPU tiles (SIMD microkernels)";
 }

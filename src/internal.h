@@ -98,7 +98,7 @@ int flashc_cuda_device_count(void);
 flashc_status flashc_cuda_device_name(int device, char *buf, size_t len);
 /* The kernel a forward / backward problem runs on (static strings; NULL when the forward is not supported). */
 const char *flashc_cuda_fwd_path(struct flashc_context *ctx, const flashc_problem *p);
-const char *flashc_cuda_bwd_path(const flashc_problem *p);
+const char *flashc_cuda_bwd_path(struct flashc_context *ctx, const flashc_problem *p);
 #endif
 
 /* ---- helpers shared by backends and the oracle ---------------------------------------------------------- */

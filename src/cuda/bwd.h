@@ -22,15 +22,17 @@ const char *flashc_cuda_bwd_unsupported(const flashc_problem *p);
 size_t flashc_cuda_bwd_workspace(const flashc_problem *p);
 
 /* Queues the backward on stream: dq, dk, dv from q, k, v, out, dout and lse. workspace: device memory of at least
- * flashc_cuda_bwd_workspace(p) bytes, 4-byte aligned (NULL when that is 0); nothing else is allocated. Returns
+ * flashc_cuda_bwd_workspace(p) bytes, 4-byte aligned (NULL when that is 0); nothing else is allocated. sm90: the
+ * Hopper dK/dV kernel (bwd_sm90.h) may run here (the caller has checked flashc_bwd_sm90_available). Returns
  * the first launch error (cudaErrorInvalidValue for a problem flashc_cuda_bwd_unsupported refuses or a missing
  * workspace). dk and dv are always bitwise reproducible (one writer per element, fixed order); dq is too with
  * p->deterministic, otherwise it is summed with fp32 atomics. */
-cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream);
+cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream, int sm90);
 
-/* The path flashc_cuda_bwd_launch takes for p: "tensor cores (mma.sync)" or "CUDA cores" (a static string).
- * FLASHC_CUDA_BWD=simt in the environment forces the CUDA-core baseline. */
-extern "C" const char *flashc_cuda_bwd_path(const flashc_problem *p);
+/* The path flashc_cuda_bwd_launch takes for p (a static string): "sm90 (wgmma, TMA, warp-specialized)" (plus
+ * which dQ), "tensor cores (mma.sync)" or "CUDA cores". FLASHC_CUDA_BWD=simt in the environment forces the
+ * CUDA-core baseline; FLASHC_CUDA_BWD=sm80 keeps the mma.sync kernels (read by cuda.cu, which passes sm90). */
+const char *flashc_cuda_bwd_path_name(const flashc_problem *p, int sm90);
 
 /* The CUDA-core baseline (bwd_simt.cu): any strides, every feature, fp32 throughout; deterministic. dvec: rows x
  * H floats of workspace for D_i. */

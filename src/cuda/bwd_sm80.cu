@@ -9,6 +9,7 @@
  */
 #include "bwd.h"
 #include "bwd_sm80.h"
+#include "bwd_sm90.h"
 #include "fwd_sm80.h"
 #include "launch.h"
 
@@ -101,7 +102,20 @@ const char *flashc_cuda_bwd_unsupported(const flashc_problem *p) {
     return flashc_cuda_bwd_simt_unsupported(p);
 }
 
-extern "C" const char *flashc_cuda_bwd_path(const flashc_problem *p) {
+static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, float *dq_acc, flashc_bwd_args *a);
+
+/* Whether the Hopper dK/dV kernel takes p (sm90: it runs on this device and was not turned off). */
+static int bwd_on_sm90(const flashc_problem *p, int sm90) {
+    if (!sm90 || !bwd_tensor_cores(p)) return 0;
+    flashc_bwd_args a;
+    make_args(p, fc_btile_for(bwd_entries[bwd_entry_index(p->D)].d), NULL, NULL, &a);
+    return flashc_bwd_sm90_supports(&a);
+}
+
+const char *flashc_cuda_bwd_path_name(const flashc_problem *p, int sm90) {
+    if (bwd_on_sm90(p, sm90))
+        return p->deterministic ? "sm90 (wgmma, TMA, warp-specialized) dK/dV + mma.sync dQ (deterministic)"
+                                : "sm90 (wgmma, TMA, warp-specialized)";
     return bwd_tensor_cores(p) ? "tensor cores (mma.sync)" : "CUDA cores";
 }
 
@@ -216,7 +230,7 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->n_qblk = (int)((p->Nq + t.qbr - 1) / t.qbr);
 }
 
-cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream) {
+cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream, int sm90) {
     if (flashc_cuda_bwd_unsupported(p)) return cudaErrorInvalidValue;
     if (flashc_cuda_bwd_workspace(p) > 0 && (!workspace || (uintptr_t)workspace % sizeof(float)))
         return cudaErrorInvalidValue;
@@ -246,7 +260,9 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cud
     if ((int64_t)a.n_kblk * a.Hkv * a.B > 0) {
         size_t smem;
         if ((err = bwd_entries[e].fn(&a, stream, 2, &smem)) != cudaSuccess) return err;
-        if ((err = bwd_entries[e].fn(&a, stream, 0, NULL)) != cudaSuccess) return err;
+        if (bwd_on_sm90(p, sm90)) err = flashc_bwd_sm90_launch(&a, stream);
+        else err = bwd_entries[e].fn(&a, stream, 0, NULL);
+        if (err != cudaSuccess) return err;
     }
     if (p->deterministic) {
         if ((int64_t)a.n_qblk * a.H * a.B > 0 && (err = bwd_entries[e].fn(&a, stream, 1, NULL)) != cudaSuccess)

@@ -9,6 +9,7 @@
 #include "bwd.h"
 #include "fwd_sm80.h"
 #include "launch.h"
+#include "bwd_sm90.h"
 #include "fwd_sm90.h"
 
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@ typedef struct cuda_state {
     size_t smem_optin;      /* shared memory a block may opt in to */
     int pools;              /* stream-ordered allocation (cudaMallocAsync) available */
     int fwd_sm90;           /* the Hopper forward runs here (and FLASHC_CUDA_FWD=sm80 did not turn it off) */
+    int bwd_sm90;           /* the Hopper backward runs here (and FLASHC_CUDA_BWD=sm80 or simt did not turn it off) */
     int log_fwd;            /* FLASHC_CUDA_LOG=1: each forward names its kernel on stderr */
     int sm90_sched;         /* the Hopper forward's schedule, FC90_SCHED_* (FLASHC_CUDA_SM90_SCHED=0..3) */
     /* per forward entry and operand type (f16, bf16), asked once: the kernel's tile and resident blocks per SM */
@@ -125,6 +127,9 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
     /* FLASHC_CUDA_FWD=sm80 keeps every forward on the Ampere-class kernel, so that tests can compare the two. */
     const char *fwd = getenv("FLASHC_CUDA_FWD");
     s->fwd_sm90 = !(fwd && !strcmp(fwd, "sm80")) && flashc_fwd_sm90_available(ctx->device);
+    /* FLASHC_CUDA_BWD=sm80 (or simt, see bwd.h) does the same for the backward. */
+    const char *bwd = getenv("FLASHC_CUDA_BWD");
+    s->bwd_sm90 = !(bwd && (!strcmp(bwd, "sm80") || !strcmp(bwd, "simt"))) && flashc_bwd_sm90_available(ctx->device);
     /* FLASHC_CUDA_SM90_SCHED=0..3 picks the Hopper forward's schedule (fwd_sm90.h), to tell the overlapped ones
      * apart from the first version on the GPU; anything else keeps the default. */
     const char *sched = getenv("FLASHC_CUDA_SM90_SCHED");
@@ -358,10 +363,18 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     return FLASHC_STATUS_OK;
 }
 
+extern "C" const char *flashc_cuda_bwd_path(struct flashc_context *ctx, const flashc_problem *p) {
+    return flashc_cuda_bwd_path_name(p, state_of(ctx)->bwd_sm90);
+}
+
 static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
     FLASHC_TRY(cuda_supported(ctx, p));
     CUDA_TRY(ctx, cudaSetDevice(ctx->device));
-    const cudaError_t err = flashc_cuda_bwd_launch(p, workspace, (cudaStream_t)ctx->stream);
+    if (state_of(ctx)->log_fwd)
+        fprintf(stderr, "flashc: CUDA backward B %lld Nq %lld Nk %lld H %lld Hkv %lld D %lld on %s\n", (long long)p->B,
+                (long long)p->Nq, (long long)p->Nk, (long long)p->H, (long long)p->Hkv, (long long)p->D,
+                flashc_cuda_bwd_path_name(p, state_of(ctx)->bwd_sm90));
+    const cudaError_t err = flashc_cuda_bwd_launch(p, workspace, (cudaStream_t)ctx->stream, state_of(ctx)->bwd_sm90);
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "backward kernel launch");
     return FLASHC_STATUS_OK;
 }

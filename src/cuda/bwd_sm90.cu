@@ -1,0 +1,411 @@
+/*
+ * bwd_sm90.cu - the attention backward's dK/dV kernel on Hopper (sm_90a): wgmma products, TMA loads completing
+ * on mbarriers, a producer warpgroup and two consumer warpgroups. The preprocess kernel (D_i, cleared dQ sums),
+ * the dQ conversion and the deterministic dQ kernel are the Ampere-class path's (bwd_sm80.cu); this kernel takes
+ * the place of its dK/dV kernel for the problems flashc_bwd_sm90_supports accepts.
+ *
+ * Algorithm: FlashAttention-2's backward (Dao 2023, Algorithm 2) per key tile, with the Hopper structure of
+ * FlashAttention-3 (Shah et al. 2024): a block owns bn = 128 keys, K and V stay in shared memory, and it walks the
+ * query tiles (bm = 64 rows) of every query head that shares its K/V head. Consumer warpgroup c owns keys
+ * [64 c, 64 c + 64) of the tile and, per query tile, computes in the transposed orientation, so that the M of
+ * every wgmma is its 64 keys and P^T, dS^T leave the accumulators as the A operands of the next products:
+ *   S^T = K_c Q^T, dP^T = V_c dO^T           (wgmma m64n64k16, both operands in shared memory, K-major)
+ *   P^T = 2^(S^T score_mul - lse2), dS^T = P^T o (dP^T - D)    (lse2, D of the tile's rows from shared memory)
+ *   dV_c += P^T dO, dK_c += dS^T Q            (wgmma m64n{d}k16, A from registers, dO and Q read MN-major)
+ * and, unless the dQ kernel does it (deterministic mode), dS^T goes to shared memory (keys x queries), the two
+ * warpgroups meet at a named barrier, and dQ = dS K for the tile's 128 keys is one more product (A = dS read
+ * MN-major, B = K read MN-major) whose fp32 result is added to the dQ sums in global memory by vector
+ * reductions: at d 128 each warpgroup computes 64 of the columns; at d 64 the warpgroups take the query tiles
+ * in turn. dK is scaled by the softmax scale at the end; dQ's scale is applied by the conversion kernel.
+ *
+ * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
+ * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by query-tile parity), st stages of the rows'
+ * lse2 and D (2 x bm floats), then the mbarriers.
+ *
+ * Barrier protocol (phases as in fwd_sm90.cu):
+ *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
+ *   full[s]    1 arrival (expect_tx) + the Q and dO bytes of the step in slot s, and 32 arrivals of the
+ *              producer's second warp once it has written the rows' lse2 and D. Step it uses slot it % st in
+ *              its (it / st)-th round; consumers wait for parity (it / st) & 1.
+ *   empty[s]   256 arrivals, one per consumer thread once its products reading slot s are complete; the producer
+ *              waits for parity ((it / st) & 1) ^ 1 before refilling it.
+ *   named barrier 1 (256 threads): both consumers' dS^T halves are in shared memory (after a proxy fence, as
+ *              wgmma reads them through the async proxy). A dS^T buffer is rewritten two steps later, by which
+ *              time both warpgroups have waited for the dQ product that read it (each waits before its next
+ *              step's barrier).
+ *
+ * Masks: query tiles wholly below the band edge of the block's first key are skipped; keys past the end and
+ * elements past a row's edge get P = 0 (so dS = 0) on the tiles the edge or the end cuts. Rows past the end of
+ * the queries (zero-filled by TMA) get lse2 = +inf and D = 0, so P = dS = 0 there.
+ */
+#include "bwd_sm80.cuh" /* fc_red_add2, fc_bwd_store2; fwd_sm80.cuh's fc_exp2, fc_pack2 */
+#include "bwd_sm90.h"
+#include "sm90.cuh"
+
+#include <stdint.h>
+#include <string.h>
+
+#define FC90B_THREADS 384   /* producer + two consumer warpgroups */
+#define FC90B_CONS_REGS 232 /* setmaxnreg of the consumers: what the producer gives back (168 -> 32) */
+#define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
+
+__host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
+__host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
+__host__ __device__ constexpr uint32_t fc90b_ds_bytes(fc90_btile t) { return (uint32_t)t.bn * t.bm * 2; }
+__host__ __device__ constexpr uint32_t fc90b_off_v(fc90_btile t) { return fc90b_kv_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90b_off_q(fc90_btile t) { return 2 * fc90b_kv_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90b_off_g(fc90_btile t) { return fc90b_off_q(t) + t.st * fc90b_q_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b_off_g(t) + t.st * fc90b_q_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) { return fc90b_off_ds(t) + 2 * fc90b_ds_bytes(t); }
+__host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) { return fc90b_off_ld(t) + t.st * 2 * t.bm * 4; }
+/* kv_full, full[st], empty[st]; + 1024 to round the dynamic shared memory base up. */
+__host__ __device__ constexpr uint32_t fc90b_smem_bytes(fc90_btile t) { return fc90b_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
+static_assert(fc90b_smem_bytes(fc90_btile_for(64)) <= 227 * 1024 && fc90b_smem_bytes(fc90_btile_for(128)) <= 227 * 1024,
+              "shared memory per block");
+
+#if FC90_DEVICE
+
+/* Makes this thread's generic-proxy shared-memory writes (dS^T) visible to later wgmma reads (async proxy). */
+static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Issues acc = A B^T over d (d / 16 k-steps) with A = 64 rows of a bn-row tile and B the bm-row tile, both
+ * K-major in 64-column chunks: S^T = K_c Q^T and dP^T = V_c dO^T. One commit group. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90b_scores_issue(float (&acc)[fc90_btile_for(D).bm / 2], uint64_t da,
+                                                          uint64_t db) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t aoff = (kk / 4) * TL.bn * 128 + (kk % 4) * 32, boff = (kk / 4) * TL.bm * 128 + (kk % 4) * 32;
+        fc90_mma_ss<TL.bm, BF>(acc, da + (aoff >> 4), db + (boff >> 4), kk > 0);
+    }
+    fc90_wgmma_commit();
+}
+
+/* Issues acc += A B with A (64 keys x bm queries) in registers and B (bm queries x d) read MN-major:
+ * dV += P^T dO, dK += dS^T Q. No commit. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[D / 2],
+                                                        const uint32_t (&pa)[fc90_btile_for(D).bm / 16][4],
+                                                        uint64_t db) {
+#pragma unroll
+    for (int c = 0; c < fc90_btile_for(D).bm / 16; ++c) fc90_mma_rs<D, BF>(acc, pa[c], db + ((uint32_t)(c * 2048) >> 4));
+}
+
+#endif /* FC90_DEVICE */
+
+/*
+ * Grid: one block per (key tile, K/V head, sequence), key tile fastest: with causal masks the first key tiles
+ * see the most query rows, so the longest blocks start first, and the blocks of one head run together and share
+ * its Q and dO in L2. Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over
+ * (d, Nk, Hkv, B) with boxes of 64 x bn. DQ: the dQ product and its reductions are on (a.dq_acc is set).
+ */
+template <int D, int BF, int DQ>
+__global__ void __launch_bounds__(FC90B_THREADS, 1)
+    fc90_bwd_kernel(const __grid_constant__ flashc_bwd_args a, const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                    const __grid_constant__ CUtensorMap tm_g) {
+#if FC90_DEVICE
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st, NCH = D / 64;
+    constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
+    static_assert(TL.d == D && D % 64 == 0 && BN == 128 && BM == 64 && ST >= 2, "tile table");
+    static_assert(128 * (168 - 32) >= 256 * (FC90B_CONS_REGS - 168), "the consumers grow by what the producer frees");
+
+    extern __shared__ uint8_t fc90_smem[];
+    const uint32_t base = (fc_smem_addr(fc90_smem) + 1023u) & ~1023u;
+    uint8_t *const gbase = fc90_smem + (base - fc_smem_addr(fc90_smem));
+    const uint32_t sK = base, sV = base + fc90b_off_v(TL), sQ = base + fc90b_off_q(TL), sG = base + fc90b_off_g(TL),
+                   sDS = base + fc90b_off_ds(TL);
+    float *const sLD = (float *)(gbase + fc90b_off_ld(TL)); /* slot s: lse2 [bm], then D [bm] */
+    const uint32_t bar_kv = base + fc90b_off_bar(TL), bar_full = bar_kv + 8, bar_empty = bar_full + 8 * ST;
+
+    int64_t bid = blockIdx.x;
+    const int kt = (int)(bid % a.n_kblk);
+    bid /= a.n_kblk;
+    const int hk = (int)(bid % a.Hkv), b = (int)(bid / a.Hkv);
+    const int nq = a.Nq, nk = a.Nk, diag = nk - nq, wr = a.win_right, group = a.H / a.Hkv;
+    const int n0 = kt * BN;
+    /* Query tiles whose last row reaches this block's first key under the band's right edge. */
+    int mb_lo = 0;
+    if (wr >= 0) {
+        const int first = n0 - diag - wr; /* the first row that sees key n0 */
+        mb_lo = first > 0 ? first / BM : 0;
+    }
+    const int nmb = (nq + BM - 1) / BM, per_head = nmb > mb_lo ? nmb - mb_lo : 0;
+    const int items = per_head * group; /* (head of the group, query tile), the tile fastest */
+
+    if (threadIdx.x == 0) {
+        fc90_bar_init(bar_kv, 1);
+        for (int s = 0; s < ST; ++s) {
+            fc90_bar_init(bar_full + 8 * s, 1 + 32);
+            fc90_bar_init(bar_empty + 8 * s, 256);
+        }
+        fc90_bar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        fc90_regs_dec<32>();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        if (threadIdx.x == 0 && items > 0) {
+            /* Warp 0, one thread: K and V once, then Q and dO of each step into the ring. */
+            fc90_tma_prefetch(&tm_q);
+            fc90_tma_prefetch(&tm_g);
+            fc90_bar_expect(bar_kv, 2 * KVB);
+            for (int c = 0; c < NCH; ++c) fc90_tma_load(sK + c * BN * 128, &tm_k, bar_kv, c * 64, n0, hk, b);
+            for (int c = 0; c < NCH; ++c) fc90_tma_load(sV + c * BN * 128, &tm_v, bar_kv, c * 64, n0, hk, b);
+            for (int it = 0; it < items; ++it) {
+                const int s = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+                fc90_bar_wait(bar_empty + 8 * s, ((it / ST) & 1) ^ 1);
+                fc90_bar_expect(bar_full + 8 * s, 2 * QB);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sQ + s * QB + c * BM * 128, &tm_q, bar_full + 8 * s, c * 64, m0, h, b);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sG + s * QB + c * BM * 128, &tm_g, bar_full + 8 * s, c * 64, m0, h, b);
+            }
+        } else if (warp == 1) {
+            /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
+            for (int it = 0; it < items; ++it) {
+                const int s = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+                fc90_bar_wait(bar_empty + 8 * s, ((it / ST) & 1) ^ 1);
+                const int64_t r0 = ((int64_t)b * a.H + h) * nq;
+                float *ld = sLD + s * 2 * BM;
+                for (int r = lane; r < BM; r += 32) {
+                    const int i = m0 + r;
+                    ld[r] = i < nq ? a.lse[r0 + i] * FC_LOG2E : INFINITY;
+                    ld[BM + r] = i < nq ? a.dvec[r0 + i] : 0.f;
+                }
+                fc90_bar_arrive(bar_full + 8 * s);
+            }
+        }
+        return;
+    }
+
+    fc90_regs_inc<FC90B_CONS_REGS>();
+    const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
+    const int key0 = n0 + 64 * cw + 16 * warp + g; /* this thread's first key (the second is key0 + 8) */
+
+    float dk[D / 2], dv[D / 2], s[BM / 2], dp[BM / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) s[i] = dp[i] = 0.f;
+
+    /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
+     * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
+     * and K as its B, both MN-major (8-key groups 1024 bytes apart, a k16 step 2048 bytes). */
+    const uint64_t dKa = fc90_desc(sK + 64 * cw * 128, 16, 1024), dVa = fc90_desc(sV + 64 * cw * 128, 16, 1024);
+    const uint64_t dQk = fc90_desc(sQ, 16, 1024), dGk = fc90_desc(sG, 16, 1024);
+    const uint64_t dQn = fc90_desc(sQ, BM * 128, 1024), dGn = fc90_desc(sG, BM * 128, 1024);
+    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step. */
+    const int dq_chunk = NCH > 1 ? cw : 0;
+    const uint64_t dKn = fc90_desc(sK + dq_chunk * BN * 128, BN * 128, 1024), dSn = fc90_desc(sDS, BM * 128, 1024);
+    /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
+    const int wg_last_key = n0 + 64 * cw + 63;
+
+    if (items > 0) fc90_bar_wait(bar_kv, 0);
+    for (int it = 0; it < items; ++it) {
+        const int slot = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+        const uint32_t qoff = (slot * QB) >> 4;
+        fc90_bar_wait(bar_full + 8 * slot, (it / ST) & 1);
+
+        fc90_pin(s);
+        fc90_pin(dp);
+        fc90_wgmma_fence();
+        fc90b_scores_issue<D, BF>(s, dKa, dQk + qoff);
+        fc90b_scores_issue<D, BF>(dp, dVa, dGk + qoff);
+        const float *lse2 = sLD + slot * 2 * BM, *dvec = lse2 + BM;
+
+        /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. */
+        fc90_wgmma_wait<1>();
+        fc90_pin(s);
+        const bool cut = wg_last_key >= nk || (wr >= 0 && wg_last_key > m0 + diag + wr);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float &x = s[4 * j + 2 * hf + e];
+                    x = fc_exp2(fmaf(x, a.score_mul, -(e ? l.y : l.x)));
+                    if (cut) {
+                        const int key = key0 + 8 * hf, i = m0 + 8 * j + 2 * tig + e;
+                        if (key >= nk || (wr >= 0 && key > i + diag + wr)) x = 0.f;
+                    }
+                }
+        }
+        fc90_wgmma_wait<0>();
+        fc90_pin(dp);
+#pragma unroll
+        for (int j = 0; j < BM / 8; ++j) {
+            const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
+                dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
+            }
+        }
+        uint32_t pa[BM / 16][4], da[BM / 16][4];
+        fc90_pack_p<BM, BF>(pa, s);
+        fc90_pack_p<BM, BF>(da, dp);
+
+        const int buf = it & 1;
+        if (DQ) {
+            /* dS^T into buffer buf, keys x queries, swizzled: fragment (c, r) holds n8 blocks 2c + r / 2 (query
+             * columns) of key row key0 - n0 + 8 (r % 2). */
+            uint8_t *ds = gbase + fc90b_off_ds(TL) + buf * DSB;
+#pragma unroll
+            for (int c = 0; c < BM / 16; ++c)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int row = key0 - n0 + 8 * (r & 1), j = 2 * c + (r >> 1);
+                    *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[c][r];
+                }
+        }
+
+        fc90_pin(dv);
+        fc90_pin(dk);
+        fc90_pin(pa);
+        fc90_pin(da);
+        fc90_wgmma_fence();
+        fc90b_grad_issue<D, BF>(dv, pa, dGn + qoff);
+        fc90b_grad_issue<D, BF>(dk, da, dQn + qoff);
+        fc90_wgmma_commit();
+
+        if (DQ) {
+            fc90_fence_proxy_async();
+            fc90_nbar_sync(FC90B_BAR_DS, 256);
+            const bool mine = NCH > 1 || (it & 1) == cw;
+            float dq[32];
+            if (mine) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+                fc90_pin(dq);
+                fc90_wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk)
+                    fc90_mma_ss<64, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
+                fc90_wgmma_commit();
+            }
+            fc90_wgmma_wait<0>();
+            fc90_pin(dv);
+            fc90_pin(dk);
+            fc90_pin(pa);
+            fc90_pin(da);
+            fc90_bar_arrive(bar_empty + 8 * slot);
+            if (mine) {
+                fc90_pin(dq);
+                const int col0 = dq_chunk * 64;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = m0 + 16 * warp + g + 8 * hf;
+                    if (i >= nq) continue;
+                    float *row = a.dq_acc + (((int64_t)b * nq + i) * a.H + h) * D + col0 + 2 * tig;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) fc_red_add2(row + 8 * j, dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                }
+            }
+        } else {
+            fc90_wgmma_wait<0>();
+            fc90_pin(dv);
+            fc90_pin(dk);
+            fc90_pin(pa);
+            fc90_pin(da);
+            fc90_bar_arrive(bar_empty + 8 * slot);
+        }
+    }
+
+    /* dK = scale dS^T Q, dV: this thread's two key rows, columns 8 j + 2 tig + {0, 1}. */
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int key = key0 + 8 * hf;
+        if (key >= nk) continue;
+        const int64_t ok = (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
+        const int64_t ov = (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const int col = 8 * j + 2 * tig;
+            fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
+                          a.scale * dk[4 * j + 2 * hf + 1], true);
+            fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1],
+                          true);
+        }
+    }
+#endif /* FC90_DEVICE */
+}
+
+/* ---- host ------------------------------------------------------------------------------------------------ */
+
+template <int D, int BF, int DQ>
+static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
+    const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
+    cudaError_t e = cudaFuncSetAttribute(fc90_bwd_kernel<D, BF, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    fc90_bwd_kernel<D, BF, DQ><<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3]);
+    return cudaGetLastError();
+}
+
+template <int D, int BF>
+static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    flashc_bwd_args k = *a;
+    k.n_kblk = (a->Nk + TL.bn - 1) / TL.bn;
+    const int64_t blocks = (int64_t)k.n_kblk * a->Hkv * a->B;
+    if (blocks == 0) return cudaSuccess;
+    CUtensorMap tm[4];
+    cudaError_t e = fc90_map(&tm[0], a->q, BF, D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.bm);
+    if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bn);
+    if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bn);
+    if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, a->Nq, a->H, a->B, a->g_sn, a->g_sh, a->g_sb, TL.bm);
+    if (e != cudaSuccess) return e;
+    return a->dq_acc ? fc90b_launch<D, BF, 1>(&k, tm, blocks, stream) : fc90b_launch<D, BF, 0>(&k, tm, blocks, stream);
+}
+
+int flashc_bwd_sm90_available(int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    if (major != 9 || minor != 0) return 0;
+    const void *kernels[2] = {(const void *)fc90_bwd_kernel<64, 1, 1>, (const void *)fc90_bwd_kernel<128, 0, 0>};
+    for (int i = 0; i < 2; i++) {
+        cudaFuncAttributes fa;
+        if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        if (fa.binaryVersion != 90) return 0;
+    }
+    return fc90_encoder() != NULL;
+}
+
+/* A NULL pointer (a supported() query passes no tensors) stands for an aligned one. */
+static int fc90b_tma_ok(const void *p, const int64_t e[3], const int64_t s[3]) {
+    static const uint4 aligned_stand_in = {0, 0, 0, 0};
+    return fc90_tma_ok(p ? p : &aligned_stand_in, e, s);
+}
+
+int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
+    if (a->D != 64 && a->D != 128) return 0;
+    if (a->in_mode != FC_IN_ASYNC16 || a->varlen || a->softcap2 != 0.f || a->alibi || a->bm) return 0;
+    if (!(a->score_mul > 0.f) || a->win_left >= 0) return 0;
+    if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
+    const int64_t eq[3] = {a->Nq, a->H, a->B}, ek[3] = {a->Nk, a->Hkv, a->B};
+    const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},
+                  sv[3] = {a->v_sn, a->v_sh, a->v_sb}, sg[3] = {a->g_sn, a->g_sh, a->g_sb};
+    return fc90b_tma_ok(a->q, eq, sq) && fc90b_tma_ok(a->k, ek, sk) && fc90b_tma_ok(a->v, ek, sv) &&
+           fc90b_tma_ok(a->dout, eq, sg);
+}
+
+cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream) {
+    if (!flashc_bwd_sm90_supports(a) || !a->q || !a->k || !a->v || !a->dout) return cudaErrorInvalidValue;
+    if (a->D == 64) return a->bf16 ? fc90b_run<64, 1>(a, stream) : fc90b_run<64, 0>(a, stream);
+    return a->bf16 ? fc90b_run<128, 1>(a, stream) : fc90b_run<128, 0>(a, stream);
+}

@@ -1,0 +1,49 @@
+/*
+ * bwd_sm90.h - the Hopper backward (bwd_sm90.cu: wgmma, TMA, mbarriers, warp specialization) as the backward's
+ * host side (bwd_sm80.cu) sees it: its tile table, whether it runs on this GPU, whether it takes a problem, and
+ * its launch. It computes dK and dV (and, given a->dq_acc, the fp32 dQ sums) from the same flashc_bwd_args as
+ * the Ampere-class dK/dV kernel, after the same preprocess kernel (D_i, zeroed dQ sums) and before the same dQ
+ * conversion or deterministic dQ kernel. C++ (nvcc) only; not installed.
+ */
+#ifndef FLASHC_CUDA_BWD_SM90_H
+#define FLASHC_CUDA_BWD_SM90_H
+
+#include "bwd_sm80.h"
+
+#include <cuda_runtime.h>
+
+/*
+ * Tile sizes per head dim, the one table. bn: keys per block, split between two consumer warpgroups of 64 keys
+ * (the M of wgmma), each holding its keys' dK and dV accumulators (d / 2 + d / 2 floats per thread: 128 of 240
+ * registers at d 128, which is why d 256 stays on the Ampere-class kernel); bm: query rows per step (the N of
+ * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q); st: stages of the (Q, dO) ring.
+ * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, and the rows'
+ * lse and D_i: 97 KB at d 64, 161 KB at d 128.
+ */
+typedef struct fc90_btile {
+    int d, bn, bm, st;
+} fc90_btile;
+
+#ifndef FC90_BTILE_64
+#define FC90_BTILE_64 fc90_btile{64, 128, 64, 2}
+#endif
+#ifndef FC90_BTILE_128
+#define FC90_BTILE_128 fc90_btile{128, 128, 64, 2}
+#endif
+
+__host__ __device__ constexpr fc90_btile fc90_btile_for(int d) { return d <= 64 ? FC90_BTILE_64 : FC90_BTILE_128; }
+
+/* 1 when `device` is compute capability 9.0 and runs the sm_90a binary of these kernels. */
+int flashc_bwd_sm90_available(int device);
+
+/* 1 when the Hopper backward takes a: head dim exactly 64 or 128, 16-bit inputs with 16-byte aligned rows (TMA),
+ * no varlen, no softcap / ALiBi / block mask, no left window edge (causal or any right edge is fine). Pointers
+ * that are NULL (a supported() query) are taken as aligned. */
+int flashc_bwd_sm90_supports(const flashc_bwd_args *a);
+
+/* Queues the dK/dV kernel (and dQ by fp32 vector reductions into a->dq_acc when it is set) on stream, for a
+ * problem flashc_bwd_sm90_supports accepted on a device where flashc_bwd_sm90_available holds. Builds the tensor
+ * maps on the host, so it fails without launching when the driver refuses one. */
+cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream);
+
+#endif /* FLASHC_CUDA_BWD_SM90_H */

@@ -1,0 +1,308 @@
+/*
+ * sm90.cuh - the Hopper (sm_90a) building blocks both wgmma kernels use (fwd_sm90.cu, bwd_sm90.cu): mbarriers,
+ * named barriers, TMA loads and the tensor maps they read, setmaxnreg, and the wgmma instructions with their
+ * shared-memory descriptors. Every operand tile is in the 128-byte swizzled layout that TMA writes with
+ * CU_TENSOR_MAP_SWIZZLE_128B: a tile of R rows and c columns (16-bit) is c / 64 column chunks, each R rows x 128
+ * bytes, the 16-byte pieces of row r XORed with r % 8, every chunk 1024-byte aligned. C++ (nvcc) only.
+ */
+#ifndef FLASHC_CUDA_SM90_CUH
+#define FLASHC_CUDA_SM90_CUH
+
+#include "fwd_sm80.cuh" /* fc_pack2 */
+
+#include <cuda.h>         /* CUtensorMap and its enums: types only, the driver function is looked up at run time */
+#include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+/* Only the sm_90a pass has wgmma and setmaxnreg; elsewhere the kernel compiles to an empty body that the host
+ * never launches (flashc_fwd_sm90_available checks which binary the GPU loaded). */
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FC90_DEVICE 1
+#else
+#define FC90_DEVICE 0
+#endif
+
+#if FC90_DEVICE
+
+/* ---- mbarriers ------------------------------------------------------------------------------------------ */
+
+/* mbarrier.init: a phase completes after `count` arrivals (and all bytes announced with expect_tx). */
+static __device__ __forceinline__ void fc90_bar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+/* fence.mbarrier_init: makes the initializations visible to the other threads (and to TMA) before use. */
+static __device__ __forceinline__ void fc90_bar_init_fence(void) {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+/* mbarrier.arrive.expect_tx: one arrival, and the current phase also waits for `bytes` of TMA writes. */
+static __device__ __forceinline__ void fc90_bar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/* mbarrier.arrive: one arrival (release: this thread's earlier reads of the slot are done). */
+static __device__ __forceinline__ void fc90_bar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* mbarrier.try_wait.parity in a loop: returns once the phase of the given parity has completed (acquire: the
+ * TMA bytes / the arriving threads' accesses of that phase are visible). The label is local to the braces. */
+static __device__ __forceinline__ void fc90_bar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n"
+                 ".reg .pred fc90_done;\n"
+                 "fc90_retry:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 fc90_done, [%0], %1;\n"
+                 "@!fc90_done bra fc90_retry;\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* ---- named barriers between the two consumer warpgroups --------------------------------------------------- */
+
+/* bar.sync id, n: returns once n threads have reached barrier id: for a turn, this warpgroup's 128 by syncing
+ * here and the previous one's by bar.arrive (which does not wait). Id 0 is __syncthreads'. */
+static __device__ __forceinline__ void fc90_nbar_sync(int id, int n = 256) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+static __device__ __forceinline__ void fc90_nbar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
+/* ---- TMA ------------------------------------------------------------------------------------------------- */
+
+/* cp.async.bulk.tensor.4d: the box of the tensor map at coordinates (c0 innermost, .., c3) goes to shared memory
+ * at dst, laid out (swizzled) as the map says, out-of-bounds elements zero; its bytes complete_tx on bar. The
+ * map is a __grid_constant__ kernel parameter, passed by its generic address. */
+static __device__ __forceinline__ void fc90_tma_load(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0,
+                                                     int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
+/* prefetch.tensormap: brings the map's 128 bytes into the descriptor cache ahead of the first load. */
+static __device__ __forceinline__ void fc90_tma_prefetch(const CUtensorMap *map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
+}
+
+/* ---- registers ------------------------------------------------------------------------------------------- */
+
+/* setmaxnreg: the whole warpgroup moves its per-thread register budget to N (dec frees, inc waits until the
+ * block's pool can give). */
+template <int N>
+static __device__ __forceinline__ void fc90_regs_dec(void) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+static __device__ __forceinline__ void fc90_regs_inc(void) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+/* ---- wgmma ----------------------------------------------------------------------------------------------- */
+
+/* wgmma.fence: orders this warpgroup's earlier register writes (accumulators, A fragments) before the next
+ * wgmma reads them. commit_group closes the wgmmas issued since the last commit into a group; wait_group N
+ * returns when at most N groups are still in flight (their accumulators are then written). */
+static __device__ __forceinline__ void fc90_wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void fc90_wgmma_commit(void) {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void fc90_wgmma_wait(void) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* An empty volatile asm that takes each register in and out: the compiler must have the value ready at this
+ * point of the instruction stream and may not move its uses across. Placed before wgmma.fence (inputs written
+ * by ordinary instructions) and after wgmma.wait_group (accumulators written asynchronously); without it the
+ * compiler sees the wgmma asm as producing its outputs at issue and could read them before the wait. */
+template <int N>
+static __device__ __forceinline__ void fc90_pin(float (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+template <int N>
+static __device__ __forceinline__ void fc90_pin(uint32_t (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        asm volatile("" : "+r"(x[i][0]), "+r"(x[i][1]), "+r"(x[i][2]), "+r"(x[i][3])::"memory");
+}
+
+/*
+ * Shared-memory matrix descriptor of wgmma: bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
+ * >> 4, 32-45 stride-dimension byte offset >> 4, 49-51 base offset (0: tiles are 1024-byte aligned), 62-63
+ * swizzle mode (1: 128-byte). For a 128B-swizzled operand:
+ *   K-major (Q as A, K as B of S = Q K^T: rows of d contiguous): SBO = 1024, the step between 8-row groups;
+ *     LBO unused (a k16 step, 32 bytes, stays inside one 128-byte row); the k16 steps advance the start
+ *     address by 32 bytes inside a 64-column chunk, and by a chunk (rows x 128 bytes) every 4 steps.
+ *   MN-major (V as B of O += P V, N = d contiguous): LBO = the step between 64-column chunks of d (bc x 128
+ *     bytes), SBO = 1024, the step between 8-key groups; a k16 step (16 keys) advances 2048 bytes.
+ */
+static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)((lbo & 0x3FFFFu) >> 4) << 16 |
+           (uint64_t)((sbo & 0x3FFFFu) >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+#define FC90_ACC8(d, i)                                                                                      \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+#define FC90_ACC32(d, i) FC90_ACC8(d, i), FC90_ACC8(d, i + 8), FC90_ACC8(d, i + 16), FC90_ACC8(d, i + 24)
+#define FC90_ACC40(d) FC90_ACC32(d, 0), FC90_ACC8(d, 32)
+#define FC90_ACC64(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32)
+#define FC90_ACC96(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32), FC90_ACC32(d, 64)
+#define FC90_ACC128(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32), FC90_ACC32(d, 64), FC90_ACC32(d, 96)
+#define FC90_REGS32                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FC90_REGS40                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define FC90_REGS64                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FC90_REGS96                                                                                      \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+    "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+    "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define FC90_REGS128                                                                                         \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+    "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+    "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
+    "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "      \
+    "%123, %124, %125, %126, %127}"
+/* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits TR = "0, 0") or both
+ * MN-major ("1, 1"). */
+#define FC90_SS(N, TY, REGS, DA, DB, SC, TR)                                                                 \
+    "{\n.reg .pred fc90_acc;\nsetp.ne.b32 fc90_acc, " SC ", 0;\nwgmma.mma_async.sync.aligned.m64n" N          \
+    "k16.f32." TY "." TY " " REGS ", " DA ", " DB ", fc90_acc, 1, 1, " TR ";\n}\n"
+/* D += A B, A from four registers, B from a descriptor, N-major (transpose bit 1). */
+#define FC90_RS(N, TY, REGS, A0, DB)                                                                         \
+    "wgmma.mma_async.sync.aligned.m64n" N "k16.f32." TY "." TY " " REGS ", {" A0 "}, " DB ", 1, 1, 1, 1;\n"
+/* The f16 and bf16 forms of one shape (the type is part of the instruction's text). */
+#define FC90_SS_ASM(N, REGS, ACC, DA, DB, SC)                                                                \
+    if constexpr (BF && !MN)                                                                                 \
+        asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "0, 0") : ACC : "l"(da), "l"(db), "r"(acc));       \
+    else if constexpr (!MN)                                                                                  \
+        asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC, "0, 0") : ACC : "l"(da), "l"(db), "r"(acc));        \
+    else if constexpr (BF)                                                                                   \
+        asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "1, 1") : ACC : "l"(da), "l"(db), "r"(acc));       \
+    else                                                                                                     \
+        asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC, "1, 1") : ACC : "l"(da), "l"(db), "r"(acc))
+#define FC90_RS_ASM(N, REGS, ACC, A0, DB)                                                                    \
+    if constexpr (BF)                                                                                        \
+        asm volatile(FC90_RS(N, "bf16", REGS, A0, DB) : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db)); \
+    else                                                                                                     \
+        asm volatile(FC90_RS(N, "f16", REGS, A0, DB) : ACC : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+
+/*
+ * wgmma.mma_async.m64nNk16.f32 with A and B in shared memory (S = Q K^T: N is the key tile bc), both K-major,
+ * or with MN = 1 both MN-major (the backward's dQ = dS K, dS stored keys x queries and K keys x d). Accumulator
+ * layout (per warpgroup, 64 x N): warp w holds rows 16w..16w+15; for each n8 block j, thread lane holds d[4j],
+ * d[4j+1] at row 16w + lane/4, columns 8j + 2(lane%4) + {0, 1}, and d[4j+2], d[4j+3] at row 16w + lane/4 + 8,
+ * same columns.
+ */
+template <int N, int BF, int MN = 0>
+static __device__ __forceinline__ void fc90_mma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
+    static_assert(N == 64 || N == 80 || N == 128 || N == 192, "wgmma N of S: a key tile of the tile table");
+    if constexpr (N == 192) {
+        FC90_SS_ASM("192", FC90_REGS96, FC90_ACC96(d), "%96", "%97", "%98");
+    } else if constexpr (N == 128) {
+        FC90_SS_ASM("128", FC90_REGS64, FC90_ACC64(d), "%64", "%65", "%66");
+    } else if constexpr (N == 80) {
+        FC90_SS_ASM("80", FC90_REGS40, FC90_ACC40(d), "%40", "%41", "%42");
+    } else {
+        FC90_SS_ASM("64", FC90_REGS32, FC90_ACC32(d, 0), "%32", "%33", "%34");
+    }
+}
+
+/*
+ * wgmma.mma_async.m64nNk16.f32 with A (64 x 16) in registers (O += P V: N is the head dim): warp w holds rows
+ * 16w..16w+15; a[0] = row 16w + lane/4, k 2(lane%4) + {0, 1} (low half first); a[1] = the same k, row + 8;
+ * a[2] = row, k + 8; a[3] = row + 8, k + 8. That is the accumulator layout above for the n8 blocks 2c and
+ * 2c + 1 of S, so P needs no data movement between the two products.
+ */
+template <int N, int BF>
+static __device__ __forceinline__ void fc90_mma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db) {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma N of O: a head dim of the tile table");
+    if constexpr (N == 256) {
+        FC90_RS_ASM("256", FC90_REGS128, FC90_ACC128(d), "%128, %129, %130, %131", "%132");
+    } else if constexpr (N == 128) {
+        FC90_RS_ASM("128", FC90_REGS64, FC90_ACC64(d), "%64, %65, %66, %67", "%68");
+    } else {
+        FC90_RS_ASM("64", FC90_REGS32, FC90_ACC32(d, 0), "%32, %33, %34, %35", "%36");
+    }
+}
+
+/* An accumulator tile (64 x BC, fp32) rounded to the operand type as wgmma A fragments (fc90_mma_rs): k16 step c
+ * takes the accumulator's n8 blocks 2c and 2c + 1 (the forward's P; the backward's P^T and dS^T). */
+template <int BC, int BF>
+static __device__ __forceinline__ void fc90_pack_p(uint32_t (&pa)[BC / 16][4], const float (&p)[BC / 2]) {
+#pragma unroll
+    for (int c = 0; c < BC / 16; ++c) {
+        pa[c][0] = fc_pack2<BF>(p[8 * c + 0], p[8 * c + 1]);
+        pa[c][1] = fc_pack2<BF>(p[8 * c + 2], p[8 * c + 3]);
+        pa[c][2] = fc_pack2<BF>(p[8 * c + 4], p[8 * c + 5]);
+        pa[c][3] = fc_pack2<BF>(p[8 * c + 6], p[8 * c + 7]);
+    }
+}
+
+#endif /* FC90_DEVICE */
+
+/* ---- host ------------------------------------------------------------------------------------------------ */
+
+/* cuTensorMapEncodeTiled from the driver the runtime already loaded (no -lcuda), looked up once. */
+static PFN_cuTensorMapEncodeTiled_v12000 fc90_encoder(void) {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return NULL;
+        }
+        return (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }();
+    return fn;
+}
+
+/* TMA wants a 16-byte aligned base and row strides that are positive multiples of 16 bytes below 2^40. */
+static int fc90_tma_ok(const void *base, const int64_t extent[3], const int64_t stride[3]) {
+    if (!base || (uintptr_t)base % 16) return 0;
+    for (int i = 0; i < 3; i++)
+        if (extent[i] > 1 && (stride[i] <= 0 || (stride[i] * 2) % 16 || stride[i] * 2 >= (INT64_C(1) << 40)))
+            return 0;
+    return 1;
+}
+
+/*
+ * A 16-bit (d, rows, heads, batch) tensor with element strides (1, sn, sh, sb), boxes of 64 columns x box_rows
+ * rows, 128-byte swizzle, out-of-bounds elements zero. A dimension of extent 1 is never stepped, so its stride
+ * (free in flashc's API) is replaced by the packed one, which meets TMA's rules for any tensor below 1 TB.
+ */
+static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d, int64_t rows, int64_t heads,
+                            int64_t batch, int64_t sn, int64_t sh, int64_t sb, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
+    if (!enc) return cudaErrorNotSupported;
+    const int64_t ext[4] = {d, rows, heads, batch}, el[3] = {sn, sh, sb};
+    cuuint64_t dim[4], str[3];
+    int64_t packed = (int64_t)d * 2;
+    for (int i = 0; i < 4; i++) dim[i] = (cuuint64_t)ext[i];
+    for (int i = 0; i < 3; i++) {
+        const int64_t s = ext[i + 1] > 1 ? el[i] * 2 : packed;
+        if (s >= (INT64_C(1) << 40)) return cudaErrorInvalidValue;
+        str[i] = (cuuint64_t)s;
+        packed = s < (INT64_C(1) << 40) / ext[i + 1] ? s * ext[i + 1] : INT64_C(1) << 40;
+    }
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, estr[4] = {1, 1, 1, 1};
+    const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                           (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+#endif /* FLASHC_CUDA_SM90_CUH */
