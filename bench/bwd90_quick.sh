@@ -21,3 +21,10 @@ done
 env PYTHONUNBUFFERED=1 FLASHC_LIBRARY=build-gpu/libflashc.so timeout ${BENCH_LIMIT:-240} python3 bench/compare_torch_bwd.py \
   ${BWD_ARGS:---dtypes bf16 --dims 64,128 --lens 1024,4096,16384 --runs 5} >"$LOG/bench_bwd.log" 2>&1
 sed -n '/^device:/p; /^| dtype/,$p' "$LOG/bench_bwd.log"; grep -iE "error|Traceback" "$LOG/bench_bwd.log" | head -5
+# AB="ENV=VALUE ...": the same sweep once more with those variables set (flashc columns only change).
+if [ -n "${AB:-}" ]; then
+  env $AB PYTHONUNBUFFERED=1 FLASHC_LIBRARY=build-gpu/libflashc.so timeout ${BENCH_LIMIT:-240} python3 \
+    bench/compare_torch_bwd.py ${BWD_ARGS:---dtypes bf16 --dims 64,128 --lens 1024,4096,16384 --runs 5} --no-det \
+    >"$LOG/bench_bwd_ab.log" 2>&1
+  echo "== with $AB"; sed -n '/^| dtype/,$p' "$LOG/bench_bwd_ab.log" | cut -d'|' -f2-6,10
+fi

@@ -175,6 +175,75 @@ __global__ void __launch_bounds__(256) fc_bwd_pre(const __grid_constant__ bwd_pr
         for (int d = lane; d < a.D; d += 32) a.dq_acc[x * a.D + d] = 0.f;
 }
 
+/* The fast forms of both, for the usual layout (fast_pre / fast_convert below): 16-bit O and dO (or dq, 16-bit
+ * or fp32) with the head dim contiguous, rows 16-byte aligned, D a power of two from 8 to 256. A row-head's D
+ * elements are D / 8 lanes of 8 (one 16-byte access each), a warp holds 256 / D row-heads, and each thread does
+ * its index arithmetic once per 8 elements (64-bit divisions cost more than the memory traffic). */
+template <int BF>
+static __device__ __forceinline__ float2 bwd_unpack2(uint32_t w) {
+    if (BF) return __bfloat1622float2(*(const __nv_bfloat162 *)&w);
+    return __half22float2(*(const __half2 *)&w);
+}
+template <int BF>
+static __device__ __forceinline__ uint32_t bwd_pack2(float lo, float hi) {
+    uint32_t w;
+    if (BF) *(__nv_bfloat162 *)&w = __floats2bfloat162_rn(lo, hi);
+    else *(__half2 *)&w = __floats2half2_rn(lo, hi);
+    return w;
+}
+
+template <int BF>
+__global__ void __launch_bounds__(256) fc_bwd_pre16(const __grid_constant__ bwd_pre_args a) {
+    const int seg = a.D / 8, lane = threadIdx.x % 32, sub = lane % seg;
+    const int64_t x = ((int64_t)blockIdx.x * 8 + threadIdx.x / 32) * (32 / seg) + lane / seg; /* row H + h */
+    const bool valid = x < a.rows * a.H;
+    float acc = 0.f;
+    int64_t r = 0;
+    int h = 0;
+    if (valid) {
+        r = x / a.H, h = (int)(x % a.H);
+        const uint4 o = *(const uint4 *)((const uint16_t *)a.o.data + bwd_at(a.o, a, r, h) + 8 * sub);
+        const uint4 g = *(const uint4 *)((const uint16_t *)a.g.data + bwd_at(a.g, a, r, h) + 8 * sub);
+        const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, gw[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 of = bwd_unpack2<BF>(ow[i]), gf = bwd_unpack2<BF>(gw[i]);
+            acc = fmaf(of.x, gf.x, acc);
+            acc = fmaf(of.y, gf.y, acc);
+        }
+    }
+    for (int m = seg / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (valid && sub == 0) {
+        const int64_t idx = a.varlen ? (int64_t)h * a.total_q + r : ((r / a.Nq) * a.H + h) * a.Nq + r % a.Nq;
+        a.dvec[idx] = acc;
+    }
+}
+
+template <int OUT>
+__global__ void __launch_bounds__(256) fc_bwd_dq_convert8(const __grid_constant__ bwd_pre_args a) {
+    const int seg = a.D / 8;
+    const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    if (c >= a.rows * a.H * seg) return;
+    const int64_t rh = c / seg;
+    const int d0 = (int)(c % seg) * 8;
+    const float4 lo = *(const float4 *)(a.dq_acc + rh * a.D + d0), hi = *(const float4 *)(a.dq_acc + rh * a.D + d0 + 4);
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const int64_t off = bwd_at(a.dq, a, rh / a.H, (int)(rh % a.H)) + d0;
+    if (OUT == FLASHC_DTYPE_F32) {
+        float *d = (float *)a.dq.data + off;
+        *(float4 *)d = make_float4(a.scale * v[0], a.scale * v[1], a.scale * v[2], a.scale * v[3]);
+        *(float4 *)(d + 4) = make_float4(a.scale * v[4], a.scale * v[5], a.scale * v[6], a.scale * v[7]);
+    } else {
+        constexpr int BF = OUT == FLASHC_DTYPE_BF16;
+        uint4 w;
+        w.x = bwd_pack2<BF>(a.scale * v[0], a.scale * v[1]);
+        w.y = bwd_pack2<BF>(a.scale * v[2], a.scale * v[3]);
+        w.z = bwd_pack2<BF>(a.scale * v[4], a.scale * v[5]);
+        w.w = bwd_pack2<BF>(a.scale * v[6], a.scale * v[7]);
+        *(uint4 *)((uint16_t *)a.dq.data + off) = w;
+    }
+}
+
 /* dq = scale x the fp32 sums, in dq's dtype and strides; one thread per element. */
 __global__ void __launch_bounds__(256) fc_bwd_dq_convert(const __grid_constant__ bwd_pre_args a) {
     const int64_t x = (int64_t)blockIdx.x * 256 + threadIdx.x;
@@ -252,9 +321,22 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cud
     pa.dvec = dvec, pa.dq_acc = dq_acc;
 
     cudaError_t err;
-    const int64_t pre_blocks = (pa.rows * pa.H + 7) / 8;
-    if (pre_blocks > 0) {
-        fc_bwd_pre<<<(unsigned)pre_blocks, 256, 0, stream>>>(pa);
+    const int pow2 = p->D >= 8 && p->D <= 256 && (p->D & (p->D - 1)) == 0;
+    const int fast_pre = pow2 && p->dtype != FLASHC_DTYPE_F32 && p->out.stride[3] == 1 && p->dout.stride[3] == 1 &&
+                         fc_rows_aligned16(&p->out, p->varlen) && fc_rows_aligned16(&p->dout, p->varlen);
+    const int64_t rh = pa.rows * pa.H;
+    if (rh > 0 && fast_pre) {
+        /* The dQ sums are cleared by a memset (at the copy engine's rate) instead of by the kernel. */
+        pa.dq_acc = NULL;
+        const int64_t blocks = (rh + 256 / p->D * 8 - 1) / (256 / p->D * 8);
+        if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_pre16<1><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        else fc_bwd_pre16<0><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        if (dq_acc && (err = cudaMemsetAsync(dq_acc, 0, (size_t)rh * p->D * sizeof(float), stream)) != cudaSuccess)
+            return err;
+        pa.dq_acc = dq_acc;
+    } else if (rh > 0) {
+        fc_bwd_pre<<<(unsigned)((rh + 7) / 8), 256, 0, stream>>>(pa);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
     }
     if ((int64_t)a.n_kblk * a.Hkv * a.B > 0) {
@@ -269,7 +351,14 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cud
             return err;
     } else {
         const int64_t n = pa.rows * pa.H * pa.D;
-        if (n > 0) {
+        const int fast = pow2 && p->dq.stride[3] == 1 && fc_rows_aligned16(&p->dq, p->varlen);
+        if (n > 0 && fast) {
+            const unsigned blocks = (unsigned)((n / 8 + 255) / 256);
+            if (p->dtype == FLASHC_DTYPE_F32) fc_bwd_dq_convert8<FLASHC_DTYPE_F32><<<blocks, 256, 0, stream>>>(pa);
+            else if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_dq_convert8<FLASHC_DTYPE_BF16><<<blocks, 256, 0, stream>>>(pa);
+            else fc_bwd_dq_convert8<FLASHC_DTYPE_F16><<<blocks, 256, 0, stream>>>(pa);
+            if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        } else if (n > 0) {
             fc_bwd_dq_convert<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(pa);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         }

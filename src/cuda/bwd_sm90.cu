@@ -14,13 +14,15 @@
  *   dV_c += P^T dO, dK_c += dS^T Q            (wgmma m64n{d}k16, A from registers, dO and Q read MN-major)
  * and, unless the dQ kernel does it (deterministic mode), dS^T goes to shared memory (keys x queries), the two
  * warpgroups meet at a named barrier, and dQ = dS K for the tile's 128 keys is one more product (A = dS read
- * MN-major, B = K read MN-major) whose fp32 result is added to the dQ sums in global memory by vector
- * reductions: at d 128 each warpgroup computes 64 of the columns; at d 64 the warpgroups take the query tiles
- * in turn. dK is scaled by the softmax scale at the end; dQ's scale is applied by the conversion kernel.
+ * MN-major, B = K read MN-major) whose fp32 result is staged in shared memory and added to the dQ sums in
+ * global memory by a TMA reduction (cp.reduce.async.bulk.tensor .add, issued by one thread per warpgroup, so the
+ * consumers only wait for it to have read the staging a step later): at d 128 each warpgroup computes 64 of the
+ * columns; at d 64 the warpgroups take the query tiles in turn. dK is scaled by the softmax scale at the end; dQ's scale is applied by the conversion kernel.
  *
  * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
  * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by query-tile parity), st stages of the rows'
- * lse2 and D (2 x bm floats), then the mbarriers.
+ * lse2 and D (2 x bm floats), each consumer's dQ staging (bm x 64 fp32, two 128-byte-swizzled boxes of 32
+ * columns), then the mbarriers.
  *
  * Barrier protocol (phases as in fwd_sm90.cu):
  *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
@@ -38,7 +40,7 @@
  * elements past a row's edge get P = 0 (so dS = 0) on the tiles the edge or the end cuts. Rows past the end of
  * the queries (zero-filled by TMA) get lse2 = +inf and D = 0, so P = dS = 0 there.
  */
-#include "bwd_sm80.cuh" /* fc_red_add2, fc_bwd_store2; fwd_sm80.cuh's fc_exp2, fc_pack2 */
+#include "bwd_sm80.cuh" /* fc_bwd_store2; fwd_sm80.cuh's fc_exp2, fc_pack2 */
 #include "bwd_sm90.h"
 #include "sm90.cuh"
 
@@ -48,6 +50,11 @@
 #define FC90B_THREADS 384   /* producer + two consumer warpgroups */
 #define FC90B_CONS_REGS 232 /* setmaxnreg of the consumers: what the producer gives back (168 -> 32) */
 #define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
+#define FC90B_BAR_DQ 2      /* named barriers 2, 3: one consumer's dQ staging (free, then written) */
+/* How dQ reaches the fp32 sums (the kernel's DQ parameter): not at all (the deterministic mode's dQ kernel computes
+ * it), or staged in shared memory and added by the TMA (measured 9-28% faster than vector reductions from registers,
+ * bench/RESULTS.md). */
+enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 2 };
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -57,13 +64,33 @@ __host__ __device__ constexpr uint32_t fc90b_off_q(fc90_btile t) { return 2 * fc
 __host__ __device__ constexpr uint32_t fc90b_off_g(fc90_btile t) { return fc90b_off_q(t) + t.st * fc90b_q_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b_off_g(t) + t.st * fc90b_q_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) { return fc90b_off_ds(t) + 2 * fc90b_ds_bytes(t); }
-__host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) { return fc90b_off_ld(t) + t.st * 2 * t.bm * 4; }
+/* dQ staging for the TMA reduction: per consumer bm rows x 64 fp32 columns, as boxes of 32 columns (128 bytes). */
+__host__ __device__ constexpr uint32_t fc90b_dq_bytes(fc90_btile t) { return (uint32_t)t.bm * 64 * 4; }
+__host__ __device__ constexpr uint32_t fc90b_off_dq(fc90_btile t) {
+    return (fc90b_off_ld(t) + t.st * 2 * t.bm * 4 + 1023u) & ~1023u;
+}
+__host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) { return fc90b_off_dq(t) + 2 * fc90b_dq_bytes(t); }
 /* kv_full, full[st], empty[st]; + 1024 to round the dynamic shared memory base up. */
 __host__ __device__ constexpr uint32_t fc90b_smem_bytes(fc90_btile t) { return fc90b_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
 static_assert(fc90b_smem_bytes(fc90_btile_for(64)) <= 227 * 1024 && fc90b_smem_bytes(fc90_btile_for(128)) <= 227 * 1024,
               "shared memory per block");
 
 #if FC90_DEVICE
+
+/* cp.reduce.async.bulk.tensor (add): the box of tensor map `map` at (c0, .., c3) += the tile at src in shared
+ * memory (laid out as the map's box and swizzle say), asynchronously, in the issuing thread's bulk group. */
+static __device__ __forceinline__ void fc90_tma_reduce_add(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2,
+                                                           int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                     (uint64_t)map),
+                 "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+                 : "memory");
+}
+static __device__ __forceinline__ void fc90_bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+/* Returns once this thread's bulk groups have all read their shared-memory sources (the staging may be reused). */
+static __device__ __forceinline__ void fc90_bulk_wait_read(void) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
 
 /* Makes this thread's generic-proxy shared-memory writes (dS^T) visible to later wgmma reads (async proxy). */
 static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
@@ -106,7 +133,7 @@ template <int D, int BF, int DQ>
 __global__ void __launch_bounds__(FC90B_THREADS, 1)
     fc90_bwd_kernel(const __grid_constant__ flashc_bwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                    const __grid_constant__ CUtensorMap tm_g) {
+                    const __grid_constant__ CUtensorMap tm_g, const __grid_constant__ CUtensorMap tm_dq) {
 #if FC90_DEVICE
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st, NCH = D / 64;
@@ -204,6 +231,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step. */
     const int dq_chunk = NCH > 1 ? cw : 0;
     const uint64_t dKn = fc90_desc(sK + dq_chunk * BN * 128, BN * 128, 1024), dSn = fc90_desc(sDS, BM * 128, 1024);
+    uint8_t *const sdq = gbase + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
     /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
     const int wg_last_key = n0 + 64 * cw + 63;
 
@@ -299,16 +327,32 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_pin(da);
             fc90_bar_arrive(bar_empty + 8 * slot);
             if (mine) {
+                /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
+                 * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous
+                 * step's reduction has read it. */
                 fc90_pin(dq);
-                const int col0 = dq_chunk * 64;
+                if (t == 0) fc90_bulk_wait_read();
+                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                const int r0 = 16 * warp + g;
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int i = m0 + 16 * warp + g + 8 * hf;
-                    if (i >= nq) continue;
-                    float *row = a.dq_acc + (((int64_t)b * nq + i) * a.H + h) * D + col0 + 2 * tig;
+                    const int row = r0 + 8 * hf;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) fc_red_add2(row + 8 * j, dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                    for (int j = 0; j < 8; ++j) {
+                        const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
+                        *(float2 *)(sdq + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                            make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                    }
                 }
+                fc90_fence_proxy_async();
+                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                if (t == 0) {
+                    const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
+                    fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
+                    fc90_tma_reduce_add(&tm_dq, src + BM * 128, dq_chunk * 64 + 32, h, m0, b);
+                    fc90_bulk_commit();
+                }
+            }
             }
         } else {
             fc90_wgmma_wait<0>();
@@ -319,6 +363,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_bar_arrive(bar_empty + 8 * slot);
         }
     }
+
+    /* The last reduction must have read the staging before the block's shared memory goes away. */
+    if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
 
     /* dK = scale dS^T Q, dV: this thread's two key rows, columns 8 j + 2 tig + {0, 1}. */
 #pragma unroll
@@ -346,9 +393,24 @@ static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm,
     const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
     cudaError_t e = cudaFuncSetAttribute(fc90_bwd_kernel<D, BF, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    fc90_bwd_kernel<D, BF, DQ><<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3]);
+    fc90_bwd_kernel<D, BF, DQ><<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
     return cudaGetLastError();
 }
+
+/* The fp32 dQ sums (rows, H, D) as a (D, H, Nq, B) tensor for the TMA reduction: boxes of 32 columns x 1 head x
+ * bm rows, 128-byte swizzle; the Nq dimension clips a tile's rows past the end of its sequence. */
+static cudaError_t fc90b_dq_map(CUtensorMap *map, float *dq_acc, int D, int H, int Nq, int B, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
+    if (!enc) return cudaErrorNotSupported;
+    const cuuint64_t dim[4] = {(cuuint64_t)D, (cuuint64_t)H, (cuuint64_t)Nq, (cuuint64_t)B};
+    const cuuint64_t str[3] = {(cuuint64_t)D * 4, (cuuint64_t)H * D * 4, (cuuint64_t)Nq * H * D * 4};
+    const cuuint32_t box[4] = {32, 1, (cuuint32_t)box_rows, 1}, estr[4] = {1, 1, 1, 1};
+    const CUresult r = enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dq_acc, dim, str, box, estr,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 
 template <int D, int BF>
 static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
@@ -357,13 +419,16 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     k.n_kblk = (a->Nk + TL.bn - 1) / TL.bn;
     const int64_t blocks = (int64_t)k.n_kblk * a->Hkv * a->B;
     if (blocks == 0) return cudaSuccess;
-    CUtensorMap tm[4];
+    CUtensorMap tm[5];
     cudaError_t e = fc90_map(&tm[0], a->q, BF, D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.bm);
     if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, a->Nq, a->H, a->B, a->g_sn, a->g_sh, a->g_sb, TL.bm);
+    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
+    else tm[4] = tm[0]; /* unused without dQ */
     if (e != cudaSuccess) return e;
-    return a->dq_acc ? fc90b_launch<D, BF, 1>(&k, tm, blocks, stream) : fc90b_launch<D, BF, 0>(&k, tm, blocks, stream);
+    if (a->dq_acc) return fc90b_launch<D, BF, FC90B_DQ_TMA>(&k, tm, blocks, stream);
+    return fc90b_launch<D, BF, FC90B_DQ_NONE>(&k, tm, blocks, stream);
 }
 
 int flashc_bwd_sm90_available(int device) {
@@ -374,7 +439,8 @@ int flashc_bwd_sm90_available(int device) {
         return 0;
     }
     if (major != 9 || minor != 0) return 0;
-    const void *kernels[2] = {(const void *)fc90_bwd_kernel<64, 1, 1>, (const void *)fc90_bwd_kernel<128, 0, 0>};
+    const void *kernels[2] = {(const void *)fc90_bwd_kernel<64, 1, FC90B_DQ_TMA>,
+                              (const void *)fc90_bwd_kernel<128, 0, FC90B_DQ_NONE>};
     for (int i = 0; i < 2; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {

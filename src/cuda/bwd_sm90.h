@@ -17,8 +17,8 @@
  * (the M of wgmma), each holding its keys' dK and dV accumulators (d / 2 + d / 2 floats per thread: 128 of 240
  * registers at d 128, which is why d 256 stays on the Ampere-class kernel); bm: query rows per step (the N of
  * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q); st: stages of the (Q, dO) ring.
- * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, and the rows'
- * lse and D_i: 97 KB at d 64, 161 KB at d 128.
+ * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, the rows'
+ * lse and D_i, and two dQ staging tiles bm x 64 fp32: 130 KB at d 64, 194 KB at d 128.
  */
 typedef struct fc90_btile {
     int d, bn, bm, st;
@@ -41,7 +41,7 @@ int flashc_bwd_sm90_available(int device);
  * that are NULL (a supported() query) are taken as aligned. */
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a);
 
-/* Queues the dK/dV kernel (and dQ by fp32 vector reductions into a->dq_acc when it is set) on stream, for a
+/* Queues the dK/dV kernel (and dQ, added to the fp32 sums a->dq_acc by TMA reductions, when it is set) on stream, for a
  * problem flashc_bwd_sm90_supports accepted on a device where flashc_bwd_sm90_available holds. Builds the tensor
  * maps on the host, so it fails without launching when the driver refuses one. */
 cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream);
