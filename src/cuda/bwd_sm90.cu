@@ -353,7 +353,6 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     fc90_bulk_commit();
                 }
             }
-            }
         } else {
             fc90_wgmma_wait<0>();
             fc90_pin(dv);
