@@ -69,10 +69,15 @@ __host__ __device__ constexpr uint32_t fc90b_dq_bytes(fc90_btile t) { return (ui
 __host__ __device__ constexpr uint32_t fc90b_off_dq(fc90_btile t) {
     return (fc90b_off_ld(t) + t.st * 2 * t.bm * 4 + 1023u) & ~1023u;
 }
-__host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) { return fc90b_off_dq(t) + 2 * fc90b_dq_bytes(t); }
+/* At d 256 (fc90b_split) dQ goes out by vector reductions from registers: the staging would not fit. */
+__host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
+__host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) {
+    return fc90b_off_dq(t) + (fc90b_split(t) ? 0 : 2 * fc90b_dq_bytes(t));
+}
 /* kv_full, full[st], empty[st]; + 1024 to round the dynamic shared memory base up. */
 __host__ __device__ constexpr uint32_t fc90b_smem_bytes(fc90_btile t) { return fc90b_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
-static_assert(fc90b_smem_bytes(fc90_btile_for(64)) <= 227 * 1024 && fc90b_smem_bytes(fc90_btile_for(128)) <= 227 * 1024,
+static_assert(fc90b_smem_bytes(fc90_btile_for(64)) <= 227 * 1024 && fc90b_smem_bytes(fc90_btile_for(128)) <= 227 * 1024 &&
+                  fc90b_smem_bytes(fc90_btile_for(256)) <= 227 * 1024,
               "shared memory per block");
 
 #if FC90_DEVICE
@@ -111,14 +116,13 @@ static __device__ __forceinline__ void fc90b_scores_issue(float (&acc)[fc90_btil
     fc90_wgmma_commit();
 }
 
-/* Issues acc += A B with A (64 keys x bm queries) in registers and B (bm queries x d) read MN-major:
+/* Issues acc += A B with A (64 keys x bm queries) in registers and B (bm queries x N columns of d) read MN-major:
  * dV += P^T dO, dK += dS^T Q. No commit. */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[D / 2],
-                                                        const uint32_t (&pa)[fc90_btile_for(D).bm / 16][4],
+template <int N, int BM, int BF>
+static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[N / 2], const uint32_t (&pa)[BM / 16][4],
                                                         uint64_t db) {
 #pragma unroll
-    for (int c = 0; c < fc90_btile_for(D).bm / 16; ++c) fc90_mma_rs<D, BF>(acc, pa[c], db + ((uint32_t)(c * 2048) >> 4));
+    for (int c = 0; c < BM / 16; ++c) fc90_mma_rs<N, BF>(acc, pa[c], db + ((uint32_t)(c * 2048) >> 4));
 }
 
 #endif /* FC90_DEVICE */
@@ -137,8 +141,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 #if FC90_DEVICE
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st, NCH = D / 64;
+    /* SPLIT (d 256): both consumers take all bn = 64 keys of the tile and split d: each computes the same S^T and
+     * dP^T and keeps dK, dV and dQ for its DW = d / 2 columns (dK and dV of whole rows would need 256 registers). */
+    constexpr bool SPLIT = fc90b_split(TL);
+    constexpr int DW = SPLIT ? D / 2 : D;
     constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
-    static_assert(TL.d == D && D % 64 == 0 && BN == 128 && BM == 64 && ST >= 2, "tile table");
+    static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && BM == 64 && ST >= 2, "tile table");
     static_assert(128 * (168 - 32) >= 256 * (FC90B_CONS_REGS - 168), "the consumers grow by what the producer frees");
 
     extern __shared__ uint8_t fc90_smem[];
@@ -214,26 +222,31 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
     fc90_regs_inc<FC90B_CONS_REGS>();
     const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
-    const int key0 = n0 + 64 * cw + 16 * warp + g; /* this thread's first key (the second is key0 + 8) */
+    const int krow = SPLIT ? 0 : 64 * cw;          /* this warpgroup's first key row in the tile */
+    const int key0 = n0 + krow + 16 * warp + g;     /* this thread's first key (the second is key0 + 8) */
+    const int col0 = SPLIT ? cw * DW : 0;           /* its first column of dK, dV (and of dQ when SPLIT) */
 
-    float dk[D / 2], dv[D / 2], s[BM / 2], dp[BM / 2];
+    float dk[DW / 2], dv[DW / 2], s[BM / 2], dp[BM / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
 #pragma unroll
     for (int i = 0; i < BM / 2; ++i) s[i] = dp[i] = 0.f;
 
     /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
      * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
      * and K as its B, both MN-major (8-key groups 1024 bytes apart, a k16 step 2048 bytes). */
-    const uint64_t dKa = fc90_desc(sK + 64 * cw * 128, 16, 1024), dVa = fc90_desc(sV + 64 * cw * 128, 16, 1024);
+    const uint64_t dKa = fc90_desc(sK + krow * 128, 16, 1024), dVa = fc90_desc(sV + krow * 128, 16, 1024);
     const uint64_t dQk = fc90_desc(sQ, 16, 1024), dGk = fc90_desc(sG, 16, 1024);
-    const uint64_t dQn = fc90_desc(sQ, BM * 128, 1024), dGn = fc90_desc(sG, BM * 128, 1024);
-    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step. */
-    const int dq_chunk = NCH > 1 ? cw : 0;
+    const uint32_t gcol = (uint32_t)(col0 / 64) * BM * 128; /* this warpgroup's first column chunk of Q, dO */
+    const uint64_t dQn = fc90_desc(sQ + gcol, BM * 128, 1024), dGn = fc90_desc(sG + gcol, BM * 128, 1024);
+    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step; at
+     * d 256 its DW columns (two chunks, LBO apart), every step. DQN: the N of that product. */
+    constexpr int DQN = SPLIT ? DW : 64;
+    const int dq_chunk = SPLIT ? col0 / 64 : NCH > 1 ? cw : 0;
     const uint64_t dKn = fc90_desc(sK + dq_chunk * BN * 128, BN * 128, 1024), dSn = fc90_desc(sDS, BM * 128, 1024);
     uint8_t *const sdq = gbase + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
     /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
-    const int wg_last_key = n0 + 64 * cw + 63;
+    const int wg_last_key = n0 + krow + 63;
 
     if (items > 0) fc90_bar_wait(bar_kv, 0);
     for (int it = 0; it < items; ++it) {
@@ -282,7 +295,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         fc90_pack_p<BM, BF>(pa, s);
         fc90_pack_p<BM, BF>(da, dp);
 
-        const int buf = it & 1;
+        const int buf = SPLIT ? cw : it & 1; /* SPLIT: each warpgroup its own dS^T (the same values) */
         if (DQ) {
             /* dS^T into buffer buf, keys x queries, swizzled: fragment (c, r) holds n8 blocks 2c + r / 2 (query
              * columns) of key row key0 - n0 + 8 (r % 2). */
@@ -291,7 +304,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             for (int c = 0; c < BM / 16; ++c)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const int row = key0 - n0 + 8 * (r & 1), j = 2 * c + (r >> 1);
+                    const int row = key0 - n0 + 8 * (r & 1), j = 2 * c + (r >> 1); /* row in the tile */
                     *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[c][r];
                 }
         }
@@ -301,23 +314,35 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         fc90_pin(pa);
         fc90_pin(da);
         fc90_wgmma_fence();
-        fc90b_grad_issue<D, BF>(dv, pa, dGn + qoff);
-        fc90b_grad_issue<D, BF>(dk, da, dQn + qoff);
+        fc90b_grad_issue<DW, BM, BF>(dv, pa, dGn + qoff);
+        fc90b_grad_issue<DW, BM, BF>(dk, da, dQn + qoff);
         fc90_wgmma_commit();
 
         if (DQ) {
             fc90_fence_proxy_async();
-            fc90_nbar_sync(FC90B_BAR_DS, 256);
-            const bool mine = NCH > 1 || (it & 1) == cw;
-            float dq[32];
+            if (SPLIT) {
+                /* Only this warpgroup reads its dS^T; the 64 dQ accumulators do not fit beside P^T and dS^T, so the
+                 * gradient products complete (and release the slot) first. */
+                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                fc90_wgmma_wait<0>();
+                fc90_pin(dv);
+                fc90_pin(dk);
+                fc90_pin(pa);
+                fc90_pin(da);
+                fc90_bar_arrive(bar_empty + 8 * slot);
+            } else {
+                fc90_nbar_sync(FC90B_BAR_DS, 256);
+            }
+            const bool mine = SPLIT || NCH > 1 || (it & 1) == cw;
+            float dq[DQN / 2];
             if (mine) {
 #pragma unroll
-                for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+                for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
                 fc90_pin(dq);
                 fc90_wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; ++kk)
-                    fc90_mma_ss<64, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
+                    fc90_mma_ss<DQN, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
                 fc90_wgmma_commit();
             }
             fc90_wgmma_wait<0>();
@@ -325,8 +350,19 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_pin(dk);
             fc90_pin(pa);
             fc90_pin(da);
-            fc90_bar_arrive(bar_empty + 8 * slot);
-            if (mine) {
+            if (!SPLIT) fc90_bar_arrive(bar_empty + 8 * slot);
+            if (mine && SPLIT) {
+                /* Vector reductions from registers: row m0 + 16 warp + g + 8 hf, columns col0 + 8 j + 2 tig. */
+                fc90_pin(dq);
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int i = m0 + 16 * warp + g + 8 * hf;
+                    if (i >= nq) continue;
+                    float *row = a.dq_acc + (((int64_t)b * nq + i) * a.H + h) * D + col0 + 2 * tig;
+#pragma unroll
+                    for (int j = 0; j < DQN / 8; ++j) fc_red_add2(row + 8 * j, dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                }
+            } else if (mine) {
                 /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
                  * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous
                  * step's reduction has read it. */
@@ -348,6 +384,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
                 if (t == 0) {
                     const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
+                    static_assert(SPLIT || DQN == 64, "two staging boxes of 32 columns");
                     fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
                     fc90_tma_reduce_add(&tm_dq, src + BM * 128, dq_chunk * 64 + 32, h, m0, b);
                     fc90_bulk_commit();
@@ -364,7 +401,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     }
 
     /* The last reduction must have read the staging before the block's shared memory goes away. */
-    if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
+    if (DQ == FC90B_DQ_TMA && !SPLIT && t == 0) fc90_bulk_wait_read();
 
     /* dK = scale dS^T Q, dV: this thread's two key rows, columns 8 j + 2 tig + {0, 1}. */
 #pragma unroll
@@ -374,8 +411,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         const int64_t ok = (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
         const int64_t ov = (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            const int col = 8 * j + 2 * tig;
+        for (int j = 0; j < DW / 8; ++j) {
+            const int col = col0 + 8 * j + 2 * tig;
             fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
                           a.scale * dk[4 * j + 2 * hf + 1], true);
             fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1],
@@ -423,8 +460,8 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, a->Nq, a->H, a->B, a->g_sn, a->g_sh, a->g_sb, TL.bm);
-    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
-    else tm[4] = tm[0]; /* unused without dQ */
+    if (e == cudaSuccess && a->dq_acc && !fc90b_split(TL)) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
+    else tm[4] = tm[0]; /* unused without dQ or staging */
     if (e != cudaSuccess) return e;
     if (a->dq_acc) return fc90b_launch<D, BF, FC90B_DQ_TMA>(&k, tm, blocks, stream);
     return fc90b_launch<D, BF, FC90B_DQ_NONE>(&k, tm, blocks, stream);
@@ -458,7 +495,7 @@ static int fc90b_tma_ok(const void *p, const int64_t e[3], const int64_t s[3]) {
 }
 
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
-    if (a->D != 64 && a->D != 128) return 0;
+    if (a->D != 64 && a->D != 128 && a->D != 256) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->varlen || a->softcap2 != 0.f || a->alibi || a->bm) return 0;
     if (!(a->score_mul > 0.f) || a->win_left >= 0) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
@@ -472,5 +509,6 @@ int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
 cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream) {
     if (!flashc_bwd_sm90_supports(a) || !a->q || !a->k || !a->v || !a->dout) return cudaErrorInvalidValue;
     if (a->D == 64) return a->bf16 ? fc90b_run<64, 1>(a, stream) : fc90b_run<64, 0>(a, stream);
-    return a->bf16 ? fc90b_run<128, 1>(a, stream) : fc90b_run<128, 0>(a, stream);
+    if (a->D == 128) return a->bf16 ? fc90b_run<128, 1>(a, stream) : fc90b_run<128, 0>(a, stream);
+    return a->bf16 ? fc90b_run<256, 1>(a, stream) : fc90b_run<256, 0>(a, stream);
 }

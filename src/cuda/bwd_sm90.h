@@ -30,8 +30,13 @@ typedef struct fc90_btile {
 #ifndef FC90_BTILE_128
 #define FC90_BTILE_128 fc90_btile{128, 128, 64, 2}
 #endif
+#ifndef FC90_BTILE_256
+#define FC90_BTILE_256 fc90_btile{256, 64, 64, 2}
+#endif
 
-__host__ __device__ constexpr fc90_btile fc90_btile_for(int d) { return d <= 64 ? FC90_BTILE_64 : FC90_BTILE_128; }
+__host__ __device__ constexpr fc90_btile fc90_btile_for(int d) {
+    return d <= 64 ? FC90_BTILE_64 : d <= 128 ? FC90_BTILE_128 : FC90_BTILE_256;
+}
 
 /* 1 when `device` is compute capability 9.0 and runs the sm_90a binary of these kernels. */
 int flashc_bwd_sm90_available(int device);
