@@ -403,20 +403,53 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     /* The last reduction must have read the staging before the block's shared memory goes away. */
     if (DQ == FC90B_DQ_TMA && !SPLIT && t == 0) fc90_bulk_wait_read();
 
-    /* dK = scale dS^T Q, dV: this thread's two key rows, columns 8 j + 2 tig + {0, 1}. */
+    /* dK = scale dS^T Q, dV: this thread's two key rows, columns col0 + 8 j + 2 tig + {0, 1}. */
+    const bool vec_out = a.out_dtype != FLASHC_DTYPE_F32 && a.dk_sd == 1 && a.dv_sd == 1 &&
+                         (((uintptr_t)a.dk | (uintptr_t)a.dv) & 15) == 0 &&
+                         ((a.dk_sb | a.dk_sn | a.dk_sh | a.dv_sb | a.dv_sn | a.dv_sh) & 7) == 0;
+    if (vec_out) {
+        /* Staged through shared memory (over the Q, dO ring and the dS^T tiles, which nothing reads once both
+         * consumers are past their last step; rows padded by 16 bytes against bank conflicts), then written as
+         * 16-byte pieces, consecutive threads on consecutive pieces of a row. */
+        constexpr int OROW = DW + 8;
+        static_assert(2 * 2 * 64 * OROW * 2 <= 2 * ST * QB + 2 * DSB, "epilogue staging within the ring and dS^T");
+        fc90_nbar_sync(FC90B_BAR_DS, 256);
+        uint16_t *st = (uint16_t *)(gbase + fc90b_off_q(TL)) + cw * 2 * 64 * OROW;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        const int key = key0 + 8 * hf;
-        if (key >= nk) continue;
-        const int64_t ok = (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
-        const int64_t ov = (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh;
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = 16 * warp + g + 8 * hf;
 #pragma unroll
-        for (int j = 0; j < DW / 8; ++j) {
-            const int col = col0 + 8 * j + 2 * tig;
-            fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
-                          a.scale * dk[4 * j + 2 * hf + 1], true);
-            fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1],
-                          true);
+            for (int j = 0; j < DW / 8; ++j) {
+                *(uint32_t *)(st + r * OROW + 8 * j + 2 * tig) =
+                    fc_pack2<BF>(a.scale * dk[4 * j + 2 * hf], a.scale * dk[4 * j + 2 * hf + 1]);
+                *(uint32_t *)(st + (64 + r) * OROW + 8 * j + 2 * tig) =
+                    fc_pack2<BF>(dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1]);
+            }
+        }
+        fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+        for (int c = t; c < 2 * 64 * (DW / 8); c += 128) {
+            const int r = c / (DW / 8), piece = c % (DW / 8), which = r / 64, key = n0 + krow + r % 64;
+            if (key >= nk) continue;
+            const int64_t off = which ? (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh
+                                      : (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
+            *(uint4 *)((uint16_t *)(which ? a.dv : a.dk) + off + col0 + 8 * piece) =
+                *(const uint4 *)(st + r * OROW + 8 * piece);
+        }
+    } else {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int key = key0 + 8 * hf;
+            if (key >= nk) continue;
+            const int64_t ok = (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
+            const int64_t ov = (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh;
+#pragma unroll
+            for (int j = 0; j < DW / 8; ++j) {
+                const int col = col0 + 8 * j + 2 * tig;
+                fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
+                              a.scale * dk[4 * j + 2 * hf + 1], true);
+                fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf],
+                              dv[4 * j + 2 * hf + 1], true);
+            }
         }
     }
 #endif /* FC90_DEVICE */
