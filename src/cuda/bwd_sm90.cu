@@ -36,9 +36,11 @@
  *              time both warpgroups have waited for the dQ product that read it (each waits before its next
  *              step's barrier).
  *
- * Masks: query tiles wholly below the band edge of the block's first key are skipped; keys past the end and
- * elements past a row's edge get P = 0 (so dS = 0) on the tiles the edge or the end cuts. Rows past the end of
- * the queries (zero-filled by TMA) get lse2 = +inf and D = 0, so P = dS = 0 there.
+ * Masks and scores: query tiles that no key of the block can see under the band (its right edge for the first
+ * key, its left edge for the last) are skipped; keys past the end and elements outside a row's band get P = 0
+ * (so dS = 0) on the tiles an edge or the end cuts. Softcap and ALiBi take the element formula of the mma.sync
+ * kernel (fc_bwd_elem), so that P is the forward's. Rows past the end of the queries (zero-filled by TMA) get
+ * lse2 = +inf and D = 0, so P = dS = 0 there. Block masks and varlen stay on the mma.sync kernel.
  */
 #include "bwd_sm80.cuh" /* fc_bwd_store2; fwd_sm80.cuh's fc_exp2, fc_pack2 */
 #include "bwd_sm90.h"
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int kt = (int)(bid % a.n_kblk);
     bid /= a.n_kblk;
     const int hk = (int)(bid % a.Hkv), b = (int)(bid / a.Hkv);
-    const int nq = a.Nq, nk = a.Nk, diag = nk - nq, wr = a.win_right, group = a.H / a.Hkv;
+    const int nq = a.Nq, nk = a.Nk, diag = nk - nq, wr = a.win_right, wl = a.win_left, group = a.H / a.Hkv;
     const int n0 = kt * BN;
     /* Query tiles whose last row reaches this block's first key under the band's right edge. */
     int mb_lo = 0;
@@ -169,7 +171,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         const int first = n0 - diag - wr; /* the first row that sees key n0 */
         mb_lo = first > 0 ? first / BM : 0;
     }
-    const int nmb = (nq + BM - 1) / BM, per_head = nmb > mb_lo ? nmb - mb_lo : 0;
+    /* ... and up to the tile of the last row whose band's left edge reaches the block's last key. */
+    int mb_hi = (nq - 1) / BM;
+    if (wl >= 0) mb_hi = min(mb_hi, (min(n0 + BN, nk) - 1 - diag + wl) / BM);
+    const int per_head = mb_hi >= mb_lo && (wl < 0 || min(n0 + BN, nk) - 1 - diag + wl >= 0) ? mb_hi - mb_lo + 1 : 0;
     const int items = per_head * group; /* (head of the group, query tile), the tile fastest */
 
     if (threadIdx.x == 0) {
@@ -247,6 +252,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     uint8_t *const sdq = gbase + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
     /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
     const int wg_last_key = n0 + krow + 63;
+    /* Softcap or ALiBi change every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
+    const bool generic = a.softcap2 != 0.f || a.alibi;
 
     if (items > 0) fc90_bar_wait(bar_kv, 0);
     for (int it = 0; it < items; ++it) {
@@ -261,35 +268,54 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         fc90b_scores_issue<D, BF>(dp, dVa, dGk + qoff);
         const float *lse2 = sLD + slot * 2 * BM, *dvec = lse2 + BM;
 
-        /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. */
-        fc90_wgmma_wait<1>();
-        fc90_pin(s);
-        const bool cut = wg_last_key >= nk || (wr >= 0 && wg_last_key > m0 + diag + wr);
+        /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. The band edges or the end of
+         * the keys cut this warpgroup's part of the tile when its last key passes the first row's right edge, or
+         * its first key is left of the last row's left edge. */
+        const bool cut = wg_last_key >= nk || (wr >= 0 && wg_last_key > m0 + diag + wr) ||
+                         (wl >= 0 && wg_last_key - 63 < m0 + BM - 1 + diag - wl);
+        if (!generic && !cut) {
+            fc90_wgmma_wait<1>();
+            fc90_pin(s);
 #pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
+                for (int hf = 0; hf < 2; ++hf) {
+                    s[4 * j + 2 * hf] = fc_exp2(fmaf(s[4 * j + 2 * hf], a.score_mul, -l.x));
+                    s[4 * j + 2 * hf + 1] = fc_exp2(fmaf(s[4 * j + 2 * hf + 1], a.score_mul, -l.y));
+                }
+            }
+            fc90_wgmma_wait<0>();
+            fc90_pin(dp);
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
+                    dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
+                }
+            }
+        } else {
+            fc90_wgmma_wait<0>();
+            fc90_pin(s);
+            fc90_pin(dp);
+            const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    float &x = s[4 * j + 2 * hf + e];
-                    x = fc_exp2(fmaf(x, a.score_mul, -(e ? l.y : l.x)));
-                    if (cut) {
-                        const int key = key0 + 8 * hf, i = m0 + 8 * j + 2 * tig + e;
-                        if (key >= nk || (wr >= 0 && key > i + diag + wr)) x = 0.f;
+                    const int i = m0 + 8 * j + 2 * tig + e;
+                    const float l = lse2[8 * j + 2 * tig + e], dd = dvec[8 * j + 2 * tig + e];
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int key = key0 + 8 * hf;
+                        const bool vis = key < nk && (wr < 0 || key <= i + diag + wr) && (wl < 0 || key >= i + diag - wl);
+                        const float al = a.alibi ? slope2 * fabsf((float)(i + diag - key)) : 0.f;
+                        fc_bwd_elem(s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, a.score_mul, a.softcap2, al,
+                                    vis);
                     }
                 }
-        }
-        fc90_wgmma_wait<0>();
-        fc90_pin(dp);
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
-                dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
-            }
         }
         uint32_t pa[BM / 16][4], da[BM / 16][4];
         fc90_pack_p<BM, BF>(pa, s);
@@ -529,8 +555,8 @@ static int fc90b_tma_ok(const void *p, const int64_t e[3], const int64_t s[3]) {
 
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
     if (a->D != 64 && a->D != 128 && a->D != 256) return 0;
-    if (a->in_mode != FC_IN_ASYNC16 || a->varlen || a->softcap2 != 0.f || a->alibi || a->bm) return 0;
-    if (!(a->score_mul > 0.f) || a->win_left >= 0) return 0;
+    if (a->in_mode != FC_IN_ASYNC16 || a->varlen || a->bm) return 0;
+    if (!(a->score_mul > 0.f)) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
     const int64_t eq[3] = {a->Nq, a->H, a->B}, ek[3] = {a->Nk, a->Hkv, a->B};
     const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},

@@ -14,11 +14,13 @@
 
 /*
  * Tile sizes per head dim, the one table. bn: keys per block, split between two consumer warpgroups of 64 keys
- * (the M of wgmma), each holding its keys' dK and dV accumulators (d / 2 + d / 2 floats per thread: 128 of 240
- * registers at d 128, which is why d 256 stays on the Ampere-class kernel); bm: query rows per step (the N of
+ * (the M of wgmma), each holding its keys' dK and dV accumulators (d / 2 + d / 2 floats per thread: 128 of 232
+ * registers at d 128); at d 256 both consumers take the same bn = 64 keys and split d instead (whole rows would
+ * need 256 registers), computing S^T and dP^T twice; bm: query rows per step (the N of
  * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q); st: stages of the (Q, dO) ring.
  * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, the rows'
- * lse and D_i, and two dQ staging tiles bm x 64 fp32: 130 KB at d 64, 194 KB at d 128.
+ * lse and D_i, and two dQ staging tiles bm x 64 fp32: 130 KB at d 64, 194 KB at d 128; 210 KB at d 256 (no
+ * staging: dQ by vector reductions).
  */
 typedef struct fc90_btile {
     int d, bn, bm, st;
@@ -41,9 +43,9 @@ __host__ __device__ constexpr fc90_btile fc90_btile_for(int d) {
 /* 1 when `device` is compute capability 9.0 and runs the sm_90a binary of these kernels. */
 int flashc_bwd_sm90_available(int device);
 
-/* 1 when the Hopper backward takes a: head dim exactly 64 or 128, 16-bit inputs with 16-byte aligned rows (TMA),
- * no varlen, no softcap / ALiBi / block mask, no left window edge (causal or any right edge is fine). Pointers
- * that are NULL (a supported() query) are taken as aligned. */
+/* 1 when the Hopper backward takes a: head dim exactly 64, 128 or 256, 16-bit inputs with 16-byte aligned rows
+ * (TMA), no varlen, no block mask (causal, windows, softcap, ALiBi and GQA are taken). Pointers that are NULL (a
+ * supported() query) are taken as aligned. */
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a);
 
 /* Queues the dK/dV kernel (and dQ, added to the fp32 sums a->dq_acc by TMA reductions, when it is set) on stream, for a
