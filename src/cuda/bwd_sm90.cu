@@ -65,14 +65,18 @@ __host__ __device__ constexpr uint32_t fc90b_off_v(fc90_btile t) { return fc90b_
 __host__ __device__ constexpr uint32_t fc90b_off_q(fc90_btile t) { return 2 * fc90b_kv_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_g(fc90_btile t) { return fc90b_off_q(t) + t.st * fc90b_q_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b_off_g(t) + t.st * fc90b_q_bytes(t); }
-__host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) { return fc90b_off_ds(t) + 2 * fc90b_ds_bytes(t); }
+/* At d 256 (fc90b_split) the consumers split the step's queries for S^T and dP^T and d for the rest, so P^T joins
+ * dS^T in shared memory (two of each, by step parity), and dQ goes out by vector reductions from registers: the
+ * staging would not fit. */
+__host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
+__host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
+    return fc90b_off_ds(t) + (fc90b_split(t) ? 4 : 2) * fc90b_ds_bytes(t);
+}
 /* dQ staging for the TMA reduction: per consumer bm rows x 64 fp32 columns, as boxes of 32 columns (128 bytes). */
 __host__ __device__ constexpr uint32_t fc90b_dq_bytes(fc90_btile t) { return (uint32_t)t.bm * 64 * 4; }
 __host__ __device__ constexpr uint32_t fc90b_off_dq(fc90_btile t) {
     return (fc90b_off_ld(t) + t.st * 2 * t.bm * 4 + 1023u) & ~1023u;
 }
-/* At d 256 (fc90b_split) dQ goes out by vector reductions from registers: the staging would not fit. */
-__host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
 __host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) {
     return fc90b_off_dq(t) + (fc90b_split(t) ? 0 : 2 * fc90b_dq_bytes(t));
 }
@@ -106,14 +110,13 @@ static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
 
 /* Issues acc = A B^T over d (d / 16 k-steps) with A = 64 rows of a bn-row tile and B the bm-row tile, both
  * K-major in 64-column chunks: S^T = K_c Q^T and dP^T = V_c dO^T. One commit group. */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90b_scores_issue(float (&acc)[fc90_btile_for(D).bm / 2], uint64_t da,
-                                                          uint64_t db) {
+template <int D, int N, int BF>
+static __device__ __forceinline__ void fc90b_scores_issue(float (&acc)[N / 2], uint64_t da, uint64_t db) {
     constexpr fc90_btile TL = fc90_btile_for(D);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t aoff = (kk / 4) * TL.bn * 128 + (kk % 4) * 32, boff = (kk / 4) * TL.bm * 128 + (kk % 4) * 32;
-        fc90_mma_ss<TL.bm, BF>(acc, da + (aoff >> 4), db + (boff >> 4), kk > 0);
+        fc90_mma_ss<N, BF>(acc, da + (aoff >> 4), db + (boff >> 4), kk > 0);
     }
     fc90_wgmma_commit();
 }
@@ -143,10 +146,11 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 #if FC90_DEVICE
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st, NCH = D / 64;
-    /* SPLIT (d 256): both consumers take all bn = 64 keys of the tile and split d: each computes the same S^T and
-     * dP^T and keeps dK, dV and dQ for its DW = d / 2 columns (dK and dV of whole rows would need 256 registers). */
+    /* SPLIT (d 256): both consumers take all bn = 64 keys of the tile; each scores half of the step's queries
+     * (S^T, dP^T of 64 keys x 32 queries), the halves of P^T and dS^T meet in shared memory, and each keeps dK, dV
+     * and dQ for its DW = d / 2 columns (dK and dV of whole rows would need 256 registers). SN: the N of S^T. */
     constexpr bool SPLIT = fc90b_split(TL);
-    constexpr int DW = SPLIT ? D / 2 : D;
+    constexpr int DW = SPLIT ? D / 2 : D, SN = SPLIT ? BM / 2 : BM;
     constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
     static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && BM == 64 && ST >= 2, "tile table");
     static_assert(128 * (168 - 32) >= 256 * (FC90B_CONS_REGS - 168), "the consumers grow by what the producer frees");
@@ -231,11 +235,11 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int key0 = n0 + krow + 16 * warp + g;     /* this thread's first key (the second is key0 + 8) */
     const int col0 = SPLIT ? cw * DW : 0;           /* its first column of dK, dV (and of dQ when SPLIT) */
 
-    float dk[DW / 2], dv[DW / 2], s[BM / 2], dp[BM / 2];
+    float dk[DW / 2], dv[DW / 2], s[SN / 2], dp[SN / 2];
 #pragma unroll
     for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < BM / 2; ++i) s[i] = dp[i] = 0.f;
+    for (int i = 0; i < SN / 2; ++i) s[i] = dp[i] = 0.f;
 
     /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
      * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
@@ -264,9 +268,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         fc90_pin(s);
         fc90_pin(dp);
         fc90_wgmma_fence();
-        fc90b_scores_issue<D, BF>(s, dKa, dQk + qoff);
-        fc90b_scores_issue<D, BF>(dp, dVa, dGk + qoff);
-        const float *lse2 = sLD + slot * 2 * BM, *dvec = lse2 + BM;
+        const int q0 = SPLIT ? 32 * cw : 0; /* the step's first query this warpgroup scores */
+        fc90b_scores_issue<D, SN, BF>(s, dKa, dQk + qoff + ((uint32_t)(q0 * 128) >> 4));
+        fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * 128) >> 4));
+        const float *lse2 = sLD + slot * 2 * BM + q0, *dvec = lse2 + BM;
 
         /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. The band edges or the end of
          * the keys cut this warpgroup's part of the tile when its last key passes the first row's right edge, or
@@ -277,7 +282,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_wgmma_wait<1>();
             fc90_pin(s);
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
+            for (int j = 0; j < SN / 8; ++j) {
                 const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -288,7 +293,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_wgmma_wait<0>();
             fc90_pin(dp);
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j) {
+            for (int j = 0; j < SN / 8; ++j) {
                 const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -302,10 +307,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_pin(dp);
             const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
+            for (int j = 0; j < SN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int i = m0 + 8 * j + 2 * tig + e;
+                    const int i = m0 + q0 + 8 * j + 2 * tig + e;
                     const float l = lse2[8 * j + 2 * tig + e], dd = dvec[8 * j + 2 * tig + e];
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
@@ -317,67 +322,53 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     }
                 }
         }
-        uint32_t pa[BM / 16][4], da[BM / 16][4];
-        fc90_pack_p<BM, BF>(pa, s);
-        fc90_pack_p<BM, BF>(da, dp);
-
-        const int buf = SPLIT ? cw : it & 1; /* SPLIT: each warpgroup its own dS^T (the same values) */
-        if (DQ) {
-            /* dS^T into buffer buf, keys x queries, swizzled: fragment (c, r) holds n8 blocks 2c + r / 2 (query
-             * columns) of key row key0 - n0 + 8 (r % 2). */
-            uint8_t *ds = gbase + fc90b_off_ds(TL) + buf * DSB;
+        if constexpr (SPLIT) {
+            /* This warpgroup's halves of P^T and dS^T (keys x its 32 queries) into the step's buffers (keys x
+             * 64 queries, swizzled; n8 block j of the accumulator is query piece 4 cw + j), then both meet. */
+            const int buf = it & 1;
+            uint8_t *const sds = gbase + fc90b_off_ds(TL) + buf * DSB, *const sp = sds + 2 * DSB;
 #pragma unroll
-            for (int c = 0; c < BM / 16; ++c)
+            for (int j = 0; j < SN / 8; ++j)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int row = key0 - n0 + 8 * (r & 1), j = 2 * c + (r >> 1); /* row in the tile */
-                    *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[c][r];
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
+                    const uint32_t off = row * 128 + ((piece ^ (row & 7)) * 16) + 4 * tig;
+                    *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
+                    *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
                 }
-        }
-
-        fc90_pin(dv);
-        fc90_pin(dk);
-        fc90_pin(pa);
-        fc90_pin(da);
-        fc90_wgmma_fence();
-        fc90b_grad_issue<DW, BM, BF>(dv, pa, dGn + qoff);
-        fc90b_grad_issue<DW, BM, BF>(dk, da, dQn + qoff);
-        fc90_wgmma_commit();
-
-        if (DQ) {
             fc90_fence_proxy_async();
-            if (SPLIT) {
-                /* Only this warpgroup reads its dS^T; the 64 dQ accumulators do not fit beside P^T and dS^T, so the
-                 * gradient products complete (and release the slot) first. */
-                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
-                fc90_wgmma_wait<0>();
-                fc90_pin(dv);
-                fc90_pin(dk);
-                fc90_pin(pa);
-                fc90_pin(da);
-                fc90_bar_arrive(bar_empty + 8 * slot);
-            } else {
-                fc90_nbar_sync(FC90B_BAR_DS, 256);
-            }
-            const bool mine = SPLIT || NCH > 1 || (it & 1) == cw;
+            fc90_nbar_sync(FC90B_BAR_DS, 256);
+
+            /* dV += P^T dO, dK += dS^T Q over all 64 queries (A K-major from the buffers, B MN-major: this
+             * warpgroup's DW columns), and dQ = dS K for its DW columns (both MN-major). */
+            const uint32_t pbase = sDS + buf * DSB;
+            const uint64_t dSa = fc90_desc(pbase, 16, 1024), dPa = fc90_desc(pbase + 2 * DSB, 16, 1024);
             float dq[DQN / 2];
-            if (mine) {
+            fc90_pin(dv);
+            fc90_pin(dk);
+            if (DQ) {
 #pragma unroll
                 for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
                 fc90_pin(dq);
-                fc90_wgmma_fence();
+            }
+            fc90_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                fc90_mma_ss<DW, BF, 2>(dv, dPa + ((uint32_t)(kk * 32) >> 4), dGn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
+#pragma unroll
+            for (int kk = 0; kk < BM / 16; ++kk)
+                fc90_mma_ss<DW, BF, 2>(dk, dSa + ((uint32_t)(kk * 32) >> 4), dQn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
+            if (DQ) {
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; ++kk)
                     fc90_mma_ss<DQN, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
-                fc90_wgmma_commit();
             }
+            fc90_wgmma_commit();
             fc90_wgmma_wait<0>();
             fc90_pin(dv);
             fc90_pin(dk);
-            fc90_pin(pa);
-            fc90_pin(da);
-            if (!SPLIT) fc90_bar_arrive(bar_empty + 8 * slot);
-            if (mine && SPLIT) {
+            fc90_bar_arrive(bar_empty + 8 * slot);
+            if (DQ) {
                 /* Vector reductions from registers: row m0 + 16 warp + g + 8 hf, columns col0 + 8 j + 2 tig. */
                 fc90_pin(dq);
 #pragma unroll
@@ -388,41 +379,92 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 #pragma unroll
                     for (int j = 0; j < DQN / 8; ++j) fc_red_add2(row + 8 * j, dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
                 }
-            } else if (mine) {
-                /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
-                 * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous
-                 * step's reduction has read it. */
-                fc90_pin(dq);
-                if (t == 0) fc90_bulk_wait_read();
-                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
-                const int r0 = 16 * warp + g;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = r0 + 8 * hf;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
-                        *(float2 *)(sdq + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
-                            make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
-                    }
-                }
-                fc90_fence_proxy_async();
-                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
-                if (t == 0) {
-                    const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
-                    static_assert(SPLIT || DQN == 64, "two staging boxes of 32 columns");
-                    fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
-                    fc90_tma_reduce_add(&tm_dq, src + BM * 128, dq_chunk * 64 + 32, h, m0, b);
-                    fc90_bulk_commit();
-                }
             }
         } else {
-            fc90_wgmma_wait<0>();
+            uint32_t pa[BM / 16][4], da[BM / 16][4];
+            fc90_pack_p<BM, BF>(pa, s);
+            fc90_pack_p<BM, BF>(da, dp);
+
+            const int buf = it & 1;
+            if (DQ) {
+                /* dS^T into buffer buf, keys x queries, swizzled: fragment (c, r) holds n8 blocks 2c + r / 2 (query
+                 * columns) of key row key0 - n0 + 8 (r % 2). */
+                uint8_t *ds = gbase + fc90b_off_ds(TL) + buf * DSB;
+    #pragma unroll
+                for (int c = 0; c < BM / 16; ++c)
+    #pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int row = key0 - n0 + 8 * (r & 1), j = 2 * c + (r >> 1); /* row in the tile */
+                        *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[c][r];
+                    }
+            }
+
             fc90_pin(dv);
             fc90_pin(dk);
             fc90_pin(pa);
             fc90_pin(da);
-            fc90_bar_arrive(bar_empty + 8 * slot);
+            fc90_wgmma_fence();
+            fc90b_grad_issue<DW, BM, BF>(dv, pa, dGn + qoff);
+            fc90b_grad_issue<DW, BM, BF>(dk, da, dQn + qoff);
+            fc90_wgmma_commit();
+
+            if (DQ) {
+                fc90_fence_proxy_async();
+                fc90_nbar_sync(FC90B_BAR_DS, 256);
+                const bool mine = NCH > 1 || (it & 1) == cw;
+                float dq[DQN / 2];
+                if (mine) {
+    #pragma unroll
+                    for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
+                    fc90_pin(dq);
+                    fc90_wgmma_fence();
+    #pragma unroll
+                    for (int kk = 0; kk < BN / 16; ++kk)
+                        fc90_mma_ss<DQN, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
+                    fc90_wgmma_commit();
+                }
+                fc90_wgmma_wait<0>();
+                fc90_pin(dv);
+                fc90_pin(dk);
+                fc90_pin(pa);
+                fc90_pin(da);
+                fc90_bar_arrive(bar_empty + 8 * slot);
+                if (mine) {
+                    /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
+                     * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous
+                     * step's reduction has read it. */
+                    fc90_pin(dq);
+                    if (t == 0) fc90_bulk_wait_read();
+                    fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                    const int r0 = 16 * warp + g;
+    #pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int row = r0 + 8 * hf;
+    #pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
+                            *(float2 *)(sdq + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                                make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                        }
+                    }
+                    fc90_fence_proxy_async();
+                    fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                    if (t == 0) {
+                        const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
+                        static_assert(DQN == 64, "two staging boxes of 32 columns");
+                        fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
+                        fc90_tma_reduce_add(&tm_dq, src + BM * 128, dq_chunk * 64 + 32, h, m0, b);
+                        fc90_bulk_commit();
+                    }
+                }
+            } else {
+                fc90_wgmma_wait<0>();
+                fc90_pin(dv);
+                fc90_pin(dk);
+                fc90_pin(pa);
+                fc90_pin(da);
+                fc90_bar_arrive(bar_empty + 8 * slot);
+            }
         }
     }
 

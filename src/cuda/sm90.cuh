@@ -145,11 +145,13 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
 #define FC90_ACC8(d, i)                                                                                      \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
         "+f"(d[i + 7])
+#define FC90_ACC16(d) FC90_ACC8(d, 0), FC90_ACC8(d, 8)
 #define FC90_ACC32(d, i) FC90_ACC8(d, i), FC90_ACC8(d, i + 8), FC90_ACC8(d, i + 16), FC90_ACC8(d, i + 24)
 #define FC90_ACC40(d) FC90_ACC32(d, 0), FC90_ACC8(d, 32)
 #define FC90_ACC64(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32)
 #define FC90_ACC96(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32), FC90_ACC32(d, 64)
 #define FC90_ACC128(d) FC90_ACC32(d, 0), FC90_ACC32(d, 32), FC90_ACC32(d, 64), FC90_ACC32(d, 96)
+#define FC90_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FC90_REGS32                                                                                          \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
     "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -174,8 +176,8 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
     "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
     "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "      \
     "%123, %124, %125, %126, %127}"
-/* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits TR = "0, 0") or both
- * MN-major ("1, 1"). */
+/* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits TR = "0, 0"), both
+ * MN-major ("1, 1"), or A K-major and B MN-major ("0, 1"). */
 #define FC90_SS(N, TY, REGS, DA, DB, SC, TR)                                                                 \
     "{\n.reg .pred fc90_acc;\nsetp.ne.b32 fc90_acc, " SC ", 0;\nwgmma.mma_async.sync.aligned.m64n" N          \
     "k16.f32." TY "." TY " " REGS ", " DA ", " DB ", fc90_acc, 1, 1, " TR ";\n}\n"
@@ -188,6 +190,10 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
         asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "0, 0") : ACC : "l"(da), "l"(db), "r"(acc));       \
     else if constexpr (!MN)                                                                                  \
         asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC, "0, 0") : ACC : "l"(da), "l"(db), "r"(acc));        \
+    else if constexpr (BF && MN == 2)                                                                        \
+        asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "0, 1") : ACC : "l"(da), "l"(db), "r"(acc));       \
+    else if constexpr (MN == 2)                                                                              \
+        asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC, "0, 1") : ACC : "l"(da), "l"(db), "r"(acc));        \
     else if constexpr (BF)                                                                                   \
         asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "1, 1") : ACC : "l"(da), "l"(db), "r"(acc));       \
     else                                                                                                     \
@@ -200,22 +206,25 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
 
 /*
  * wgmma.mma_async.m64nNk16.f32 with A and B in shared memory (S = Q K^T: N is the key tile bc), both K-major,
- * or with MN = 1 both MN-major (the backward's dQ = dS K, dS stored keys x queries and K keys x d). Accumulator
+ * with MN = 1 both MN-major (the backward's dQ = dS K, dS stored keys x queries and K keys x d), with MN = 2 A
+ * K-major and B MN-major (the d 256 backward's dV += P^T dO with P^T from shared memory). Accumulator
  * layout (per warpgroup, 64 x N): warp w holds rows 16w..16w+15; for each n8 block j, thread lane holds d[4j],
  * d[4j+1] at row 16w + lane/4, columns 8j + 2(lane%4) + {0, 1}, and d[4j+2], d[4j+3] at row 16w + lane/4 + 8,
  * same columns.
  */
 template <int N, int BF, int MN = 0>
 static __device__ __forceinline__ void fc90_mma_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int acc) {
-    static_assert(N == 64 || N == 80 || N == 128 || N == 192, "wgmma N of S: a key tile of the tile table");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 128 || N == 192, "wgmma N: a tile of the tile tables");
     if constexpr (N == 192) {
         FC90_SS_ASM("192", FC90_REGS96, FC90_ACC96(d), "%96", "%97", "%98");
     } else if constexpr (N == 128) {
         FC90_SS_ASM("128", FC90_REGS64, FC90_ACC64(d), "%64", "%65", "%66");
     } else if constexpr (N == 80) {
         FC90_SS_ASM("80", FC90_REGS40, FC90_ACC40(d), "%40", "%41", "%42");
-    } else {
+    } else if constexpr (N == 64) {
         FC90_SS_ASM("64", FC90_REGS32, FC90_ACC32(d, 0), "%32", "%33", "%34");
+    } else {
+        FC90_SS_ASM("32", FC90_REGS16, FC90_ACC16(d), "%16", "%17", "%18");
     }
 }
 
