@@ -75,7 +75,7 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
       compute-sanitizer --tool racecheck --error-exitcode 3 "$gpu_bwd" --quick
     # The reduced tables are too small for the Hopper forward (they split the keys or miss its head dims): one
     # forward + backward per Hopper head dim at a shape that takes it, ragged (N 700) and causal.
-    for d in 64 128 256; do
+    for d in 64 96 128 192 256; do
       for tool in memcheck racecheck; do
         step "$tool sm90 d$d" "$LOG/${tool}_sm90_d$d.log" "${SANITIZE_LIMIT:-150}" env FLASHC_CUDA_LOG=1 \
           FLASHC_LIBRARY=build-gpu/libflashc.so compute-sanitizer --tool $tool --error-exitcode 3 \
@@ -106,10 +106,12 @@ echo "== $(head -1 "$LOG/machine.txt" >/dev/null; sed -n 2p "$LOG/machine.txt")"
 echo "== spills:"; cat "$LOG/spills.txt" 2>/dev/null
 echo "== gpu tests (failures and extras):"
 grep -E ": (FAIL|table|PASSED|FAILED|ok   (splitkv|determinism|n64k|over_2e31))|: +(splitkv|n64k|over)" "$LOG/gpu_tests.log" 2>/dev/null | cut -d' ' -f2- | tail -30
+echo "== forward kernels in the gpu tests (test program: path, grid):"
+grep -oE "^[0-9]+: flashc: CUDA forward .* on .*" "$LOG/gpu_tests.log" 2>/dev/null | \
+  sed -E 's/^([0-9]+): flashc: CUDA forward .* D ([0-9]+) on /test \1: D \2 /; s/ \(.*\)//' | sort | uniq -c
 echo "== backward kernels in the gpu tests:"
 grep -hoE "CUDA backward .* on .*" "$LOG/gpu_tests.log" 2>/dev/null | sed 's/.* on //' | sort | uniq -c
-for f in memcheck racecheck memcheck_bwd racecheck_bwd memcheck_sm90_d64 racecheck_sm90_d64 memcheck_sm90_d128 \
-  racecheck_sm90_d128 memcheck_sm90_d256 racecheck_sm90_d256; do
+for f in memcheck racecheck memcheck_bwd racecheck_bwd memcheck_sm90_d{64,96,128,192,256} racecheck_sm90_d{64,96,128,192,256}; do
   [ -f "$LOG/$f.log" ] && echo "== $f: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED|on sm90" "$LOG/$f.log" | sort | uniq -c | tr '\n' ' ')"
 done
 if [ -f "$LOG/bench.log" ]; then

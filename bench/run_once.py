@@ -21,6 +21,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--no-bwd", action="store_true", help="the forward alone")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--b", type=int, default=0, help="batch (default 16384 / N)")
     ap.add_argument("--h", type=int, default=0, help="heads (default 2048 / D)")
@@ -29,7 +30,8 @@ def main():
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for _ in range(args.repeat):
         out, lse = flashc.attention(q, k, v, causal=args.causal)
-        flashc.attention_backward(g, q, k, v, out, lse, causal=args.causal, deterministic=args.deterministic)
+        if not args.no_bwd:
+            flashc.attention_backward(g, q, k, v, out, lse, causal=args.causal, deterministic=args.deterministic)
     torch.cuda.synchronize()
     print("ran B %d N %d H %d D %d causal %d" % (B, args.n, H, args.d, args.causal))
 

@@ -242,6 +242,16 @@ int main(int argc, char **argv) {
          * output staged over Q and K once both consumers are done (enough blocks for a wave: no split-KV) */
         long_shape(ctx, "d256_long_causal_gqa", (shape){2, 1500, 1700, 8, 2, 256, 1}, 128, 15);
         determinism(ctx, "determinism_d256", (shape){2, 1000, 1000, 8, 8, 256, 0}, 100);
+        /* Hopper: d 96 and 192 on the d 128 / d 256 kernels (TMA's zero fill past d); more tiles than SMs (and
+         * enough blocks that the keys are not split), so the persistent grid takes d 64, 96 and 128
+         * (FLASHC_CUDA_LOG=1 names the grid), with tiles that see no key (Nq > Nk, causal: rows above the first
+         * key's diagonal) among them */
+        long_shape(ctx, "d96_causal_gqa", (shape){4, 1500, 1700, 16, 4, 96, 1}, 128, 16);
+        long_shape(ctx, "d192_causal_gqa", (shape){2, 1500, 1700, 8, 2, 192, 1}, 128, 17);
+        long_shape(ctx, "persistent_d64_causal", (shape){8, 2000, 2000, 8, 4, 64, 1}, 200, 18);
+        long_shape(ctx, "persistent_nq_gt_nk_causal", (shape){4, 3000, 700, 8, 8, 128, 1}, 2400, 19);
+        determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100);
+        determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100);
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

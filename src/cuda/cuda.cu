@@ -26,6 +26,13 @@ typedef struct cuda_state {
     int bwd_sm90;           /* the Hopper backward runs here (and FLASHC_CUDA_BWD=sm80 or simt did not turn it off) */
     int log_fwd;            /* FLASHC_CUDA_LOG=1: each forward names its kernel on stderr */
     int sm90_sched;         /* the Hopper forward's schedule, FC90_SCHED_* (FLASHC_CUDA_SM90_SCHED=0..3) */
+    /* The Hopper forward's persistent grid (fwd_sm90.h, fc90_grid): FC90_CTR_SLOTS pairs of tile counters in
+     * device memory, one pair per launch in turn, so that launches on different streams (set_stream between
+     * calls) do not share one unless 64 of them run at once. NULL: one block per tile (FLASHC_CUDA_SM90_GRID=
+     * blocks, or the allocation failed). */
+    unsigned *fc90_ctr;
+    unsigned fc90_ctr_next;
+    long long l2_bytes;
     /* per forward entry and operand type (f16, bf16), asked once: the kernel's tile and resident blocks per SM */
     int info_known[8][2];
     fc_tile tile[8][2];
@@ -60,6 +67,7 @@ static const struct {
 #endif
     {0, NULL}};
 #define FWD_ENTRIES ((int)(sizeof fwd_entries / sizeof fwd_entries[0]) - 1)
+#define FC90_CTR_SLOTS 64
 
 /* Largest query / key length the kernels index with 32-bit row arithmetic (sums of two stay below 2^31). */
 #define CUDA_MAX_LEN (INT64_C(1) << 29)
@@ -134,6 +142,19 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
      * apart from the first version on the GPU; anything else keeps the default. */
     const char *sched = getenv("FLASHC_CUDA_SM90_SCHED");
     s->sm90_sched = sched && sched[0] >= '0' && sched[0] <= '3' && !sched[1] ? sched[0] - '0' : FC90_SCHED_DEFAULT;
+    /* FLASHC_CUDA_SM90_GRID=blocks launches the Hopper forward one block per tile instead of persistent. */
+    const char *grid = getenv("FLASHC_CUDA_SM90_GRID");
+    s->l2_bytes = prop.l2CacheSize;
+    if (s->fwd_sm90 && !(grid && !strcmp(grid, "blocks"))) {
+        void *ctr = NULL;
+        if (cudaMalloc(&ctr, FC90_CTR_SLOTS * 2 * sizeof(unsigned)) == cudaSuccess &&
+            cudaMemset(ctr, 0, FC90_CTR_SLOTS * 2 * sizeof(unsigned)) == cudaSuccess &&
+            cudaStreamSynchronize(NULL) == cudaSuccess) /* zero before a launch on any stream reads them */
+            s->fc90_ctr = (unsigned *)ctr;
+        else if (ctr)
+            cudaFree(ctr);
+        cudaGetLastError(); /* without counters the forward still runs, one block per tile */
+    }
     const char *log = getenv("FLASHC_CUDA_LOG");
     s->log_fwd = log && !strcmp(log, "1");
     ctx->backend_state = s;
@@ -142,6 +163,11 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
 }
 
 static void cuda_fini(struct flashc_context *ctx) {
+    cuda_state *s = state_of(ctx);
+    if (s && s->fc90_ctr) {
+        cudaFree(s->fc90_ctr); /* synchronizes; fails harmlessly when the process is already tearing CUDA down */
+        cudaGetLastError();
+    }
     free(ctx->backend_state);
     ctx->backend_state = NULL;
 }
@@ -345,12 +371,16 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
 
     const fwd_path path = fwd_choose(ctx, &a, e);
-    if (state_of(ctx)->log_fwd)
-        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s\n", a.B, a.Nq, a.Nk, a.H,
-                a.Hkv, a.D, fwd_path_names[path], path != FWD_SM90 ? "" : sm90_sched_names[state_of(ctx)->sm90_sched]);
+    cuda_state *s = state_of(ctx);
+    fc90_grid grid = {NULL, s->sm_count, s->l2_bytes};
+    if (path == FWD_SM90 && s->fc90_ctr) grid.ctr = s->fc90_ctr + 2 * (s->fc90_ctr_next++ % FC90_CTR_SLOTS);
+    if (s->log_fwd)
+        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s%s%s\n", a.B, a.Nq, a.Nk, a.H,
+                a.Hkv, a.D, fwd_path_names[path], path != FWD_SM90 ? "" : sm90_sched_names[s->sm90_sched],
+                path != FWD_SM90 ? "" : ", ", path != FWD_SM90 ? "" : flashc_fwd_sm90_grid_name(&a, &grid));
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     if (path == FWD_SM90) {
-        const cudaError_t err = flashc_fwd_sm90_launch(&a, state_of(ctx)->sm90_sched, stream);
+        const cudaError_t err = flashc_fwd_sm90_launch(&a, s->sm90_sched, &grid, stream);
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
         return FLASHC_STATUS_OK;
     }

@@ -57,17 +57,8 @@
 /* Warpgroup 0 is the producer; 1 .. br / 64 are consumers (2, or 3 at d 64). */
 __host__ __device__ constexpr int fc90_consumers(fc90_tile t) { return t.br / 64; }
 __host__ __device__ constexpr int fc90_threads(fc90_tile t) { return 128 * (1 + fc90_consumers(t)); }
-#define FC90_PRODUCER_REGS 24
-/* The block starts with 65536 / threads registers per thread (launch bounds with 1 block per SM): 168 with 2
- * consumers, 128 with 3; the consumers can only grow by what the producer gives back (setmaxnreg takes
- * multiples of 8). */
-__host__ __device__ constexpr int fc90_consumer_regs(fc90_tile t) { return fc90_consumers(t) == 2 ? 240 : 160; }
 #define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
 #define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
-__host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
-    return 128 * FC90_PRODUCER_REGS + 128 * fc90_consumers(t) * fc90_consumer_regs(t) <= 65536 &&
-           fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
-}
 
 /* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging (unless it
  * overlays Q and K), mbarriers. */
@@ -79,14 +70,34 @@ __host__ __device__ constexpr uint32_t fc90_off_v(fc90_tile t) { return fc90_off
 __host__ __device__ constexpr uint32_t fc90_end_v(fc90_tile t) { return fc90_off_v(t) + t.st * fc90_kv_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90_o_row(fc90_tile t) { return t.d + 8; } /* elements; odd 16-byte count */
 __host__ __device__ constexpr uint32_t fc90_o_bytes(fc90_tile t) { return t.br * fc90_o_row(t) * 2; }
-/* Barriers: q_full, then k_full, v_full, k_empty, v_empty of st slots each; + 1024: the dynamic shared memory
- * base is only guaranteed 16-byte aligned, and the kernel rounds it up. */
-__host__ __device__ constexpr uint32_t fc90_tail_bytes(fc90_tile t) { return 8 * (1 + 4 * t.st) + 1024; }
+/* Barriers: q_full, q_empty, then k_full, v_full, k_empty, v_empty of st slots each, then the 8-byte slot where
+ * the producer posts the block's next tile; + 1024: the dynamic shared memory base is only guaranteed 16-byte
+ * aligned, and the kernel rounds it up. */
+__host__ __device__ constexpr uint32_t fc90_tail_bytes(fc90_tile t) { return 8 * (2 + 4 * t.st) + 8 + 1024; }
 /* When a staging tile of its own does not fit, the output is staged from offset 0, over Q and the K ring, which
  * nothing reads or writes any more once both consumers have waited for their last product (every load the
  * producer issues is consumed before that). */
 __host__ __device__ constexpr bool fc90_o_aliased(fc90_tile t) {
     return fc90_end_v(t) + fc90_o_bytes(t) + fc90_tail_bytes(t) > FC90_SMEM_MAX;
+}
+/* A persistent grid (fc90_fwd_kernel) when the output staging has a place of its own; with the staging over Q and
+ * K the block could only load the next tile's Q once its epilogue is done, so it takes one tile per block. */
+__host__ __device__ constexpr bool fc90_persistent(fc90_tile t) { return !fc90_o_aliased(t); }
+
+/* Registers per thread after setmaxnreg (multiples of 8). The block starts with 65536 / threads (launch bounds
+ * with 1 block per SM): 168 with 2 consumers, 128 with 3; the consumers can only grow by what the producer gives
+ * back. The persistent producer keeps its tile loop's state in 40 (less spills it); with 3 consumers it has 32,
+ * as they need 160 (S 64 + O 32 + P 32 and addresses); the one-tile producer of d 256 keeps 24 for the
+ * consumers' 240 (O 128, S 40, P 20 and the rest). */
+__host__ __device__ constexpr int fc90_producer_regs(fc90_tile t) {
+    return fc90_consumers(t) == 3 ? 32 : fc90_persistent(t) ? 40 : 24;
+}
+__host__ __device__ constexpr int fc90_consumer_regs(fc90_tile t) {
+    return fc90_consumers(t) == 3 ? 160 : fc90_persistent(t) ? 232 : 240;
+}
+__host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
+    return 128 * fc90_producer_regs(t) + 128 * fc90_consumers(t) * fc90_consumer_regs(t) <= 65536 &&
+           fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
 }
 __host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_o_aliased(t) ? 0 : fc90_end_v(t); }
 __host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) {
@@ -261,23 +272,58 @@ static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
     if (PP && !(last && cw == NC - 1)) fc90_nbar_arrive(FC90_BAR_TURN + (cw + 1) % NC);
 }
 
+/*
+ * The tile order. A tile is (query tile, head, sequence); the heads (head-major within each sequence) go in groups
+ * of hg whose K and V fit in half the L2 together (fc90_head_group), and within a group the query tiles run
+ * from the last to the first (with causal masks the longest first), the group's heads fastest. Both grids take
+ * the tiles in this order: BLOCKS as block indices, which the hardware starts in order and hands to SMs as they
+ * free up; PERSISTENT from a counter, the same greedy longest-first schedule without a block launch per tile.
+ */
+static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk, uint32_t H, uint32_t B, uint32_t hg,
+                                                    int &mblk, int &h, int &b) {
+    /* 32-bit: the launch keeps tiles (n_mblk H B) below 2^31 */
+    const uint32_t per = hg * n_mblk, g = t / per, r = t - g * per, hb0 = g * hg;
+    const uint32_t gs = min(hg, H * B - hb0); /* the last group may be smaller */
+    const uint32_t hb = hb0 + r % gs;
+    mblk = (int)(n_mblk - 1 - r / gs);
+    h = (int)(hb % H);
+    b = (int)(hb / H);
+}
+
+/* Key tiles any row of query tile mblk sees: all, or up to the last row's diagonal + win_right. */
+template <int BR, int BC>
+static __device__ __forceinline__ int fc90_key_tiles(const flashc_fwd_args &a, int mblk) {
+    const int mlast = min(mblk * BR + BR, a.Nq) - 1;
+    const int hi = a.win_right >= 0 ? min(a.Nk, mlast + (a.Nk - a.Nq) + a.win_right + 1) : a.Nk;
+    return hi > 0 ? (hi + BC - 1) / BC : 0;
+}
+
 #endif /* FC90_DEVICE */
 
 /*
- * Grid: one block per (query tile, head, sequence), flattened into x with the query tile fastest (the blocks of
- * one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows start
- * first). Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B), boxes of 64 columns x (br or bc) rows.
+ * Grid: BLOCKS, one block per tile (ctr NULL, gridDim.x = tiles), or PERSISTENT, one block per SM (ctr: two
+ * counters in device memory, zero at launch): block x takes tile x first, then tile gridDim.x + the counter's
+ * next value until none is left; the last block to finish sets both counters back to zero for the next launch.
+ * The producer thread takes the next tile while it loads the current one's K/V and posts it in shared memory
+ * (the tile slot) with the next Q (q_full); the consumers release Q and the slot (q_empty) after their last
+ * S = Q K^T of a tile, so the next tile's Q and first K/V tiles load under the last P V and the epilogue. (When
+ * the output staging overlays Q and K, fc90_o_aliased, the release waits until after the epilogue.) A tile
+ * without keys still goes through q_full (no bytes), since its rows get O = 0 and lse = +inf.
+ * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
+ * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  * SCHED: the consumers' schedule (fwd_sm90.h, fc90_sched).
  */
 template <int D, int BF, int SCHED>
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
-                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
+                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                    unsigned *ctr, int hg) {
 #if FC90_DEVICE
     constexpr fc90_tile TL = fc90_tile_for(D);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PP = SCHED & FC90_SCHED_PINGPONG, OV = SCHED & FC90_SCHED_OVERLAP;
+    constexpr bool ALIASED = fc90_o_aliased(TL), PERSIST = fc90_persistent(TL);
     static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
     static_assert(SCHED >= 0 && SCHED <= FC90_SCHED_BOTH, "schedule");
 
@@ -285,23 +331,17 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     const uint32_t raw = fc_smem_addr(fc90_smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
     const uint32_t sQ = base, sK = base + fc90_off_k(TL), sV = base + fc90_off_v(TL);
-    const uint32_t bar_q = base + fc90_off_bar(TL), bar_kfull = bar_q + 8, bar_vfull = bar_kfull + 8 * ST,
-                   bar_kempty = bar_vfull + 8 * ST, bar_vempty = bar_kempty + 8 * ST;
+    const uint32_t bar_q = base + fc90_off_bar(TL), bar_qempty = bar_q + 8, bar_kfull = bar_qempty + 8,
+                   bar_vfull = bar_kfull + 8 * ST, bar_kempty = bar_vfull + 8 * ST, bar_vempty = bar_kempty + 8 * ST;
+    volatile int *tile_slot = (volatile int *)(fc90_smem + (base - raw) + fc90_off_bar(TL) + 8 * (2 + 4 * ST));
 
-    int64_t bid = blockIdx.x;
-    const int mblk = a.n_mblk - 1 - (int)(bid % a.n_mblk);
-    bid /= a.n_mblk;
-    const int h = (int)(bid % a.H), b = (int)(bid / a.H);
-    const int hk = h / (a.H / a.Hkv);
+    const uint32_t tiles = (uint32_t)a.n_mblk * a.H * a.B; /* below 2^31 (fc90_run) */
     const int nq = a.Nq, nk = a.Nk;
     const int diag = nk - nq; /* query row i's diagonal key is i + diag (bottom-right alignment) */
-    const int m0 = mblk * BR, mlast = min(m0 + BR, nq) - 1;
-    /* Key tiles any row of this block sees: all, or up to the last row's diagonal + win_right. */
-    const int hi = a.win_right >= 0 ? min(nk, mlast + diag + a.win_right + 1) : nk;
-    const int ntiles = hi > 0 ? (hi + BC - 1) / BC : 0;
 
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_q, 1);
+        fc90_bar_init(bar_qempty, 128 * NC);
         for (int s = 0; s < ST; ++s) {
             fc90_bar_init(bar_kfull + 8 * s, 1);
             fc90_bar_init(bar_vfull + 8 * s, 1);
@@ -314,36 +354,68 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        /* Producer: one thread issues every load; the rest of the warpgroup only gives its registers back. */
-        fc90_regs_dec<FC90_PRODUCER_REGS>();
-        if (threadIdx.x == 0 && ntiles > 0) {
+        /* Producer: one thread takes the tiles and issues every load; the rest of the warpgroup only gives its
+         * registers back. kv_it counts K/V tiles over the block's whole run: the ring's slot and phase. */
+        fc90_regs_dec<fc90_producer_regs(TL)>();
+        if (threadIdx.x == 0) {
             fc90_tma_prefetch(&tm_q);
             fc90_tma_prefetch(&tm_k);
             fc90_tma_prefetch(&tm_v);
-            fc90_bar_expect(bar_q, fc90_q_bytes(TL));
-            for (int c = 0; c < NCH; ++c) fc90_tma_load(sQ + c * BR * 128, &tm_q, bar_q, c * 64, m0, h, b);
-            for (int it = 0; it < ntiles; ++it) {
-                const int s = it % ST;
-                const uint32_t k_dst = sK + s * KV_BYTES, v_dst = sV + s * KV_BYTES;
-                const uint32_t free_parity = ((it / ST) & 1) ^ 1;
-                if (SCHED == FC90_SCHED_SERIAL) {
-                    /* K and V of a tile share kfull / kempty: the serial consumer reads both in one step. */
-                    fc90_bar_wait(bar_kempty + 8 * s, free_parity);
-                    fc90_bar_expect(bar_kfull + 8 * s, 2 * KV_BYTES);
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+            uint32_t kv_it = 0;
+            uint32_t tile = blockIdx.x;
+            for (uint32_t nt = 0;; ++nt) {
+                if (PERSIST) {
+                    fc90_bar_wait(bar_qempty, (nt & 1) ^ 1); /* the consumers are done with the last tile's Q */
+                    if (tile >= tiles) {
+                        *tile_slot = -1; /* no more tiles */
+                        fc90_bar_arrive(bar_q);
+                        break;
+                    }
+                    *tile_slot = (int)tile;
+                }
+                int mblk, h, b;
+                fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
+                const int hk = h / (a.H / a.Hkv), ntiles = fc90_key_tiles<BR, BC>(a, mblk);
+                if (ntiles > 0) {
+                    fc90_bar_expect(bar_q, fc90_q_bytes(TL));
+                    for (int c = 0; c < NCH; ++c) fc90_tma_load(sQ + c * BR * 128, &tm_q, bar_q, c * 64, mblk * BR, h, b);
                 } else {
-                    /* The overlapped consumers read V one turn after K, so each has its own ring phases. */
-                    fc90_bar_wait(bar_kempty + 8 * s, free_parity);
-                    fc90_bar_expect(bar_kfull + 8 * s, KV_BYTES);
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
-                    fc90_bar_wait(bar_vempty + 8 * s, free_parity);
-                    fc90_bar_expect(bar_vfull + 8 * s, KV_BYTES);
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_vfull + 8 * s, c * 64, it * BC, hk, b);
+                    fc90_bar_arrive(bar_q);
+                }
+                const uint32_t next = PERSIST && ctr ? gridDim.x + atomicAdd(ctr, 1u) : tiles;
+                for (int it = 0; it < ntiles; ++it, ++kv_it) {
+                    const int s = kv_it % ST;
+                    const uint32_t k_dst = sK + s * KV_BYTES, v_dst = sV + s * KV_BYTES;
+                    const uint32_t free_parity = ((kv_it / ST) & 1) ^ 1;
+                    if (SCHED == FC90_SCHED_SERIAL) {
+                        /* K and V of a tile share kfull / kempty: the serial consumer reads both in one step. */
+                        fc90_bar_wait(bar_kempty + 8 * s, free_parity);
+                        fc90_bar_expect(bar_kfull + 8 * s, 2 * KV_BYTES);
+                        for (int c = 0; c < NCH; ++c)
+                            fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                        for (int c = 0; c < NCH; ++c)
+                            fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                    } else {
+                        /* The overlapped consumers read V one turn after K, so each has its own ring phases. */
+                        fc90_bar_wait(bar_kempty + 8 * s, free_parity);
+                        fc90_bar_expect(bar_kfull + 8 * s, KV_BYTES);
+                        for (int c = 0; c < NCH; ++c)
+                            fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                        fc90_bar_wait(bar_vempty + 8 * s, free_parity);
+                        fc90_bar_expect(bar_vfull + 8 * s, KV_BYTES);
+                        for (int c = 0; c < NCH; ++c)
+                            fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_vfull + 8 * s, c * 64, it * BC, hk, b);
+                    }
+                }
+                tile = next;
+                if (!PERSIST) break;
+            }
+            if (PERSIST && ctr) {
+                /* Every block's last counter increment precedes its arrival here; the last one resets both. */
+                __threadfence();
+                if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
+                    atomicExch(ctr, 0u);
+                    atomicExch(ctr + 1, 0u);
                 }
             }
         }
@@ -354,179 +426,224 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_regs_inc<fc90_consumer_regs(TL)>();
     const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
     const int row0 = 64 * cw + 16 * warp + g;
-
-    float o[D / 2], s[BC / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
-    float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
-
     const uint64_t dq = fc90_desc(sQ + 64 * cw * 128, 16, 1024);
     const uint64_t dk = fc90_desc(sK, 16, 1024);
     const uint64_t dv = fc90_desc(sV, BC * 128, 1024);
-    /* The band edge cuts a tile for this warpgroup when its last key passes the first row's diagonal. */
-    const int first_diag = m0 + 64 * cw + diag + a.win_right;
+    uint32_t kv_it = 0; /* as the producer's */
 
-    if (SCHED == FC90_SCHED_SERIAL) {
-        /* One tile at a time: S, softmax, P V, each waited for; the two warpgroups run unsynchronized. */
-        if (ntiles > 0) fc90_bar_wait(bar_q, 0);
-        for (int it = 0; it < ntiles; ++it) {
-            const int slot = it % ST;
-            const uint32_t slot_off = (slot * KV_BYTES) >> 4;
-            fc90_bar_wait(bar_kfull + 8 * slot, (it / ST) & 1);
-            fc90_qk<D, BF>(s, dq, dk + slot_off);
-            fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
-            fc90_softmax<D, BC>(s, o, row_m, row_l, a.score_mul);
-            fc90_pv<D, BF>(o, s, dv + slot_off);
-            fc90_bar_arrive(bar_kempty + 8 * slot);
-        }
-    } else if (ntiles > 0) {
-        /*
-         * Turn it issues S_it = Q K_it^T and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha of
-         * softmax it - 1, whose P V is only now added), then runs softmax it on S_it. With OV the softmax starts
-         * once S_it is done, while P V still runs (so it must leave O and the P fragments alone); without, it
-         * waits for both. Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4) live together.
-         */
-        uint32_t pa[BC / 16][4];
-        float alpha[2];
-        fc90_bar_wait(bar_q, 0);
-        if (PP && cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
+    for (uint32_t nt = 0;; ++nt) {
+        fc90_bar_wait(bar_q, nt & 1);
+        const int tile = PERSIST ? *tile_slot : (int)blockIdx.x;
+        if (tile < 0) break;
+        int mblk, h, b;
+        fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
+        const int m0 = mblk * BR, ntiles = fc90_key_tiles<BR, BC>(a, mblk);
+        /* The band edge cuts a tile for this warpgroup when its last key passes the first row's diagonal. */
+        const int first_diag = m0 + 64 * cw + diag + a.win_right;
 
-        fc90_bar_wait(bar_kfull, 0);
-        fc90_turn_begin<PP, NC>(cw);
-        fc90_pin(s);
-        fc90_wgmma_fence();
-        fc90_qk_issue<D, BF>(s, dq, dk);
-        fc90_turn_end<PP, NC>(cw, false);
-        fc90_wgmma_wait<0>();
-        fc90_pin(s);
-        fc90_bar_arrive(bar_kempty);
-        fc90_mask_tile<BC>(s, m0 + row0, 0, nk, diag, a.win_right, first_diag, tig);
-        fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
-        fc90_pack_p<BC, BF>(pa, s);
+        float o[D / 2], s[BC / 2];
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
+        float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
+        if (PERSIST && ntiles == 0) fc90_bar_arrive(bar_qempty);
 
-        for (int it = 1; it < ntiles; ++it) {
-            const int ks = it % ST, vs = (it - 1) % ST;
-            fc90_bar_wait(bar_kfull + 8 * ks, (it / ST) & 1);
-            fc90_bar_wait(bar_vfull + 8 * vs, ((it - 1) / ST) & 1);
+        if (SCHED == FC90_SCHED_SERIAL) {
+            /* One tile at a time: S, softmax, P V, each waited for; the two warpgroups run unsynchronized. */
+            for (int it = 0; it < ntiles; ++it) {
+                const uint32_t kt = kv_it + it, slot = kt % ST, slot_off = (slot * KV_BYTES) >> 4;
+                fc90_bar_wait(bar_kfull + 8 * slot, (kt / ST) & 1);
+                fc90_qk<D, BF>(s, dq, dk + slot_off);
+                if (PERSIST && it == ntiles - 1) fc90_bar_arrive(bar_qempty);
+                fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
+                fc90_softmax<D, BC>(s, o, row_m, row_l, a.score_mul);
+                fc90_pv<D, BF>(o, s, dv + slot_off);
+                fc90_bar_arrive(bar_kempty + 8 * slot);
+            }
+        } else if (ntiles > 0) {
+            /*
+             * Turn it issues S_it = Q K_it^T and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha
+             * of softmax it - 1, whose P V is only now added), then runs softmax it on S_it. With OV the softmax
+             * starts once S_it is done, while P V still runs (so it must leave O and the P fragments alone);
+             * without, it waits for both. Registers: S (bc / 2 floats) and the packed P of the tile before
+             * (bc / 4) live together.
+             */
+            uint32_t pa[BC / 16][4];
+            float alpha[2];
+            if (PP && cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
+
+            const uint32_t k0 = kv_it % ST;
+            fc90_bar_wait(bar_kfull + 8 * k0, (kv_it / ST) & 1);
+            fc90_turn_begin<PP, NC>(cw);
+            fc90_pin(s);
+            fc90_wgmma_fence();
+            fc90_qk_issue<D, BF>(s, dq, dk + ((k0 * KV_BYTES) >> 4));
+            fc90_turn_end<PP, NC>(cw, false);
+            fc90_wgmma_wait<0>();
+            fc90_pin(s);
+            fc90_bar_arrive(bar_kempty + 8 * k0);
+            if (PERSIST && ntiles == 1) fc90_bar_arrive(bar_qempty);
+            fc90_mask_tile<BC>(s, m0 + row0, 0, nk, diag, a.win_right, first_diag, tig);
+            fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+            fc90_pack_p<BC, BF>(pa, s);
+
+            for (int it = 1; it < ntiles; ++it) {
+                const uint32_t kt = kv_it + it, ks = kt % ST, vs = (kt - 1) % ST;
+                fc90_bar_wait(bar_kfull + 8 * ks, (kt / ST) & 1);
+                fc90_bar_wait(bar_vfull + 8 * vs, ((kt - 1) / ST) & 1);
+                fc90_turn_begin<PP, NC>(cw);
+                fc90_rescale<D>(o, alpha);
+                fc90_pin(s);
+                fc90_pin(o);
+                fc90_pin(pa);
+                fc90_wgmma_fence();
+                fc90_qk_issue<D, BF>(s, dq, dk + ((ks * KV_BYTES) >> 4));
+                fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
+                fc90_turn_end<PP, NC>(cw, false);
+                fc90_wgmma_wait<OV ? 1 : 0>();
+                fc90_pin(s);
+                fc90_bar_arrive(bar_kempty + 8 * ks);
+                if (PERSIST && it == ntiles - 1) fc90_bar_arrive(bar_qempty);
+                fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
+                fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+                if (OV) fc90_block_end(s, row_l[0]);
+                fc90_wgmma_wait<0>();
+                fc90_pin(o);
+                fc90_pin(pa);
+                fc90_pack_p<BC, BF>(pa, s);
+                fc90_bar_arrive(bar_vempty + 8 * vs);
+            }
+
+            const uint32_t kt = kv_it + ntiles - 1, vs = kt % ST;
+            fc90_bar_wait(bar_vfull + 8 * vs, (kt / ST) & 1);
             fc90_turn_begin<PP, NC>(cw);
             fc90_rescale<D>(o, alpha);
-            fc90_pin(s);
             fc90_pin(o);
             fc90_pin(pa);
             fc90_wgmma_fence();
-            fc90_qk_issue<D, BF>(s, dq, dk + ((ks * KV_BYTES) >> 4));
             fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-            fc90_turn_end<PP, NC>(cw, false);
-            fc90_wgmma_wait<OV ? 1 : 0>();
-            fc90_pin(s);
-            fc90_bar_arrive(bar_kempty + 8 * ks);
-            fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
-            fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
-            if (OV) fc90_block_end(s, row_l[0]);
+            fc90_turn_end<PP, NC>(cw, true);
             fc90_wgmma_wait<0>();
             fc90_pin(o);
-            fc90_pin(pa);
-            fc90_pack_p<BC, BF>(pa, s);
             fc90_bar_arrive(bar_vempty + 8 * vs);
         }
+        kv_it += ntiles;
 
-        const int vs = (ntiles - 1) % ST;
-        fc90_bar_wait(bar_vfull + 8 * vs, ((ntiles - 1) / ST) & 1);
-        fc90_turn_begin<PP, NC>(cw);
-        fc90_rescale<D>(o, alpha);
-        fc90_pin(o);
-        fc90_pin(pa);
-        fc90_wgmma_fence();
-        fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-        fc90_turn_end<PP, NC>(cw, true);
-        fc90_wgmma_wait<0>();
-        fc90_pin(o);
-        fc90_bar_arrive(bar_vempty + 8 * vs);
-    }
-
-    /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf. */
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        float l = row_l[hf];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[4 * j + 2 * hf] *= inv;
-            o[4 * j + 2 * hf + 1] *= inv;
-        }
-        const int i = m0 + row0 + 8 * hf;
-        if (tig == 0 && i < nq && a.lse)
-            a.lse[((int64_t)b * a.H + h) * nq + i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
-    }
-
-    const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
-    if (a.out_vec) {
-        /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. Over Q
-         * and K, the other consumer may still be reading them. */
-        if (fc90_o_aliased(TL)) fc90_nbar_sync(FC90_BAR_EPILOGUE, 128 * NC);
-        uint16_t *sO = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL)) + wrow * OROW;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf)
-                *(uint32_t *)(sO + (g + 8 * hf) * OROW + 8 * j + 2 * tig) =
-                    fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
-        __syncwarp();
-        char *go = (char *)a.out + ((int64_t)b * a.o_sb + (int64_t)(m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
-#pragma unroll
-        for (int c = lane; c < 16 * (D / 8); c += 32) {
-            const int r = c / (D / 8), ch = c % (D / 8);
-            if (m0 + wrow + r < nq)
-                *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * OROW + ch * 8);
-        }
-    } else {
+        /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf. */
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const int i = m0 + row0 + 8 * hf;
-            if (i >= nq) continue;
-            uint16_t *orow = (uint16_t *)a.out + (int64_t)b * a.o_sb + (int64_t)i * a.o_sn + (int64_t)h * a.o_sh;
+            float l = row_l[hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
             for (int j = 0; j < D / 8; ++j) {
-                orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
-                orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
+                o[4 * j + 2 * hf] *= inv;
+                o[4 * j + 2 * hf + 1] *= inv;
+            }
+            const int i = m0 + row0 + 8 * hf;
+            if (tig == 0 && i < nq && a.lse)
+                a.lse[((int64_t)b * a.H + h) * nq + i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+        }
+
+        /* Columns from a.D on (a kernel of a larger head dim) are the zero fill's: computed, never written. */
+        const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
+        if (a.out_vec) {
+            /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. Over
+             * Q and K, the other consumer may still be reading them. */
+            if (ALIASED) fc90_nbar_sync(FC90_BAR_EPILOGUE, 128 * NC);
+            uint16_t *sO = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL)) + wrow * OROW;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf)
+                    *(uint32_t *)(sO + (g + 8 * hf) * OROW + 8 * j + 2 * tig) =
+                        fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
+            __syncwarp();
+            char *go = (char *)a.out + ((int64_t)b * a.o_sb + (int64_t)(m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
+#pragma unroll
+            for (int c = lane; c < 16 * (D / 8); c += 32) {
+                const int r = c / (D / 8), ch = c % (D / 8);
+                if (m0 + wrow + r < nq && ch * 8 < a.D)
+                    *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * OROW + ch * 8);
+            }
+            __syncwarp(); /* the staging rows are rewritten by the next tile's epilogue */
+        } else {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int i = m0 + row0 + 8 * hf;
+                if (i >= nq) continue;
+                uint16_t *orow = (uint16_t *)a.out + (int64_t)b * a.o_sb + (int64_t)i * a.o_sn + (int64_t)h * a.o_sh;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j)
+                    if (8 * j < a.D) {
+                        orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
+                        orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
+                    }
             }
         }
+        if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
 }
 
 template <int D, int BF, int SCHED>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
-                               const CUtensorMap *tv, int64_t blocks, cudaStream_t stream) {
+                               const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
     cudaError_t e =
         cudaFuncSetAttribute(fc90_fwd_kernel<D, BF, SCHED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF, SCHED><<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv);
+    fc90_fwd_kernel<D, BF, SCHED>
+        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
 
+/* Heads per group of the tile order (fc90_tile_of): as many as have their K and V (16-bit, shared by the query
+ * heads of a GQA group) in half the L2 together, at least one. */
+static int fc90_head_group(const flashc_fwd_args *a, long long l2_bytes) {
+    const double kv_per_head = 4.0 * a->Nk * a->D / (a->H / a->Hkv);
+    const double hg = (double)(l2_bytes / 2) / kv_per_head;
+    const int64_t hb = (int64_t)a->H * a->B;
+    return hg < 1.0 ? 1 : hg >= (double)hb ? (int)(hb < INT32_MAX ? hb : INT32_MAX) : (int)hg;
+}
+
+/* Tiles of the launch, and whether its grid is persistent: only for the tiles that allow it, with counters,
+ * and when there are more tiles than SMs. */
+static int64_t fc90_tiles(const flashc_fwd_args *a, fc90_tile tl) {
+    return (int64_t)((a->Nq + tl.br - 1) / tl.br) * a->H * a->B;
+}
+static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid) {
+    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D));
+    return fc90_persistent(tl) && grid->ctr && grid->sms > 0 && fc90_tiles(a, tl) > grid->sms;
+}
+
 template <int D, int BF>
-static cudaError_t fc90_run(const flashc_fwd_args *a, int sched, cudaStream_t stream) {
+static cudaError_t fc90_run(const flashc_fwd_args *a, int sched, const fc90_grid *grid, cudaStream_t stream) {
     constexpr fc90_tile TL = fc90_tile_for(D);
     flashc_fwd_args k = *a;
     k.n_mblk = (a->Nq + TL.br - 1) / TL.br;
-    const int64_t blocks = (int64_t)k.n_mblk * a->H * a->B;
-    if (blocks == 0) return cudaSuccess;
+    const int64_t tiles = fc90_tiles(a, TL);
+    if (tiles == 0) return cudaSuccess;
+    if (tiles >= INT32_MAX) return cudaErrorInvalidConfiguration; /* more than a grid holds */
+    const int persistent = fc90_grid_persistent(a, grid);
+    const int64_t blocks = persistent ? grid->sms : tiles;
+    unsigned *ctr = persistent ? grid->ctr : NULL;
+    const int hg = fc90_head_group(a, grid->l2_bytes);
     CUtensorMap tq, tk, tv;
-    cudaError_t e = fc90_map(&tq, a->q, BF, D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.br);
-    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bc);
-    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bc);
+    cudaError_t e = fc90_map(&tq, a->q, BF, a->D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.br);
+    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bc);
+    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bc);
     if (e != cudaSuccess) return e;
     switch (sched) {
-    case FC90_SCHED_SERIAL: return fc90_launch<D, BF, FC90_SCHED_SERIAL>(&k, &tq, &tk, &tv, blocks, stream);
-    case FC90_SCHED_PINGPONG: return fc90_launch<D, BF, FC90_SCHED_PINGPONG>(&k, &tq, &tk, &tv, blocks, stream);
-    case FC90_SCHED_OVERLAP: return fc90_launch<D, BF, FC90_SCHED_OVERLAP>(&k, &tq, &tk, &tv, blocks, stream);
-    case FC90_SCHED_BOTH: return fc90_launch<D, BF, FC90_SCHED_BOTH>(&k, &tq, &tk, &tv, blocks, stream);
+    case FC90_SCHED_SERIAL:
+        return fc90_launch<D, BF, FC90_SCHED_SERIAL>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
+    case FC90_SCHED_PINGPONG:
+        return fc90_launch<D, BF, FC90_SCHED_PINGPONG>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
+    case FC90_SCHED_OVERLAP:
+        return fc90_launch<D, BF, FC90_SCHED_OVERLAP>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
+    case FC90_SCHED_BOTH: return fc90_launch<D, BF, FC90_SCHED_BOTH>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
     }
     return cudaErrorInvalidValue;
 }
@@ -556,8 +673,7 @@ int flashc_fwd_sm90_available(int device) {
 }
 
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
-    if ((head_dim_compiled != 64 && head_dim_compiled != 128 && head_dim_compiled != 256) || a->D != head_dim_compiled)
-        return 0;
+    if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->varlen || a->nsplit != 1) return 0;
     if (a->softcap2 != 0.f || a->alibi || a->bm) return 0;
     if (!(a->score_mul > 0.f)) return 0; /* the scale folds into the exponent, which needs it positive */
@@ -569,10 +685,16 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);
 }
 
-cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, cudaStream_t stream) {
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, const fc90_grid *grid, cudaStream_t stream) {
     if (sched < FC90_SCHED_SERIAL || sched > FC90_SCHED_BOTH) return cudaErrorInvalidValue;
-    if (a->D == 64) return a->bf16 ? fc90_run<64, 1>(a, sched, stream) : fc90_run<64, 0>(a, sched, stream);
-    if (a->D == 128) return a->bf16 ? fc90_run<128, 1>(a, sched, stream) : fc90_run<128, 0>(a, sched, stream);
-    if (a->D == 256) return a->bf16 ? fc90_run<256, 1>(a, sched, stream) : fc90_run<256, 0>(a, sched, stream);
+    switch (fc90_kernel_d(a->D)) {
+    case 64: return a->bf16 ? fc90_run<64, 1>(a, sched, grid, stream) : fc90_run<64, 0>(a, sched, grid, stream);
+    case 128: return a->bf16 ? fc90_run<128, 1>(a, sched, grid, stream) : fc90_run<128, 0>(a, sched, grid, stream);
+    case 256: return a->bf16 ? fc90_run<256, 1>(a, sched, grid, stream) : fc90_run<256, 0>(a, sched, grid, stream);
+    }
     return cudaErrorInvalidValue;
+}
+
+const char *flashc_fwd_sm90_grid_name(const flashc_fwd_args *a, const fc90_grid *grid) {
+    return fc90_grid_persistent(a, grid) ? "persistent grid" : "a block per tile";
 }

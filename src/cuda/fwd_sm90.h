@@ -44,6 +44,14 @@ __host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
     return d <= 64 ? FC90_TILE_64 : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
 }
 
+/* The kernel a head dim runs on: its own at 64, 128 and 256; d 96 on the d 128 kernel and d 192 on the d 256 one,
+ * whose extra columns TMA fills with zeros (they add nothing to Q K^T, and P V computes them without writing them):
+ * 25-33% of the products wasted, which the measured rates (bench/RESULTS.md) still put well ahead of the
+ * Ampere-class kernels at those head dims. 0: none (the Ampere-class kernel takes it). */
+__host__ __device__ constexpr int fc90_kernel_d(int d) {
+    return d == 64 ? 64 : d == 96 || d == 128 ? 128 : d == 192 || d == 256 ? 256 : 0;
+}
+
 /*
  * The consumers' schedule, chosen per launch (FLASHC_CUDA_SM90_SCHED, read by cuda.cu) so that the GPU can tell
  * a fault of the overlapped schedules from one of the first version. Bit 0, PINGPONG: the consumer warpgroups
@@ -58,14 +66,30 @@ enum { FC90_SCHED_SERIAL = 0, FC90_SCHED_PINGPONG = 1, FC90_SCHED_OVERLAP = 2, F
  * it (a build without 90a-real, or a later GPU, runs the Ampere-class kernel instead). */
 int flashc_fwd_sm90_available(int device);
 
-/* 1 when the Hopper kernel of head dim head_dim_compiled (the forward entry cuda.cu picked) takes this
- * configuration: a->D == head_dim_compiled in {64, 128, 256}, 16-bit inputs with 16-byte aligned rows (TMA), no
+/* 1 when the Hopper kernel takes this configuration: a->D == head_dim_compiled (the forward entry cuda.cu picked)
+ * in {64, 96, 128, 192, 256}, 16-bit inputs with 16-byte aligned rows (TMA), no
  * varlen, no split-KV, no softcap / ALiBi / block mask, window (-1, -1) or causal (-1, 0). */
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
 
+/*
+ * The grid. PERSISTENT (ctr set): one block per SM, each taking tiles from a counter until none is left, its
+ * producer loading the next tile's Q and K/V under the current tile's last products and epilogue; BLOCKS (ctr
+ * NULL, or no more tiles than SMs): one block per tile. Both take the tiles in the same order, longest first
+ * within groups of heads whose K/V fit in half the L2 (fc90_tile_of in fwd_sm90.cu).
+ */
+typedef struct fc90_grid {
+    unsigned *ctr;      /* 2 counters in device memory, zero before the launch and zero again after it */
+    int sms;            /* blocks of the persistent grid: the GPU's SMs */
+    long long l2_bytes; /* the GPU's L2 cache */
+} fc90_grid;
+
 /* Launches the forward on stream (a configuration flashc_fwd_sm90_supports accepted, on a device for which
  * flashc_fwd_sm90_available holds). Builds the Q, K, V tensor maps on the host, so it fails (without
- * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. sched: one of FC90_SCHED_*. */
-cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, cudaStream_t stream);
+ * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. sched: one of FC90_SCHED_*.
+ * Launches sharing a grid->ctr must not run concurrently. */
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, const fc90_grid *grid, cudaStream_t stream);
+
+/* "persistent grid" or "a block per tile": the grid that launch takes for a on grid (for the forward log). */
+const char *flashc_fwd_sm90_grid_name(const flashc_fwd_args *a, const fc90_grid *grid);
 
 #endif /* FLASHC_CUDA_FWD_SM90_H */

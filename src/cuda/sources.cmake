@@ -27,7 +27,7 @@ endif()
 
 set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm80.cu
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm80.cu)
-list(APPEND FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm90.cu  # Hopper forward: d 64, 128, 256
+list(APPEND FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm90.cu  # Hopper forward: d 64, 96, 128, 192, 256
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu) # Hopper backward (dK, dV, atomic dQ): d 64, 128
 set(FLASHC_CUDA_DEFS "")
 set(_flashc_known_dims 32 64 96 128 160 192 256)
