@@ -9,7 +9,9 @@ bf16 and fp16). FLOPs: backward 2.5 x forward (4*B*H*N^2*D, halved when causal),
 flashc: flashc.attention_backward on the forward's out and lse (default mode: dQ by fp32 atomics; det: the
 deterministic mode); forward + backward: flashc.attention then attention_backward. torch: autograd.grad through a
 retained graph (backward), forward + autograd.grad (forward + backward). CUDA events, median of --runs after
-warm-up; the backward is compute-bound, so inputs are not rotated.
+warm-up; the backward timings of flashc and the torch backends are taken in turns (one call of each per round),
+so that a slow stretch of the GPU does not fall on one of them alone; the backward is compute-bound, so inputs
+are not rotated.
 """
 import argparse
 import os
@@ -37,6 +39,24 @@ def cuda_median_ms(fn, runs, warmup=3):
     return statistics.median(times)
 
 
+def interleaved_medians(fns, runs, warmup=3):
+    """Median ms of each callable in fns (name -> fn), timed in turns (one call of each per round) so that a
+    slow stretch of the GPU (clocks, a neighbour) falls on all of them alike rather than on one."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="bf16,fp16")
@@ -58,34 +78,41 @@ def main(argv=None):
                 q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(4))
                 for causal in (bool(int(c)) for c in args.causal.split(",")):
                     out, lse = flashc.attention(q, k, v, causal=causal)
-                    t = {}
-                    t["bwd"] = cuda_median_ms(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal),
-                                              args.runs)
-                    t["det"] = None if args.no_det else cuda_median_ms(
-                        lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal, deterministic=True),
-                        args.runs)
+                    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+                    gt = g.transpose(1, 2)
+                    # Backward alone: flashc (and its deterministic mode) and each torch backend's backward through
+                    # a graph its forward recorded, timed in turns.
+                    bwd = {"bwd": lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal)}
+                    if not args.no_det:
+                        bwd["det"] = lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal,
+                                                                       deterministic=True)
+                    graphs = {}
+                    for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                        try:
+                            with sdpa_kernel(backend):
+                                graphs[name] = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
+                                                                                                is_causal=causal)
+                            bwd[name] = (lambda o: lambda: torch.autograd.grad(o, (qt, kt, vt), gt,
+                                                                               retain_graph=True))(graphs[name])
+                        except RuntimeError as e:  # a backend that refuses the shape
+                            print("  %s: %s" % (backend, str(e).splitlines()[0][:100]), file=sys.stderr)
+                    t = {"det": None, "fa": None, "cudnn": None, "fa_fb": None, "cudnn_fb": None}
+                    t.update(interleaved_medians(bwd, args.runs))
+                    graphs.clear()
 
+                    # Forward + backward: each under its own backend choice, one after the other.
                     def fb():
                         o, l = flashc.attention(q, k, v, causal=causal)
                         flashc.attention_backward(g, q, k, v, o, l, causal=causal)
                     t["fb"] = cuda_median_ms(fb, args.runs)
-                    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-                    gt = g.transpose(1, 2)
                     for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                        try:
-                            with sdpa_kernel(backend):
-                                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                                t[name] = cuda_median_ms(
-                                    lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True), args.runs)
-
-                                def tfb():
-                                    oo = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                                    torch.autograd.grad(oo, (qt, kt, vt), gt)
-                                t[name + "_fb"] = cuda_median_ms(tfb, args.runs)
-                                del o
-                        except RuntimeError as e:  # a backend that refuses the shape
-                            print("  %s: %s" % (backend, str(e).splitlines()[0][:100]), file=sys.stderr)
-                            t[name] = t[name + "_fb"] = None
+                        if t[name] is None:
+                            continue
+                        with sdpa_kernel(backend):
+                            def tfb():
+                                oo = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                                torch.autograd.grad(oo, (qt, kt, vt), gt)
+                            t[name + "_fb"] = cuda_median_ms(tfb, args.runs)
                     f1 = 4.0 * B * H * n * n * d * (0.5 if causal else 1.0)
                     tf = lambda ms, m: f1 * m / (ms * 1e-3) * 1e-12 if ms else float("nan")  # noqa: E731
                     r = (dname, d, n, int(causal), tf(t["bwd"], 2.5), tf(t["det"], 2.5), tf(t["fa"], 2.5),

@@ -577,9 +577,8 @@ static cudaError_t fc_bwd_run(const flashc_bwd_args *a, cudaStream_t stream, int
     const size_t kv = fc_bwd_kv_smem(t), qs = fc_bwd_q_smem(t);
     if (what == 2) {
         *smem = kv > qs ? kv : qs;
-        cudaError_t e = cudaFuncSetAttribute(fc_bwd_kv_kernel<D, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kv);
-        if (e == cudaSuccess)
-            e = cudaFuncSetAttribute(fc_bwd_q_kernel<D, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)qs);
+        cudaError_t e = fc_smem_optin<fc_bwd_kv_kernel<D, BF>>((int)kv);
+        if (e == cudaSuccess) e = fc_smem_optin<fc_bwd_q_kernel<D, BF>>((int)qs);
         return e;
     }
     if (what == 0) {

@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 template <int D, int BF, int DQ>
 static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
     const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
-    cudaError_t e = cudaFuncSetAttribute(fc90_bwd_kernel<D, BF, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ>>(smem);
     if (e != cudaSuccess) return e;
     fc90_bwd_kernel<D, BF, DQ><<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
     return cudaGetLastError();

@@ -38,6 +38,22 @@
 #define FC_LOG2E 1.4426950408889634f
 #define FC_LN2 0.6931471805599453f
 
+/* cudaFuncSetAttribute(Kernel, MaxDynamicSharedMemorySize, bytes) once per kernel and device: a call costs about
+ * 2 us of host time, and before a launch at a small shape that is time the GPU waits (the backward asked it 15
+ * times per call). Kernel is the kernel's address, so that every kernel keeps its own record. */
+template <auto Kernel>
+static cudaError_t fc_smem_optin(int bytes) {
+    static int done[64]; /* per device: the bytes already set, 0 before */
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    const bool known = dev >= 0 && dev < 64;
+    if (known && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE) == bytes) return cudaSuccess;
+    e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess && known) __atomic_store_n(&done[dev], bytes, __ATOMIC_RELEASE);
+    return e;
+}
+
 static __device__ __forceinline__ uint32_t fc_smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
@@ -622,7 +638,7 @@ static cudaError_t fc_fwd_run(const flashc_fwd_args *a, cudaStream_t stream, int
     if (e != cudaSuccess) return e;
     const fc_tile t = fc_tile_for(D, fa.ptxVersion >= 90);
     const int smem = (int)fc_fwd_smem_bytes(t);
-    e = cudaFuncSetAttribute(fc_fwd_kernel<D, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    e = fc_smem_optin<fc_fwd_kernel<D, BF>>(smem);
     if (what == 1) {
         /* A GPU without enough shared memory for this tile reports occupancy 0 (the host refuses the problem). */
         *tile = t;

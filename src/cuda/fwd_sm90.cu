@@ -592,8 +592,7 @@ template <int D, int BF, int SCHED>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
-    cudaError_t e =
-        cudaFuncSetAttribute(fc90_fwd_kernel<D, BF, SCHED>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, SCHED>>(smem);
     if (e != cudaSuccess) return e;
     fc90_fwd_kernel<D, BF, SCHED>
         <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
