@@ -54,9 +54,10 @@
 #define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
 #define FC90B_BAR_DQ 2      /* named barriers 2, 3: one consumer's dQ staging (free, then written) */
 /* How dQ reaches the fp32 sums (the kernel's DQ parameter): not at all (the deterministic mode's dQ kernel computes
- * it), or staged in shared memory and added by the TMA (measured 9-28% faster than vector reductions from registers,
- * bench/RESULTS.md). */
-enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 2 };
+ * it), staged in shared memory and added by the TMA (measured 9-28% faster than vector reductions from registers,
+ * bench/RESULTS.md; at d 256 the staging is the step's Q / dO ring slot), or at d 256 by vector reductions from
+ * registers (RED, FLASHC_CUDA_BWD90_DQ=red, kept for comparison). */
+enum { FC90B_DQ_NONE = 0, FC90B_DQ_RED = 1, FC90B_DQ_TMA = 2 };
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -259,6 +260,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     /* Softcap or ALiBi change every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
     const bool generic = a.softcap2 != 0.f || a.alibi;
 
+    /* SPLIT with TMA dQ: the ring slot whose staged dQ thread 0 still has to see read before giving it back. */
+    int staged_slot = -1;
     if (items > 0) fc90_bar_wait(bar_kv, 0);
     for (int it = 0; it < items; ++it) {
         const int slot = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
@@ -271,6 +274,11 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         const int q0 = SPLIT ? 32 * cw : 0; /* the step's first query this warpgroup scores */
         fc90b_scores_issue<D, SN, BF>(s, dKa, dQk + qoff + ((uint32_t)(q0 * 128) >> 4));
         fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * 128) >> 4));
+        if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
+            fc90_bulk_wait_read();
+            fc90_bar_arrive(bar_empty + 8 * staged_slot);
+            staged_slot = -1;
+        }
         const float *lse2 = sLD + slot * 2 * BM + q0, *dvec = lse2 + BM;
 
         /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. The band edges or the end of
@@ -367,8 +375,41 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_wgmma_wait<0>();
             fc90_pin(dv);
             fc90_pin(dk);
-            fc90_bar_arrive(bar_empty + 8 * slot);
-            if (DQ) {
+            if (DQ == FC90B_DQ_TMA) {
+                /* Once both warpgroups are done with this slot's Q and dO, dQ (fp32, this warpgroup's DW columns
+                 * as DW / 32 swizzled boxes of 32 columns, fragment j in box j / 4) is staged over them, warpgroup
+                 * 0 over Q and 1 over dO, and one thread has the TMA add it to the sums. That thread gives the
+                 * slot back only once the reduction has read it, after the next step's scores are issued. */
+                fc90_pin(dq);
+                fc90_nbar_sync(FC90B_BAR_DS, 256);
+                uint8_t *const stg = gbase + (cw ? fc90b_off_g(TL) : fc90b_off_q(TL)) + slot * QB;
+                const int r0 = 16 * warp + g;
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int row = r0 + 8 * hf;
+#pragma unroll
+                    for (int j = 0; j < DQN / 8; ++j) {
+                        const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
+                        *(float2 *)(stg + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                            make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                    }
+                }
+                fc90_fence_proxy_async();
+                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                if (t == 0) {
+                    const uint32_t src = (cw ? sG : sQ) + slot * QB;
+#pragma unroll
+                    for (int bx = 0; bx < DQN / 32; ++bx)
+                        fc90_tma_reduce_add(&tm_dq, src + bx * (BM * 128), col0 + 32 * bx, h, m0, b);
+                    fc90_bulk_commit();
+                    staged_slot = slot;
+                } else {
+                    fc90_bar_arrive(bar_empty + 8 * slot);
+                }
+            } else {
+                fc90_bar_arrive(bar_empty + 8 * slot);
+            }
+            if (DQ == FC90B_DQ_RED) {
                 /* Vector reductions from registers: row m0 + 16 warp + g + 8 hf, columns col0 + 8 j + 2 tig. */
                 fc90_pin(dq);
 #pragma unroll
@@ -468,8 +509,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         }
     }
 
-    /* The last reduction must have read the staging before the block's shared memory goes away. */
-    if (DQ == FC90B_DQ_TMA && !SPLIT && t == 0) fc90_bulk_wait_read();
+    /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared memory
+     * goes away. */
+    if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
 
     /* dK = scale dS^T Q, dV: this thread's two key rows, columns col0 + 8 j + 2 tig + {0, 1}. */
     const bool vec_out = a.out_dtype != FLASHC_DTYPE_F32 && a.dk_sd == 1 && a.dv_sd == 1 &&
@@ -561,9 +603,18 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, a->Nq, a->H, a->B, a->g_sn, a->g_sh, a->g_sb, TL.bm);
-    if (e == cudaSuccess && a->dq_acc && !fc90b_split(TL)) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
+    /* FLASHC_CUDA_BWD90_DQ=red: d 256's dQ by vector reductions from registers instead of the TMA (comparisons). */
+    static const bool red = [] {
+        const char *v = getenv("FLASHC_CUDA_BWD90_DQ");
+        return v && !strcmp(v, "red");
+    }();
+    const bool use_red = fc90b_split(TL) && red;
+    if (e == cudaSuccess && a->dq_acc && !use_red) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
     else tm[4] = tm[0]; /* unused without dQ or staging */
     if (e != cudaSuccess) return e;
+    if (a->dq_acc && use_red) {
+        if constexpr (fc90b_split(TL)) return fc90b_launch<D, BF, FC90B_DQ_RED>(&k, tm, blocks, stream);
+    }
     if (a->dq_acc) return fc90b_launch<D, BF, FC90B_DQ_TMA>(&k, tm, blocks, stream);
     return fc90b_launch<D, BF, FC90B_DQ_NONE>(&k, tm, blocks, stream);
 }
