@@ -91,8 +91,8 @@ int cli_info(int argc, char **argv) {
         if (n > 0 && flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0) == FLASHC_STATUS_OK) {
             /* Which kernels cuda:0 runs, at the benchmark sweep's shape (bf16, B 1, N 4096, H 2048 / D). */
             printf("kernels on cuda:0 (bf16, N 4096; forward | backward):\n");
-            static const int dims[] = {64, 128, 256};
-            for (int i = 0; i < 3; i++)
+            static const int dims[] = {64, 96, 128, 192, 256};
+            for (int i = 0; i < (int)(sizeof dims / sizeof dims[0]); i++)
                 for (int causal = 0; causal < 2; causal++) {
                     const flashc_tensor t = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_BF16, 1, 4096, 2048 / dims[i],
                                                                      dims[i]);

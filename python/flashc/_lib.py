@@ -242,14 +242,13 @@ def get_num_threads():
     return _num_threads
 
 
+_I64x4 = ctypes.c_int64 * 4
+
+
 def make_tensor(ptr, dtype, shape, stride):
-    t = Tensor()
-    t.data = ptr
-    t.dtype = dtype
-    for i in range(4):
-        t.shape[i] = int(shape[i])
-        t.stride[i] = int(stride[i])
-    return t
+    # One constructor call: element-wise assignment into the ctypes arrays cost several microseconds per tensor,
+    # and a CUDA call builds eight of them before its first kernel.
+    return Tensor(ptr, dtype, _I64x4(*shape), _I64x4(*stride))
 
 
 # ---- library information ---------------------------------------------------------------------------------------

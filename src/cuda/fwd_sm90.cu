@@ -10,10 +10,12 @@
  * in base 2, exactly as in fwd_sm80.cuh. The schedule is a launch-time choice (fc90_sched in fwd_sm90.h); all
  * of them do the same arithmetic in the same order.
  *
- * Block: 1 + br / 64 warpgroups per (query tile of br rows, head, sequence): 384 threads at br 128, 512 at
- * br 192 (d 64). Warpgroup 0 is the producer: it gives registers back (setmaxnreg.dec to 24) and one thread
- * issues the TMA loads: Q once, then K and V tiles of bc keys into a ring of 2 stages. The others are consumers
- * (setmaxnreg.inc to 240 with two, 160 with three), each owning 64 query rows: per key tile, S = Q K^T by wgmma m64n{bc}k16 with Q and K in shared memory, masks and
+ * Block: 1 + br / 64 warpgroups working on tiles (query tile of br rows, head, sequence), one after another on
+ * the persistent grid (see fc90_fwd_kernel's grid comment): 384 threads at br 128, 512 at br 192 (d 64).
+ * Warpgroup 0 is the producer: it gives registers back (setmaxnreg.dec, fc90_producer_regs) and one thread takes
+ * the tiles and issues the TMA loads: per tile Q once, then K and V tiles of bc keys into a ring of 2 stages
+ * that runs on across tiles. The others are consumers (setmaxnreg.inc, fc90_consumer_regs), each owning 64 query
+ * rows: per key tile, S = Q K^T by wgmma m64n{bc}k16 with Q and K in shared memory, masks and
  * the online softmax on the S accumulators, P rounded to 16 bits straight into wgmma's A-register fragment,
  * and O += P V by wgmma m64n{d}k16 with V in shared memory read N-major (transpose bit), since V is stored
  * keys x d. Tile sizes (bc 128 at d 64 and 128, 80 at d 256): fc90_tile_for in fwd_sm90.h.
