@@ -189,7 +189,7 @@ FLASHC_API flashc_status flashc_backward_workspace_size(flashc_context_t ctx, co
 /*
  * Forward.  q (B, Nq, H, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, D) -> out (B, Nq, H, D) in q's dtype,
  * softmax_lse (B, H, Nq) fp32 when not NULL. workspace: NULL lets the library allocate what it needs,
- * otherwise at least flashc_forward_workspace_size() bytes.
+ * otherwise at least flashc_forward_workspace_size() bytes, 16-byte aligned (as malloc and cudaMalloc give it).
  */
 FLASHC_API flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
                                         const flashc_tensor *v, const flashc_params *params,
@@ -199,7 +199,8 @@ FLASHC_API flashc_status flashc_forward(flashc_context_t ctx, const flashc_tenso
 /*
  * Backward.  q, k, v, out, dout (like out), softmax_lse (B, H, Nq) from the forward ->
  * dq (like q), dk, dv (like k); with GQA the gradients of the heads sharing a kv head are summed.
- * params->deterministic asks for bitwise-reproducible results.
+ * params->deterministic asks for bitwise-reproducible results. workspace: as for the forward, with
+ * flashc_backward_workspace_size().
  */
 FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
                                          const flashc_tensor *v, const flashc_tensor *out,

@@ -554,6 +554,9 @@ static flashc_status run_with_workspace(flashc_context_t ctx, const flashc_probl
     if (workspace && workspace_bytes < need)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace has %zu bytes, this problem needs %zu",
                           workspace_bytes, need);
+    /* The kernels read and write it 16 bytes at a time (and hand it to the TMA): malloc and cudaMalloc give that. */
+    if (workspace && need > 0 && (uintptr_t)workspace % 16)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace %p is not 16-byte aligned", workspace);
     void *owned = NULL;
     if (!workspace && need > 0) {
         FLASHC_TRY(ctx->ops->workspace_alloc(ctx, need, &owned));

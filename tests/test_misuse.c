@@ -431,6 +431,11 @@ int main(void) {
                flashc_forward(ctx, &f.q, &f.k, &f.v, &f.prm, &f.out, f.lse, ws, bytes - 1),
                FLASHC_STATUS_INVALID_ARGUMENT, ctx);
         check_true("forward: too small workspace left out alone", out_untouched());
+        unsigned char *ws2 = malloc(bytes + 16);
+        expect("forward: workspace not 16-byte aligned",
+               flashc_forward(ctx, &f.q, &f.k, &f.v, &f.prm, &f.out, f.lse, ws2 + 1, bytes),
+               FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+        free(ws2);
         expect("forward: exact workspace", flashc_forward(ctx, &f.q, &f.k, &f.v, &f.prm, &f.out, f.lse, ws, bytes),
                FLASHC_STATUS_OK, ctx);
         free(ws);
@@ -448,6 +453,12 @@ int main(void) {
                flashc_backward(ctx, &f.q, &f.k, &f.v, &f.out, &f.dout, f.lse, &f.prm, &f.dq, &f.dk, &f.dv, ws,
                                bytes - 1),
                FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+        unsigned char *ws2 = malloc(bytes + 16);
+        expect("backward: workspace not 16-byte aligned",
+               flashc_backward(ctx, &f.q, &f.k, &f.v, &f.out, &f.dout, f.lse, &f.prm, &f.dq, &f.dk, &f.dv, ws2 + 4,
+                               bytes),
+               FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+        free(ws2);
         expect("backward: exact workspace",
                flashc_backward(ctx, &f.q, &f.k, &f.v, &f.out, &f.dout, f.lse, &f.prm, &f.dq, &f.dk, &f.dv, ws, bytes),
                FLASHC_STATUS_OK, ctx);
