@@ -217,12 +217,6 @@ __global__ void __launch_bounds__(256) fc_bwd_pre16(const __grid_constant__ bwd_
         const int64_t idx = a.varlen ? (int64_t)h * a.total_q + r : ((r / a.Nq) * a.H + h) * a.Nq + r % a.Nq;
         a.dvec[idx] = acc;
     }
-    if (valid && a.dq_acc) {
-        /* The row-head's dQ sums cleared here too: its 8 columns from 8 sub, as two 16-byte stores. */
-        float4 *z = (float4 *)(a.dq_acc + x * a.D + 8 * sub);
-        z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
 }
 
 template <int OUT>
@@ -332,12 +326,16 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cud
                          fc_rows_aligned16(&p->out, p->varlen) && fc_rows_aligned16(&p->dout, p->varlen);
     const int64_t rh = pa.rows * pa.H;
     if (rh > 0 && fast_pre) {
-        /* D_i and the cleared dQ sums in one pass (a separate memset cost one more launch and ~15% more time at
-         * the same bytes); the workspace's dQ sums start 16-byte aligned (bwd_dvec_bytes rounds up). */
+        /* The dQ sums are cleared by a memset (at the copy engine's rate) instead of by the kernel: clearing them in
+         * this kernel instead measured no faster (bench/RESULTS.md, 2026-11-24). */
+        pa.dq_acc = NULL;
         const int64_t blocks = (rh + 256 / p->D * 8 - 1) / (256 / p->D * 8);
         if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_pre16<1><<<(unsigned)blocks, 256, 0, stream>>>(pa);
         else fc_bwd_pre16<0><<<(unsigned)blocks, 256, 0, stream>>>(pa);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
+        if (dq_acc && (err = cudaMemsetAsync(dq_acc, 0, (size_t)rh * p->D * sizeof(float), stream)) != cudaSuccess)
+            return err;
+        pa.dq_acc = dq_acc;
     } else if (rh > 0) {
         fc_bwd_pre<<<(unsigned)((rh + 7) / 8), 256, 0, stream>>>(pa);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
