@@ -98,7 +98,10 @@ __host__ __device__ constexpr int fc90_consumer_regs(fc90_tile t) {
     return fc90_consumers(t) == 3 ? 160 : fc90_persistent(t) ? 232 : 240;
 }
 __host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
-    return 128 * fc90_producer_regs(t) + 128 * fc90_consumers(t) * fc90_consumer_regs(t) <= 65536 &&
+    /* setmaxnreg.inc only gets what setmaxnreg.dec gave back of the block's launch allocation (65536 / threads,
+     * rounded down to 8, per thread): asking for more waits forever. */
+    return 128 * ((65536 / fc90_threads(t)) / 8 * 8 - fc90_producer_regs(t)) >=
+               128 * fc90_consumers(t) * (fc90_consumer_regs(t) - (65536 / fc90_threads(t)) / 8 * 8) &&
            fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
 }
 __host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_o_aliased(t) ? 0 : fc90_end_v(t); }
