@@ -3,17 +3,9 @@
 # kernels named, compute-sanitizer racecheck + memcheck on one Hopper forward + backward per head dim in SAN_DIMS,
 # then compare_torch_bwd.py (BWD_ARGS) as built and once more under AB ("NAME=VALUE ..."). Summary last.
 set -u
-cd "$(dirname "$0")/.."
-LOG=${OUT:-$PWD/build-gpu/logs}
-TMP=/tmp/bwd90ab
-mkdir -p "$LOG" "$TMP"
-t0=$SECONDS
-sum=()
-note() { sum+=("$*"); echo "$*"; }
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DFLASHC_CUDA=on -DFLASHC_CUDA_PTXAS_VERBOSE=ON >"$TMP/configure.log" 2>&1 ||
-  { tail "$TMP/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" >"$TMP/build.log" 2>&1 || { grep -E "error" "$TMP/build.log" | head; exit 1; }
-note "build $((SECONDS - t0)) s; fc90_bwd spills: $(grep -A2 "fc90_bwd.*sm_90a" "$TMP/build.log" | grep -oE "[0-9]+ bytes spill stores" | sort | uniq -c | tr '\n' ' ')"
+source "$(dirname "$0")/gpu_loop.sh"
+gpu_loop_start bwd90ab
+gpu_loop_build fc90_bwd
 if [ "${TESTS:-1}" = 1 ]; then
   FLASHC_CUDA_LOG=1 timeout ${TEST_LIMIT:-200} build-gpu/tests/gpu_bwd >"$LOG/gpu_bwd.log" 2>&1
   note "gpu_bwd rc $?: $(grep -E "table|^PASSED|^FAILED" "$LOG/gpu_bwd.log" | tr '\n' ' ')"
@@ -35,8 +27,7 @@ if [ -n "${AB:-}" ]; then
     bench/compare_torch_bwd.py ${BWD_ARGS:---dtypes bf16,fp16 --dims 256 --runs 20 --no-det} >"$LOG/bench_bwd_ab.log" 2>&1
   note "A/B ($AB) rc $? at $((SECONDS - t0)) s"
 fi
-echo "== summary"
-printf '%s\n' "${sum[@]}"
+gpu_loop_summary
 echo "== bwd flashc / torch-flash / cuDNN (as built | with AB)"
 paste -d'|' <(sed -n '/^| dtype/,$p' "$LOG/bench_bwd.log" | cut -d'|' -f2-6,8,10,11) \
   <(sed -n '/^| dtype/,$p' "$LOG/bench_bwd_ab.log" 2>/dev/null | cut -d'|' -f6,8,10,11)

@@ -25,20 +25,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import flashc  # noqa: E402
 
 
-def cuda_median_ms(fn, runs, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def interleaved_medians(fns, runs, warmup=3):
     """Median ms of each callable in fns (name -> fn), timed in turns (one call of each per round) so that a
     slow stretch of the GPU (clocks, a neighbour) falls on all of them alike rather than on one."""
@@ -55,6 +41,11 @@ def interleaved_medians(fns, runs, warmup=3):
             b.synchronize()
             times[name].append(a.elapsed_time(b))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def cuda_median_ms(fn, runs, warmup=3):
+    """Median ms of fn alone."""
+    return interleaved_medians({"fn": fn}, runs, warmup)["fn"]
 
 
 def main(argv=None):

@@ -5,17 +5,9 @@
 # torch-flash and cuDNN, flashc alone under each AB setting ("NAME=VALUE ...;NAME=VALUE ...", AB_ARGS), and the
 # backward sweep when BWD_ARGS is set. Logs in $OUT (a few) and /tmp/fwd90 (the rest); the summary comes last.
 set -u
-cd "$(dirname "$0")/.."
-LOG=${OUT:-$PWD/build-gpu/logs}
-TMP=/tmp/fwd90
-mkdir -p "$LOG" "$TMP"
-t0=$SECONDS
-sum=()
-note() { sum+=("$*"); echo "$*"; }
-cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DFLASHC_CUDA=on -DFLASHC_CUDA_PTXAS_VERBOSE=ON >"$TMP/configure.log" 2>&1 ||
-  { tail "$TMP/configure.log"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" >"$TMP/build.log" 2>&1 || { grep -E "error" "$TMP/build.log" | head; exit 1; }
-note "build $((SECONDS - t0)) s; fc90_fwd spills: $(grep -A2 "fc90_fwd.*sm_90a" "$TMP/build.log" | grep -oE "[0-9]+ bytes spill stores" | sort | uniq -c | tr '\n' ' ')"
+source "$(dirname "$0")/gpu_loop.sh"
+gpu_loop_start fwd90
+gpu_loop_build fc90_fwd
 if [ "${TESTS:-1}" = 1 ]; then
   for grid in persistent blocks; do
     FLASHC_CUDA_SM90_GRID=$grid FLASHC_CUDA_LOG=1 timeout ${TEST_LIMIT:-150} build-gpu/tests/gpu_fwd >"$LOG/gpu_fwd_$grid.log" 2>&1
@@ -52,5 +44,4 @@ if [ -n "${BWD_ARGS:-}" ]; then
     $BWD_ARGS >"$LOG/bench_bwd.log" 2>&1
   note "backward sweep rc $? at $((SECONDS - t0)) s"
 fi
-echo "== summary"
-printf '%s\n' "${sum[@]}"
+gpu_loop_summary
