@@ -374,10 +374,12 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     cuda_state *s = state_of(ctx);
     fc90_grid grid = {NULL, s->sm_count, s->l2_bytes};
     if (path == FWD_SM90 && s->fc90_ctr) grid.ctr = s->fc90_ctr + 2 * (s->fc90_ctr_next++ % FC90_CTR_SLOTS);
-    if (s->log_fwd)
+    if (s->log_fwd) {
+        const int sm90 = path == FWD_SM90;
         fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s%s%s\n", a.B, a.Nq, a.Nk, a.H,
-                a.Hkv, a.D, fwd_path_names[path], path != FWD_SM90 ? "" : sm90_sched_names[s->sm90_sched],
-                path != FWD_SM90 ? "" : ", ", path != FWD_SM90 ? "" : flashc_fwd_sm90_grid_name(&a, &grid));
+                a.Hkv, a.D, fwd_path_names[path], sm90 ? sm90_sched_names[s->sm90_sched] : "", sm90 ? ", " : "",
+                sm90 ? flashc_fwd_sm90_grid_name(&a, &grid) : "");
+    }
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     if (path == FWD_SM90) {
         const cudaError_t err = flashc_fwd_sm90_launch(&a, s->sm90_sched, &grid, stream);
