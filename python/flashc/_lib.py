@@ -7,6 +7,7 @@ Everything else in the package goes through this module; it imports neither nump
 import ctypes
 import glob
 import os
+import struct
 import sys
 import threading
 
@@ -243,11 +244,20 @@ def get_num_threads():
 
 
 _I64x4 = ctypes.c_int64 * 4
+# flashc_tensor's bytes as the struct module packs them with the platform's alignment (the same rules ctypes
+# follows); used only where it matches Tensor exactly.
+_TENSOR_BYTES = struct.Struct("@Pi4q4q")
+_PACKED = (_TENSOR_BYTES.size == ctypes.sizeof(Tensor) and
+           struct.calcsize("@Pi0q") == Tensor.shape.offset and Tensor.stride.offset == Tensor.shape.offset + 32)
 
 
 def make_tensor(ptr, dtype, shape, stride):
-    # One constructor call: element-wise assignment into the ctypes arrays cost several microseconds per tensor,
-    # and a CUDA call builds eight of them before its first kernel.
+    # A CUDA call builds up to eight of these before its first kernel: packing the fields into a blank struct in one
+    # step takes about a third of the time of the keyword constructor with its two arrays.
+    if _PACKED and len(shape) == 4 and len(stride) == 4:
+        t = Tensor()
+        _TENSOR_BYTES.pack_into(t, 0, ptr or 0, dtype, *shape, *stride)
+        return t
     return Tensor(ptr, dtype, _I64x4(*shape), _I64x4(*stride))
 
 

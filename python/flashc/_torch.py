@@ -302,9 +302,13 @@ def apply(kind, inputs, varlen=False, dropout_p=0.0, **options):
             raise ValueError("flashc: %s's packed dimension (-3) must have size %d, got %s"
                              % (n, 3 if n == "qkv" else 2, tuple(t.shape)))
     layout = _Layout(kind, varlen)
-    q4, k4, _ = layout.unpack(inputs)
+    q4, k4, v4 = layout.unpack(inputs)
     opts = _Options(q4, k4, **options)
-    return _AttentionFunction.apply(opts, layout, *inputs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        return _AttentionFunction.apply(opts, layout, *inputs)
+    # Nothing to differentiate (inference, torch.no_grad()): the same forward without an autograd node.
+    out4, lse = _forward(q4, k4, v4, opts)
+    return (out4[0] if varlen else out4), lse
 
 
 def attention_backward(dout, q, k, v, out, softmax_lse, *, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None,

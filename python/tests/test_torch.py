@@ -424,6 +424,34 @@ def test_partial_requires_grad_and_no_grad(gen):
     assert out.grad_fn is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_forward_without_autograd_node(device, gen):
+    """Inputs that need no gradient (or torch.no_grad()) take the forward without an autograd node: the same
+    bits as with one, for the (B, N, H, D), varlen and packed layouts."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, _ = inputs((2, 24, 4, 32), (2, 40, 2, 32), dtype, device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_g, lse_g = flashc.attention(*leaves, causal=True)
+    out, lse = flashc.attention(q, k, v, causal=True)
+    assert out_g.grad_fn is not None and out.grad_fn is None and not out.requires_grad
+    assert torch.equal(out, out_g.detach()) and torch.equal(lse, lse_g)
+    with torch.no_grad():
+        out_ng, lse_ng = flashc.attention(*leaves, causal=True)
+    assert out_ng.grad_fn is None and torch.equal(out_ng, out) and torch.equal(lse_ng, lse)
+
+    lens_q, lens_k, cq, ck = varlen_case(device, dtype)
+    nq, nk = int(cq[-1]), int(ck[-1])
+    q, k, v, _ = (t[0] for t in inputs((1, nq, 4, 32), (1, nk, 2, 32), dtype, device))
+    args = (cq, ck, max(lens_q), max(lens_k))
+    out_g = flashc.flash_attn_varlen_func(*[t.clone().requires_grad_() for t in (q, k, v)], *args, causal=True)
+    out = flashc.flash_attn_varlen_func(q, k, v, *args, causal=True)
+    assert out.shape == q.shape and out.grad_fn is None and torch.equal(out, out_g.detach())
+    qkv = torch.randn(nq, 3, 4, 32, device=device).to(dtype)
+    out_g = flashc.flash_attn_varlen_qkvpacked_func(qkv.clone().requires_grad_(), cq, max(lens_q), causal=True)
+    out = flashc.flash_attn_varlen_qkvpacked_func(qkv, cq, max(lens_q), causal=True)
+    assert out.shape == (nq, 4, 32) and out.grad_fn is None and torch.equal(out, out_g.detach())
+
+
 def test_errors_torch(gen):
     q = torch.randn(1, 8, 4, 32)
     with pytest.raises(flashc.FlashcError, match="not a multiple") as e:
