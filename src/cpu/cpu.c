@@ -5,6 +5,7 @@
 #define _GNU_SOURCE /* sysconf cache sizes */
 #include "cpu.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -14,63 +15,100 @@
 
 /* ---- features, threads, tiles -------------------------------------------------------------------------- */
 
-const char *flashc_cpu_features(void) {
-    static char buf[128];
-    if (buf[0]) return buf;
-    char tmp[128] = "";
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("sse4.2")) strcat(tmp, "sse4.2 ");
-    if (__builtin_cpu_supports("avx")) strcat(tmp, "avx ");
-    if (__builtin_cpu_supports("avx2")) strcat(tmp, "avx2 ");
-    if (__builtin_cpu_supports("fma")) strcat(tmp, "fma ");
-    if (__builtin_cpu_supports("avx512f")) strcat(tmp, "avx512f ");
-    if (__builtin_cpu_supports("avx512bw")) strcat(tmp, "avx512bw ");
-#elif defined(__aarch64__)
-    strcat(tmp, "neon ");
-#endif
-#ifdef _OPENMP
-    strcat(tmp, "openmp ");
-#endif
-    size_t n = strlen(tmp);
-    if (n) tmp[n - 1] = '\0';
-    else strcpy(tmp, "generic");
-    memcpy(buf, tmp, sizeof buf);
-    return buf;
-}
-
-static int cpu_has(const char *feature) {
+/*
+ * Features come from cpuid itself rather than __builtin_cpu_supports: clang (14 at least) does not know the
+ * "f16c" name, and the AVX states must also be enabled by the OS (XGETBV), which cpuid alone does not say.
+ */
 #if defined(FLASHC_CPU_X86)
-    __builtin_cpu_init();
-    if (!strcmp(feature, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                         __builtin_cpu_supports("f16c");
-    if (!strcmp(feature, "avx512"))
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-#endif
-    (void)feature;
-    return 0;
+#  include <cpuid.h>
+enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64 };
+static unsigned detect_x86(void) {
+    unsigned a, b, c, d, f = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned long long xcr0 = 0;
+    if (c >> 27 & 1) { /* OSXSAVE: XGETBV tells which register states the OS saves */
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        xcr0 = ((unsigned long long)hi << 32) | lo;
+    }
+    const int avx_os = (xcr0 & 6) == 6, avx512_os = (xcr0 & 0xe6) == 0xe6;
+    if (c >> 20 & 1) f |= CPU_SSE42;
+    if ((c >> 28 & 1) && avx_os) f |= CPU_AVX;
+    if ((c >> 12 & 1) && avx_os) f |= CPU_FMA;
+    if ((c >> 29 & 1) && avx_os) f |= CPU_F16C;
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        unsigned a7, b7, c7, d7;
+        __cpuid_count(7, 0, a7, b7, c7, d7);
+        if ((b7 >> 5 & 1) && avx_os) f |= CPU_AVX2;
+        if ((b7 >> 16 & 1) && avx512_os) f |= CPU_AVX512F;
+        if ((b7 >> 30 & 1) && avx512_os) f |= CPU_AVX512BW;
+    }
+    return f;
 }
+#endif
 
-const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name) {
+/* Everything detected once per process; pthread_once keeps concurrent first calls from racing. */
+static struct {
+    char features[128];
+    const flashc_cpu_kernels *kernels;
+    unsigned x86;
+} cpu_info;
+static pthread_once_t cpu_info_once = PTHREAD_ONCE_INIT;
+
+static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name) {
     if (!strcmp(name, "generic")) return &flashc_cpu_kernels_generic;
 #if defined(FLASHC_CPU_X86)
-    if (!strcmp(name, "avx2") && cpu_has("avx2")) return &flashc_cpu_kernels_avx2;
-    if (!strcmp(name, "avx512") && cpu_has("avx512")) return &flashc_cpu_kernels_avx512;
+    const unsigned avx2 = CPU_AVX2 | CPU_FMA | CPU_F16C, avx512 = CPU_AVX512F | CPU_FMA | CPU_F16C;
+    if (!strcmp(name, "avx2") && (x86 & avx2) == avx2) return &flashc_cpu_kernels_avx2;
+    if (!strcmp(name, "avx512") && (x86 & avx512) == avx512) return &flashc_cpu_kernels_avx512;
 #endif
+    (void)x86;
     return NULL;
 }
 
-const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
-    static const flashc_cpu_kernels *chosen;
-    if (chosen) return chosen;
+static void cpu_info_init(void) {
+    char *buf = cpu_info.features;
+    buf[0] = '\0';
+#if defined(FLASHC_CPU_X86)
+    const unsigned f = detect_x86();
+    cpu_info.x86 = f;
+    static const struct { unsigned bit; const char *name; } names[] = {
+        {CPU_SSE42, "sse4.2"}, {CPU_AVX, "avx"}, {CPU_AVX2, "avx2"}, {CPU_FMA, "fma"}, {CPU_F16C, "f16c"},
+        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (f & names[i].bit) strcat(buf, names[i].name), strcat(buf, " ");
+#elif defined(__aarch64__)
+    strcat(buf, "neon ");
+#endif
+#ifdef _OPENMP
+    strcat(buf, "openmp ");
+#endif
+    size_t n = strlen(buf);
+    if (n) buf[n - 1] = '\0';
+    else strcpy(buf, "generic");
+
     const flashc_cpu_kernels *k = NULL;
     const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512, when this CPU runs it */
-    if (force) k = flashc_cpu_kernels_by_name(force);
-    if (!k) k = flashc_cpu_kernels_by_name("avx512");
-    if (!k) k = flashc_cpu_kernels_by_name("avx2");
+    if (force) k = kernels_by_name(cpu_info.x86, force);
+    if (!k) k = kernels_by_name(cpu_info.x86, "avx512");
+    if (!k) k = kernels_by_name(cpu_info.x86, "avx2");
     if (!k) k = &flashc_cpu_kernels_generic;
-    chosen = k;
-    return k;
+    cpu_info.kernels = k;
+}
+
+const char *flashc_cpu_features(void) {
+    pthread_once(&cpu_info_once, cpu_info_init);
+    return cpu_info.features;
+}
+
+const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name) {
+    pthread_once(&cpu_info_once, cpu_info_init);
+    return kernels_by_name(cpu_info.x86, name);
+}
+
+const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
+    pthread_once(&cpu_info_once, cpu_info_init);
+    return cpu_info.kernels;
 }
 
 int flashc_cpu_thread_count(const struct flashc_context *ctx) {
