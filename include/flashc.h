@@ -22,8 +22,24 @@
  * Memory: every pointer (tensor data, lse, slopes, block mask, cu_seqlens, workspace) lives where the
  * context's backend computes: host memory for the CPU backend, device memory for the CUDA backend.
  *
- * Errors: every function returns a flashc_status; nothing in the library aborts or exits. The context keeps
- * the last error as "file:line: message".
+ * Errors: every function returns a flashc_status; nothing in the library aborts or exits, whatever the input.
+ * A refused call writes no output. The last error is kept as "file:line: message" per thread: see
+ * flashc_context_last_error.
+ *
+ * Threads: contexts may be shared. Attention calls (supported, kernel_name, workspace sizes, forward, backward)
+ * on one context may run from several threads at once; set the stream and thread count before that, not
+ * concurrently with calls on the same context. On CUDA, calls from several threads go to the context's one stream
+ * in the order they arrive.
+ *
+ * Non-finite values (as torch and flash-attn): a NaN in q, k or v that a row sees, or a score that overflows to
+ * +inf, makes that row's output and lse NaN, and its gradients NaN. Rows that do not see it are unchanged when the
+ * NaN is in q or k; a NaN in v at a masked key may still reach rows of the same tile (0 * NaN). A non-finite
+ * scale, softcap or (CPU) ALiBi slope is refused.
+ *
+ * Limits: D <= 256; Nq, Nk and varlen totals < 2^31; B * H * max(Nq, Nk) * 256 within int64; every view's byte
+ * span within half the address space. Larger problems are refused with NOT_SUPPORTED or INVALID_ARGUMENT, never
+ * wrapped. Window sides >= Nk (left) or >= Nq (right) are unbounded; block-mask block sizes longer than the
+ * sequence are one block.
  */
 #ifndef FLASHC_H
 #define FLASHC_H
@@ -78,7 +94,9 @@ typedef enum flashc_op {
     FLASHC_OP_BACKWARD = 1
 } flashc_op;
 
-/* A strided 4-d view. shape/stride are in elements; strides may be any value (0 is refused for outputs). */
+/* A strided 4-d view. shape/stride are in elements; strides may be any value for inputs. An output must not
+ * address one element twice (no zero strides, no overlapping rows) and must share no byte with any other buffer of
+ * the call (inputs, other outputs, lse, cu_seqlens, slopes, block mask, workspace). */
 typedef struct flashc_tensor {
     void *data;
     flashc_dtype dtype;
@@ -112,7 +130,7 @@ typedef struct flashc_params {
     /* Varlen: when cu_seqlens_q and cu_seqlens_k are set, q is (1, total_q, H, D), k/v are (1, total_k, Hkv, D)
      * holding num_seqs sequences packed back to back; sequence b is rows cu_seqlens[b] .. cu_seqlens[b+1]-1
      * (int32, num_seqs + 1 entries, non-decreasing, starting at 0). max_seqlen_* bound every sequence's length.
-     * softmax_lse is then (1, H, total_q) = (H, total_q). */
+     * softmax_lse is then (1, H, total_q) = (H, total_q). max_seqlen_q / _k may not exceed total_q / total_k. */
     const int32_t *cu_seqlens_q;
     const int32_t *cu_seqlens_k;
     int64_t num_seqs;
@@ -157,9 +175,14 @@ FLASHC_API void flashc_context_destroy(flashc_context_t ctx);
 FLASHC_API flashc_backend flashc_context_backend(flashc_context_t ctx);
 /* CUDA: a cudaStream_t (NULL: the legacy default stream). CPU: refused with NOT_SUPPORTED unless NULL. */
 FLASHC_API flashc_status flashc_context_set_stream(flashc_context_t ctx, void *stream);
-/* CPU: threads used per call (0: OpenMP's default). Ignored on CUDA. */
+/* CPU: threads used per call (0: OpenMP's default, omp_get_max_threads()). A count above 4 per processor this
+ * process may run on (omp_get_num_procs(), at most 1024 in all) is capped there: OpenMP would otherwise end the
+ * process when it cannot start them. Ignored on CUDA. */
 FLASHC_API flashc_status flashc_context_set_threads(flashc_context_t ctx, int threads);
-/* The last error message of this context ("" after success), or of this thread when ctx is NULL. */
+/* Threads a call on this context runs, after the cap above (1 on CUDA or without OpenMP; 0 when ctx is NULL). */
+FLASHC_API int flashc_context_threads(flashc_context_t ctx);
+/* The message of the calling thread's last call on ctx ("" after a success); with ctx NULL, of the calling
+ * thread's last failure of any call (context creation included). Other threads' calls never change it. */
 FLASHC_API const char *flashc_context_last_error(flashc_context_t ctx);
 
 /* ---- attention --------------------------------------------------------------------------------------- */

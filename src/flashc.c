@@ -24,7 +24,39 @@
 #  define FLASHC_THREAD_LOCAL _Thread_local
 #endif
 
+/*
+ * Last errors are kept per thread, so that threads sharing a context never read (or tear) each other's message:
+ * each thread has a slot for calls without a context and a few slots keyed by context, reused least recently
+ * used first. A thread that alternates between more contexts than there are slots loses the oldest message
+ * (flashc_context_last_error then gives "").
+ */
+#define ERROR_SLOTS 8
+typedef struct error_slot {
+    unsigned long long ctx; /* the context's id; 0: free */
+    unsigned long long used; /* this thread's call count when last written: the LRU order */
+    char msg[FLASHC_ERROR_LEN];
+} error_slot;
 static FLASHC_THREAD_LOCAL char thread_error[FLASHC_ERROR_LEN];
+static FLASHC_THREAD_LOCAL error_slot ctx_errors[ERROR_SLOTS];
+static FLASHC_THREAD_LOCAL unsigned long long error_clock;
+
+/* The calling thread's slot for ctx; with create, one is taken (the least recently used) when it has none. Slots
+ * are keyed by the context's id, not its address, so a new context never inherits a destroyed one's message. */
+static error_slot *slot_of(const struct flashc_context *ctx, int create) {
+    error_slot *oldest = &ctx_errors[0];
+    for (int i = 0; i < ERROR_SLOTS; i++) {
+        if (ctx_errors[i].ctx == ctx->id) {
+            ctx_errors[i].used = ++error_clock;
+            return &ctx_errors[i];
+        }
+        if (ctx_errors[i].used < oldest->used) oldest = &ctx_errors[i];
+    }
+    if (!create) return NULL;
+    oldest->ctx = ctx->id;
+    oldest->used = ++error_clock;
+    oldest->msg[0] = '\0';
+    return oldest;
+}
 
 /* File names in messages are shown from src/ on, not as build-machine paths. */
 static const char *short_path(const char *file) {
@@ -34,15 +66,39 @@ static const char *short_path(const char *file) {
 
 flashc_status flashc_set_error(struct flashc_context *ctx, flashc_status status, const char *file, int line,
                                const char *fmt, ...) {
-    char *buf = ctx ? ctx->error : thread_error;
+    char *buf = thread_error;
     int n = snprintf(buf, FLASHC_ERROR_LEN, "%s:%d: ", short_path(file), line);
     if (n < 0 || n >= FLASHC_ERROR_LEN) n = 0;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(buf + n, FLASHC_ERROR_LEN - (size_t)n, fmt, ap);
     va_end(ap);
-    if (ctx) memcpy(thread_error, ctx->error, FLASHC_ERROR_LEN);
+    if (ctx) memcpy(slot_of(ctx, 1)->msg, thread_error, FLASHC_ERROR_LEN);
     return status;
+}
+
+void flashc_clear_error(struct flashc_context *ctx) {
+    error_slot *s = slot_of(ctx, 0);
+    if (s) s->msg[0] = '\0';
+}
+
+/* Frees this thread's slot of a context that is going away. */
+static void forget_errors(const struct flashc_context *ctx) {
+    error_slot *s = slot_of(ctx, 0);
+    if (s) {
+        s->ctx = 0;
+        s->used = 0;
+        s->msg[0] = '\0';
+    }
+}
+
+static unsigned long long next_context_id(void) {
+    static unsigned long long last;
+#if defined(__GNUC__)
+    return __atomic_add_fetch(&last, 1, __ATOMIC_RELAXED);
+#else
+    return ++last; /* compilers without the GNU atomics: contexts must then be created from one thread */
+#endif
 }
 
 /* ---- library ------------------------------------------------------------------------------------------- */
@@ -199,11 +255,12 @@ flashc_status flashc_context_create(flashc_context_t *out, flashc_backend backen
     struct flashc_context *ctx = (struct flashc_context *)calloc(1, sizeof *ctx);
     if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_OUT_OF_MEMORY, "out of host memory for the context");
     ctx->ops = ops;
+    ctx->id = next_context_id();
     ctx->backend = ops->kind;
     ctx->device = device;
     flashc_status st = ops->init ? ops->init(ctx) : FLASHC_STATUS_OK;
-    if (st != FLASHC_STATUS_OK) {
-        memcpy(thread_error, ctx->error, FLASHC_ERROR_LEN);
+    if (st != FLASHC_STATUS_OK) { /* the message is in thread_error too */
+        forget_errors(ctx);
         free(ctx);
         return st;
     }
@@ -215,6 +272,7 @@ flashc_status flashc_context_create(flashc_context_t *out, flashc_backend backen
 void flashc_context_destroy(flashc_context_t ctx) {
     if (!ctx) return;
     if (ctx->ops->fini) ctx->ops->fini(ctx);
+    forget_errors(ctx);
     free(ctx);
 }
 
@@ -225,30 +283,63 @@ flashc_status flashc_context_set_stream(flashc_context_t ctx, void *stream) {
     if (!ctx->ops->set_stream) {
         if (stream) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no streams",
                                       flashc_backend_name(ctx->backend));
-        ctx->error[0] = '\0';
+        flashc_clear_error(ctx);
         return FLASHC_STATUS_OK;
     }
     FLASHC_TRY(ctx->ops->set_stream(ctx, stream));
-    ctx->error[0] = '\0';
+    flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
 
 flashc_status flashc_context_set_threads(flashc_context_t ctx, int threads) {
     if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
     if (threads < 0) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "thread count %d is negative", threads);
-    ctx->threads = threads;
+    const int lim = flashc_cpu_thread_limit();
+    ctx->threads = threads > lim ? lim : threads; /* flashc_context_threads() tells the count in use */
+    flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
 
-const char *flashc_context_last_error(flashc_context_t ctx) { return ctx ? ctx->error : thread_error; }
+int flashc_context_threads(flashc_context_t ctx) {
+    if (!ctx) return 0;
+    return ctx->backend == FLASHC_BACKEND_CPU ? flashc_cpu_thread_count(ctx) : 1;
+}
+
+const char *flashc_context_last_error(flashc_context_t ctx) {
+    if (!ctx) return thread_error;
+    error_slot *s = slot_of(ctx, 0);
+    return s ? s->msg : "";
+}
 
 /* ---- argument checks ----------------------------------------------------------------------------------- */
 
-/* a * b into *r; 0 on int64 overflow (inputs non-negative). */
-static int mul_ok(int64_t a, int64_t b, int64_t *r) {
-    if (a != 0 && b > INT64_MAX / a) return 0;
-    *r = a * b;
-    return 1;
+/*
+ * An output must not address one element from two indices, or threads race on it and the result depends on
+ * their order. Sufficient test: with the dimensions of extent > 1 sorted by |stride|, each stride exceeds the
+ * largest offset the smaller ones reach (every permuted, padded or sliced dense view passes; interleaved layouts
+ * that happen not to collide are refused too, and the message says what to pass instead).
+ */
+static flashc_status check_no_self_overlap(flashc_context_t ctx, const char *name, const flashc_tensor *t) {
+    int64_t st[4], sh[4];
+    int n = 0;
+    for (int i = 0; i < 4; i++)
+        if (t->shape[i] > 1) {
+            int64_t a = t->stride[i] < 0 ? -t->stride[i] : t->stride[i];
+            int j = n++;
+            for (; j > 0 && st[j - 1] > a; j--) st[j] = st[j - 1], sh[j] = sh[j - 1];
+            st[j] = a, sh[j] = t->shape[i];
+        }
+    int64_t reach = 0; /* largest offset of the dimensions so far (check_view bounded every product) */
+    for (int i = 0; i < n; i++) {
+        if (st[i] <= reach)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "%s: strides (%lld, %lld, %lld, %lld) make elements overlap (or interleave): an output "
+                              "needs each dimension's stride to exceed the span of the smaller ones",
+                              name, (long long)t->stride[0], (long long)t->stride[1], (long long)t->stride[2],
+                              (long long)t->stride[3]);
+        reach += (sh[i] - 1) * st[i];
+    }
+    return FLASHC_STATUS_OK;
 }
 
 /* Checks one 4-d view: positive shape, element count and address span within int64/size_t. Computes the byte
@@ -264,7 +355,7 @@ static flashc_status check_view(flashc_context_t ctx, const char *name, const fl
         if (t->shape[i] <= 0)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s shape[%d] = %lld must be positive", name, i,
                               (long long)t->shape[i]);
-        if (!mul_ok(count, t->shape[i], &count))
+        if (!flashc_mul_i64(count, t->shape[i], &count))
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: element count overflows int64", name);
         if (t->stride[i] == INT64_MIN)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s stride[%d] is out of range", name, i);
@@ -273,12 +364,12 @@ static flashc_status check_view(flashc_context_t ctx, const char *name, const fl
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
                               "%s stride[%d] is 0: an output cannot broadcast", name, i);
         int64_t reach;
-        if (!mul_ok(t->shape[i] - 1, s, &reach) || span > INT64_MAX - reach)
+        if (!flashc_mul_i64(t->shape[i] - 1, s, &reach) || span > INT64_MAX - reach)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: strides reach beyond int64 elements", name);
         span += reach;
     }
     int64_t esz = (int64_t)flashc_dtype_size(t->dtype), bytes;
-    if (!mul_ok(span + 1, esz, &bytes) || (uint64_t)bytes > (uint64_t)SIZE_MAX / 2)
+    if (!flashc_mul_i64(span + 1, esz, &bytes) || (uint64_t)bytes > (uint64_t)SIZE_MAX / 2)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: byte size overflows the address space", name);
     /* Lowest and highest byte touched, accounting for negative strides. */
     int64_t neg = 0;
@@ -290,6 +381,9 @@ static flashc_status check_view(flashc_context_t ctx, const char *name, const fl
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: negative strides reach below address 0", name);
     *lo = base - (need_data ? off : 0);
     *hi = *lo + (uintptr_t)bytes;
+    if (need_data && *hi < *lo)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: the view wraps around the address space", name);
+    if (is_output) FLASHC_TRY(check_no_self_overlap(ctx, name, t));
     return FLASHC_STATUS_OK;
 }
 
@@ -298,6 +392,28 @@ static int overlaps(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) 
 static int same_shape(const flashc_tensor *a, const flashc_tensor *b) {
     return a->shape[0] == b->shape[0] && a->shape[1] == b->shape[1] && a->shape[2] == b->shape[2] &&
            a->shape[3] == b->shape[3];
+}
+
+/* Records a byte range the call touches (front only: for the workspace check). */
+static void note_range(flashc_problem *p, uintptr_t lo, uintptr_t hi) {
+    if (p->nranges < (int)(sizeof p->range_lo / sizeof p->range_lo[0]) && hi > lo) {
+        p->range_lo[p->nranges] = lo;
+        p->range_hi[p->nranges] = hi;
+        p->nranges++;
+    }
+}
+
+/* [lo, hi) of count elements of esz bytes at ptr; INVALID_ARGUMENT when that wraps the address space. */
+static flashc_status byte_range(flashc_context_t ctx, const char *name, const void *ptr, int64_t count, int64_t esz,
+                                uintptr_t *lo, uintptr_t *hi) {
+    int64_t bytes;
+    if (!flashc_mul_i64(count, esz, &bytes) || (uint64_t)bytes > (uint64_t)SIZE_MAX / 2 ||
+        (uintptr_t)ptr > UINTPTR_MAX - (uintptr_t)bytes)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s: %lld elements do not fit the address space", name,
+                          (long long)count);
+    *lo = (uintptr_t)ptr;
+    *hi = *lo + (uintptr_t)bytes;
+    return FLASHC_STATUS_OK;
 }
 
 flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
@@ -313,8 +429,12 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     if (op != FLASHC_OP_FORWARD && op != FLASHC_OP_BACKWARD)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "unknown op %d", (int)op);
 
-    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, NVIEW };
-    uintptr_t lo[NVIEW] = {0}, hi[NVIEW] = {0};
+    /* Every buffer of a data call: the views, then lse, cu_seqlens q / k, slopes, block mask. */
+    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, ILSE, ICUQ, ICUK, ISLOPE, IMASK, NRANGE };
+    static const char *names[NRANGE] = {"q",  "k",  "v",           "out",          "dout",        "dq",     "dk",
+                                        "dv", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes",
+                                        "block_mask"};
+    uintptr_t lo[NRANGE] = {0}, hi[NRANGE] = {0};
     FLASHC_TRY(check_view(ctx, "q", q, need, 0, &lo[IQ], &hi[IQ]));
     FLASHC_TRY(check_view(ctx, "k", k, need, 0, &lo[IK], &hi[IK]));
     FLASHC_TRY(check_view(ctx, "v", v, need, 0, &lo[IV], &hi[IV]));
@@ -398,6 +518,13 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         if (params->num_seqs > INT32_MAX)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "num_seqs %lld is too large",
                               (long long)params->num_seqs);
+        /* No sequence is longer than the packed rows that hold it: a larger bound is a mistake, and it would size
+         * the work (tasks, grids, the block mask's rows) by rows that do not exist. */
+        if (params->max_seqlen_q > q->shape[1] || params->max_seqlen_k > k->shape[1])
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "max_seqlen (%lld, %lld) exceeds the packed totals (%lld query, %lld key rows)",
+                              (long long)params->max_seqlen_q, (long long)params->max_seqlen_k,
+                              (long long)q->shape[1], (long long)k->shape[1]);
         p->varlen = 1;
         p->cu_q = params->cu_seqlens_q;
         p->cu_k = params->cu_seqlens_k;
@@ -409,6 +536,19 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     }
     if (p->total_q > INT32_MAX || p->total_k > INT32_MAX)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "sequence lengths above 2^31 - 1 are not supported");
+    /* The backends count work in int64 as B * H * N * D (tasks, per-head buffers, lse rows): it must fit. */
+    int64_t work;
+    const int64_t nmax = p->Nq > p->Nk ? p->Nq : p->Nk;
+    if (!flashc_mul_i64(p->B, p->H, &work) || !flashc_mul_i64(work, nmax, &work) ||
+        !flashc_mul_i64(work, FLASHC_MAX_HEAD_DIM, &work))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "B * H * max(Nq, Nk) * %d = %lld * %lld * %lld * %d does not fit in int64",
+                          FLASHC_MAX_HEAD_DIM, (long long)p->B, (long long)p->H, (long long)nmax,
+                          FLASHC_MAX_HEAD_DIM);
+    /* A window side at least as long as the keys (left) or queries (right) hides nothing: it is unbounded, and
+     * says so, which also keeps i + Nk - Nq -/+ window within int64 in every kernel. */
+    if (p->win_left >= p->Nk) p->win_left = -1;
+    if (p->win_right >= p->Nq) p->win_right = -1;
 
     /* block-sparse mask */
     if (params->block_mask) {
@@ -423,12 +563,19 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
                               (long long)params->block_mask_batch, (long long)params->block_mask_heads,
                               (long long)p->B, (long long)p->H);
         p->block_mask = params->block_mask;
-        p->bm_q = params->block_mask_q;
-        p->bm_k = params->block_mask_k;
+        /* A block longer than the sequence is one block: clamping changes no mask byte's meaning and keeps the
+         * kernels' index arithmetic small. */
+        p->bm_q = params->block_mask_q < p->Nq ? params->block_mask_q : p->Nq;
+        p->bm_k = params->block_mask_k < p->Nk ? params->block_mask_k : p->Nk;
         p->bm_batch = params->block_mask_batch;
         p->bm_heads = params->block_mask_heads;
-        p->bm_nqb = (p->Nq + p->bm_q - 1) / p->bm_q;
-        p->bm_nkb = (p->Nk + p->bm_k - 1) / p->bm_k;
+        p->bm_nqb = p->Nq / p->bm_q + (p->Nq % p->bm_q != 0);
+        p->bm_nkb = p->Nk / p->bm_k + (p->Nk % p->bm_k != 0);
+        int64_t mask_bytes;
+        if (!flashc_mul_i64(p->bm_batch, p->bm_heads, &mask_bytes) ||
+            !flashc_mul_i64(mask_bytes, p->bm_nqb, &mask_bytes) || !flashc_mul_i64(mask_bytes, p->bm_nkb, &mask_bytes))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "the block mask's size overflows int64");
+        if (need) FLASHC_TRY(byte_range(ctx, "block_mask", p->block_mask, mask_bytes, 1, &lo[IMASK], &hi[IMASK]));
     }
 
     p->q = *q;
@@ -436,55 +583,71 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     p->v = *v;
     if (query) return FLASHC_STATUS_OK;
 
+    /* The small inputs' byte ranges, for the aliasing checks below. */
+    if (p->varlen) {
+        FLASHC_TRY(byte_range(ctx, "cu_seqlens_q", p->cu_q, p->B + 1, 4, &lo[ICUQ], &hi[ICUQ]));
+        FLASHC_TRY(byte_range(ctx, "cu_seqlens_k", p->cu_k, p->B + 1, 4, &lo[ICUK], &hi[ICUK]));
+    }
+    if (p->alibi) { /* slope(b, h) = alibi[b * stride + h]: (B - 1) * stride + H floats */
+        int64_t n;
+        if (!flashc_mul_i64(p->B - 1, p->alibi_batch_stride, &n) || !flashc_add_i64(n, p->H, &n))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "alibi_batch_stride %lld overflows int64 offsets",
+                              (long long)p->alibi_batch_stride);
+        FLASHC_TRY(byte_range(ctx, "alibi_slopes", p->alibi, n, 4, &lo[ISLOPE], &hi[ISLOPE]));
+    }
+    if (lse) {
+        int64_t n; /* (B, H, Nq), varlen (H, total_q) */
+        if (!flashc_mul_i64(p->H, p->total_q, &n) || !flashc_mul_i64(n, p->varlen ? 1 : p->B, &n))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "softmax_lse's size overflows int64");
+        FLASHC_TRY(byte_range(ctx, "softmax_lse", lse, n, 4, &lo[ILSE], &hi[ILSE]));
+    }
+
     /* outputs and backward inputs */
+    int outputs[4], nout = 0;
     if (op == FLASHC_OP_FORWARD) {
         FLASHC_TRY(check_view(ctx, "out", out, 1, 1, &lo[IO], &hi[IO]));
         if (!same_shape(out, q) || out->dtype != q->dtype)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out must have q's shape and dtype");
-        for (int i = IQ; i <= IV; i++)
-            if (overlaps(lo[IO], hi[IO], lo[i], hi[i]))
-                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out overlaps %s in memory",
-                                  i == IQ ? "q" : i == IK ? "k" : "v");
         p->out = *out;
         p->lse = lse;
-        if (lse) {
-            uintptr_t llo = (uintptr_t)lse, lhi = llo + (uintptr_t)(p->H * p->total_q * (p->varlen ? 1 : p->B)) * 4;
-            for (int i = IQ; i <= IO; i++)
-                if (overlaps(llo, lhi, lo[i], hi[i]))
-                    return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "softmax_lse overlaps a tensor in memory");
-        }
-        return FLASHC_STATUS_OK;
+        outputs[nout++] = IO;
+        if (lse) outputs[nout++] = ILSE;
+    } else {
+        if (!lse)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "backward needs softmax_lse from the forward");
+        FLASHC_TRY(check_view(ctx, "out", out, 1, 0, &lo[IO], &hi[IO]));
+        FLASHC_TRY(check_view(ctx, "dout", dout, 1, 0, &lo[IDO], &hi[IDO]));
+        FLASHC_TRY(check_view(ctx, "dq", dq, 1, 1, &lo[IDQ], &hi[IDQ]));
+        FLASHC_TRY(check_view(ctx, "dk", dk, 1, 1, &lo[IDK], &hi[IDK]));
+        FLASHC_TRY(check_view(ctx, "dv", dv, 1, 1, &lo[IDV], &hi[IDV]));
+        const flashc_tensor *like_q[3] = {out, dout, dq}, *like_k[2] = {dk, dv};
+        static const char *qnames[3] = {"out", "dout", "dq"}, *knames[2] = {"dk", "dv"};
+        for (int i = 0; i < 3; i++)
+            if (!same_shape(like_q[i], q) || like_q[i]->dtype != q->dtype)
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s must have q's shape and dtype", qnames[i]);
+        for (int i = 0; i < 2; i++)
+            if (!same_shape(like_k[i], k) || like_k[i]->dtype != q->dtype)
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s must have k's shape and q's dtype",
+                                  knames[i]);
+        p->out = *out;
+        p->dout = *dout;
+        p->dq = *dq;
+        p->dk = *dk;
+        p->dv = *dv;
+        p->lse = lse;
+        outputs[nout++] = IDQ;
+        outputs[nout++] = IDK;
+        outputs[nout++] = IDV;
     }
-
-    if (!lse) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "backward needs softmax_lse from the forward");
-    FLASHC_TRY(check_view(ctx, "out", out, 1, 0, &lo[IO], &hi[IO]));
-    FLASHC_TRY(check_view(ctx, "dout", dout, 1, 0, &lo[IDO], &hi[IDO]));
-    FLASHC_TRY(check_view(ctx, "dq", dq, 1, 1, &lo[IDQ], &hi[IDQ]));
-    FLASHC_TRY(check_view(ctx, "dk", dk, 1, 1, &lo[IDK], &hi[IDK]));
-    FLASHC_TRY(check_view(ctx, "dv", dv, 1, 1, &lo[IDV], &hi[IDV]));
-    const flashc_tensor *like_q[3] = {out, dout, dq}, *like_k[2] = {dk, dv};
-    static const char *qnames[3] = {"out", "dout", "dq"}, *knames[2] = {"dk", "dv"};
-    for (int i = 0; i < 3; i++)
-        if (!same_shape(like_q[i], q) || like_q[i]->dtype != q->dtype)
-            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s must have q's shape and dtype", qnames[i]);
-    for (int i = 0; i < 2; i++)
-        if (!same_shape(like_k[i], k) || like_k[i]->dtype != q->dtype)
-            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s must have k's shape and q's dtype", knames[i]);
-    static const char *names[NVIEW] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv"};
-    uintptr_t llo = (uintptr_t)lse, lhi = llo + (uintptr_t)(p->H * p->total_q * (p->varlen ? 1 : p->B)) * 4;
-    for (int o = IDQ; o <= IDV; o++) {
-        for (int i = 0; i < NVIEW; i++)
-            if (i != o && overlaps(lo[o], hi[o], lo[i], hi[i]))
+    /* An output shares no byte with any other buffer of the call: inputs would change under the kernels' feet and
+     * two outputs would race. (Inputs may overlap each other: they are only read.) */
+    for (int oi = 0; oi < nout; oi++) {
+        const int o = outputs[oi];
+        for (int i = 0; i < NRANGE; i++)
+            if (i != o && hi[i] > lo[i] && overlaps(lo[o], hi[o], lo[i], hi[i]))
                 return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps %s in memory", names[o], names[i]);
-        if (overlaps(lo[o], hi[o], llo, lhi))
-            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps softmax_lse in memory", names[o]);
     }
-    p->out = *out;
-    p->dout = *dout;
-    p->dq = *dq;
-    p->dk = *dk;
-    p->dv = *dv;
-    p->lse = lse;
+    for (int i = 0; i < NRANGE; i++) note_range(p, lo[i], hi[i]);
     return FLASHC_STATUS_OK;
 }
 
@@ -500,7 +663,7 @@ flashc_status flashc_supported(flashc_context_t ctx, flashc_op op, const flashc_
     flashc_problem p;
     FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
     FLASHC_TRY(supported_problem(ctx, &p));
-    ctx->error[0] = '\0';
+    flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
 
@@ -514,12 +677,23 @@ const char *flashc_kernel_name(flashc_context_t ctx, flashc_op op, const flashc_
     if (flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p) != FLASHC_STATUS_OK ||
         supported_problem(ctx, &p) != FLASHC_STATUS_OK)
         return NULL;
-    ctx->error[0] = '\0';
+    flashc_clear_error(ctx);
 #ifdef FLASHC_WITH_CUDA
     if (ctx->backend == FLASHC_BACKEND_CUDA)
         return op == FLASHC_OP_FORWARD ? flashc_cuda_fwd_path(ctx, &p) : flashc_cuda_bwd_path(ctx, &p);
 #endif
     return "CPU tiles (SIMD microkernels)";
+}
+
+/* The backend's workspace for p; backends saturate their size arithmetic at SIZE_MAX (internal.h). */
+static flashc_status backend_workspace(flashc_context_t ctx, const flashc_problem *p, size_t *bytes) {
+    *bytes = ctx->ops->workspace_size(ctx, p);
+    if (*bytes > SIZE_MAX / 2) {
+        *bytes = 0;
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "the workspace for this problem does not fit in this address space");
+    }
+    return FLASHC_STATUS_OK;
 }
 
 static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
@@ -531,8 +705,8 @@ static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const fl
     flashc_problem p;
     FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
     FLASHC_TRY(supported_problem(ctx, &p));
-    *bytes = ctx->ops->workspace_size(ctx, &p);
-    ctx->error[0] = '\0';
+    FLASHC_TRY(backend_workspace(ctx, &p, bytes));
+    flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
 
@@ -550,13 +724,25 @@ flashc_status flashc_backward_workspace_size(flashc_context_t ctx, const flashc_
 static flashc_status run_with_workspace(flashc_context_t ctx, const flashc_problem *p,
                                         flashc_status (*fn)(struct flashc_context *, const flashc_problem *, void *),
                                         void *workspace, size_t workspace_bytes) {
-    size_t need = ctx->ops->workspace_size(ctx, p);
+    size_t need;
+    FLASHC_TRY(backend_workspace(ctx, p, &need));
     if (workspace && workspace_bytes < need)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace has %zu bytes, this problem needs %zu",
                           workspace_bytes, need);
     /* The kernels read and write it 16 bytes at a time (and hand it to the TMA): malloc and cudaMalloc give that. */
     if (workspace && need > 0 && (uintptr_t)workspace % 16)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace %p is not 16-byte aligned", workspace);
+    if (workspace && need > 0) {
+        const uintptr_t wlo = (uintptr_t)workspace, whi = wlo + need;
+        if (whi < wlo)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace %p + %zu bytes wraps the address space",
+                              workspace, need);
+        for (int i = 0; i < p->nranges; i++)
+            if (overlaps(wlo, whi, p->range_lo[i], p->range_hi[i]))
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                  "the workspace's first %zu bytes overlap a tensor or parameter array of the call",
+                                  need);
+    }
     void *owned = NULL;
     if (!workspace && need > 0) {
         FLASHC_TRY(ctx->ops->workspace_alloc(ctx, need, &owned));
@@ -577,7 +763,7 @@ flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const
                                     NULL, &p));
     FLASHC_TRY(supported_problem(ctx, &p));
     FLASHC_TRY(run_with_workspace(ctx, &p, ctx->ops->forward, workspace, workspace_bytes));
-    ctx->error[0] = '\0';
+    flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
 
@@ -594,6 +780,6 @@ flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, cons
                                     dk, dv, &p));
     FLASHC_TRY(supported_problem(ctx, &p));
     FLASHC_TRY(run_with_workspace(ctx, &p, ctx->ops->backward, workspace, workspace_bytes));
-    ctx->error[0] = '\0';
+    flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }

@@ -16,6 +16,32 @@ extern "C" {
 
 #define FLASHC_ERROR_LEN 512
 #define FLASHC_MAX_HEAD_DIM 256
+/* The most threads a CPU context runs (flashc_context_set_threads caps larger requests at the processor count). */
+#define FLASHC_MAX_THREADS 1024
+
+/*
+ * Checked arithmetic on sizes that come from the user. One rule everywhere: signed products and sums of
+ * non-negative int64 values return 0 when they do not fit; size_t products and sums saturate at SIZE_MAX, which
+ * the front reads as "does not fit in this address space" (no real workspace is SIZE_MAX bytes).
+ */
+static inline int flashc_mul_i64(int64_t a, int64_t b, int64_t *r) {
+    if (a < 0 || b < 0 || (a != 0 && b > INT64_MAX / a)) return 0;
+    *r = a * b;
+    return 1;
+}
+static inline int flashc_add_i64(int64_t a, int64_t b, int64_t *r) {
+    if (a < 0 || b < 0 || a > INT64_MAX - b) return 0;
+    *r = a + b;
+    return 1;
+}
+static inline size_t flashc_size_mul(size_t a, size_t b) {
+    return a != 0 && b > SIZE_MAX / a ? SIZE_MAX : a * b;
+}
+static inline size_t flashc_size_add(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+/* A non-negative int64 as size_t, saturating (size_t may be 32 bits). */
+static inline size_t flashc_size_of_i64(int64_t a) {
+    return a < 0 ? SIZE_MAX : (uint64_t)a > (uint64_t)SIZE_MAX ? SIZE_MAX : (size_t)a;
+}
 
 /*
  * A validated attention problem. The front fills it from the public arguments; backends only read it.
@@ -47,6 +73,11 @@ typedef struct flashc_problem {
     flashc_tensor out;  /* forward output, backward input */
     float *lse;         /* forward: may be NULL; backward: input */
     flashc_tensor dout, dq, dk, dv; /* backward only */
+
+    /* Front only: the byte ranges [lo, hi) of every buffer a data call reads or writes (views, lse, cu_seqlens,
+     * slopes, block mask), so that a caller's workspace can be checked against them too. */
+    int nranges;
+    uintptr_t range_lo[12], range_hi[12];
 } flashc_problem;
 
 struct flashc_context;
@@ -66,6 +97,11 @@ typedef struct flashc_backend_ops {
     flashc_status (*backward)(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
 } flashc_backend_ops;
 
+/*
+ * A context is shared freely between threads for the attention calls: nothing in it changes during one. The
+ * configuration (stream, threads) is set before calls run. The last-error text is kept per calling thread
+ * (src/flashc.c), so it is not in here.
+ */
 struct flashc_context {
     const flashc_backend_ops *ops;
     flashc_backend backend;
@@ -73,16 +109,20 @@ struct flashc_context {
     int threads;
     void *stream;
     void *backend_state;
-    char error[FLASHC_ERROR_LEN];
+    unsigned long long id; /* unique per process: what the per-thread error slots are keyed by */
 };
 
-/* Records "file:line: message" on ctx (or the thread's slot when ctx is NULL) and returns status. */
+/* Records "file:line: message" as the calling thread's last error on ctx (or its context-free slot when ctx is
+ * NULL) and returns status. */
 flashc_status flashc_set_error(struct flashc_context *ctx, flashc_status status, const char *file, int line,
                                const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 5, 6)))
 #endif
     ;
+
+/* Clears the calling thread's last error on ctx (a call succeeded). */
+void flashc_clear_error(struct flashc_context *ctx);
 
 #define FLASHC_ERR(ctx, status, ...) flashc_set_error((ctx), (status), __FILE__, __LINE__, __VA_ARGS__)
 #define FLASHC_TRY(expr)                                                                                     \
@@ -92,6 +132,9 @@ flashc_status flashc_set_error(struct flashc_context *ctx, flashc_status status,
     } while (0)
 
 extern const flashc_backend_ops flashc_cpu_ops;
+/* The most threads a CPU call runs (src/cpu/cpu.c); and the count a CPU context's call runs. */
+int flashc_cpu_thread_limit(void);
+int flashc_cpu_thread_count(const struct flashc_context *ctx);
 #ifdef FLASHC_WITH_CUDA
 extern const flashc_backend_ops flashc_cuda_ops;
 int flashc_cuda_device_count(void);

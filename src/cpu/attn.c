@@ -114,12 +114,17 @@ static int64_t kv_splits(const flashc_problem *p, const layout *L, int nthreads)
 
 static size_t partial_floats(const layout *L) { return (size_t)L->br * L->dp + 2 * (size_t)L->br; }
 
+/* Sizes in saturating arithmetic (internal.h): a problem whose workspace does not fit reads as SIZE_MAX. */
+#define SMUL flashc_size_mul
+#define SADD flashc_size_add
+
 size_t flashc_cpu_forward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
     const layout L = make_layout(p, 0);
     const int nthreads = flashc_cpu_thread_count(ctx);
     const int64_t splits = kv_splits(p, &L, nthreads);
-    size_t partials = splits > 1 ? (size_t)(p->B * p->H * L.nqb * splits) * partial_floats(&L) : 0;
-    return ((size_t)nthreads * L.per_thread + partials) * sizeof(float) + 64;
+    const size_t tasks = SMUL(SMUL(flashc_size_of_i64(p->B), flashc_size_of_i64(p->H)), flashc_size_of_i64(L.nqb));
+    const size_t partials = splits > 1 ? SMUL(SMUL(tasks, (size_t)splits), partial_floats(&L)) : 0;
+    return SADD(SMUL(SADD(SMUL((size_t)nthreads, L.per_thread), partials), sizeof(float)), 64);
 }
 
 /*
@@ -197,7 +202,7 @@ static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int
 }
 
 flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(flashc_cpu_check_varlen(ctx, p));
+    FLASHC_TRY(flashc_cpu_check_inputs(ctx, p));
     const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
     const layout L = make_layout(p, 0);
     const int nthreads = flashc_cpu_thread_count(ctx);
@@ -254,10 +259,12 @@ flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_proble
                     }
                     float l = 0.0f;
                     float *orow = t.o + (size_t)r * L.dp;
-                    for (int64_t s = 0; s < splits && mx != -INFINITY; s++) {
+                    for (int64_t s = 0; s < splits; s++) {
                         const float *part = partials + (size_t)(task * splits + s) * pf;
                         const float ms = part[(size_t)L.br * L.dp + r], ls = part[(size_t)L.br * L.dp + L.br + r];
-                        if (ms == -INFINITY) continue;
+                        /* Only a piece that saw no key is skipped: one whose scores were all NaN has m = -inf but
+                         * l = NaN, and must make the row NaN as it does unsplit. */
+                        if (ls == 0.0f) continue;
                         const float w = exp2f(ms - mx);
                         l += ls * w;
                         const float *prow = part + (size_t)r * L.dp;
@@ -276,7 +283,7 @@ flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_proble
 
 /* ---- backward --------------------------------------------------------------------------------------------- */
 
-static size_t di_floats(const flashc_problem *p) {
+static size_t di_floats(const flashc_problem *p) { /* the front checked B * H * Nq * 256 fits in int64 */
     return (size_t)round_up(p->varlen ? p->H * p->total_q : p->B * p->H * p->Nq, 16);
 }
 
@@ -285,23 +292,26 @@ static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p-
 
 /* Per thread in the single-pass mode: dQ, (scale Q)^T and dO^T of one sequence, its lse and D. */
 static size_t dq_seq_floats(const flashc_problem *p, const layout *L) {
-    const size_t npad = (size_t)(L->nqb * L->br);
-    return npad * L->dp + 2 * (npad + FLASHC_CPU_LD_PAD) * L->dp + 2 * npad;
+    const size_t npad = flashc_size_of_i64(L->nqb * L->br);
+    return SADD(SMUL(SADD(SMUL(3, npad), 2 * FLASHC_CPU_LD_PAD), (size_t)L->dp), SMUL(2, npad));
 }
 
 static size_t dkv_head_floats(const flashc_problem *p, const layout *L) {
-    return (size_t)(p->varlen ? p->total_k : p->Nk) * L->dp;
+    return SMUL(flashc_size_of_i64(p->varlen ? p->total_k : p->Nk), (size_t)L->dp);
 }
 
 size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
     const layout L = make_layout(p, 1);
     const int nthreads = flashc_cpu_thread_count(ctx);
-    size_t floats = (size_t)nthreads * L.per_thread + di_floats(p);
+    size_t floats = SADD(SMUL((size_t)nthreads, L.per_thread), di_floats(p));
     if (single_pass(p, nthreads)) {
-        floats += (size_t)nthreads * dq_seq_floats(p, &L);
-        if (p->H != p->Hkv) floats += 2 * (size_t)(p->varlen ? 1 : p->B) * p->H * dkv_head_floats(p, &L);
+        floats = SADD(floats, SMUL((size_t)nthreads, dq_seq_floats(p, &L)));
+        if (p->H != p->Hkv) { /* per-head fp32 dK and dV: 2 * B * H * Nk * dp floats */
+            const size_t heads = SMUL(flashc_size_of_i64(p->varlen ? 1 : p->B), flashc_size_of_i64(p->H));
+            floats = SADD(floats, SMUL(SMUL(2, heads), dkv_head_floats(p, &L)));
+        }
     }
-    return floats * sizeof(float) + 64;
+    return SADD(SMUL(floats, sizeof(float)), 64);
 }
 
 /* The query side of a backward tile: (scale Q)^T and dO^T (D x br, leading dim ld), lse in log2 units (+inf on
@@ -509,7 +519,7 @@ static void reduce_group(const flashc_problem *p, const layout *L, const float *
 }
 
 flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(flashc_cpu_check_varlen(ctx, p));
+    FLASHC_TRY(flashc_cpu_check_inputs(ctx, p));
     const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
     const layout L = make_layout(p, 1);
     const int nthreads = flashc_cpu_thread_count(ctx);

@@ -111,9 +111,24 @@ const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
     return cpu_info.kernels;
 }
 
+/* Never more than 4 threads per processor this process may run on (and FLASHC_MAX_THREADS): libgomp exits the
+ * process when it cannot start the threads a parallel region asks for, so no user-given count reaches OpenMP
+ * unbounded. A few per processor still lets tests run more threads than cores. */
+int flashc_cpu_thread_limit(void) {
+#ifdef _OPENMP
+    int procs = omp_get_num_procs(), lim = procs > 0 ? (procs < FLASHC_MAX_THREADS / 4 ? 4 * procs : FLASHC_MAX_THREADS) : 1;
+    const int tl = omp_get_thread_limit();
+    if (tl > 0 && tl < lim) lim = tl;
+    return lim;
+#else
+    return 1;
+#endif
+}
+
 int flashc_cpu_thread_count(const struct flashc_context *ctx) {
 #ifdef _OPENMP
-    return ctx->threads > 0 ? ctx->threads : omp_get_max_threads();
+    const int n = ctx->threads > 0 ? ctx->threads : omp_get_max_threads(), lim = flashc_cpu_thread_limit();
+    return n < 1 ? 1 : n > lim ? lim : n;
 #else
     (void)ctx;
     return 1;
@@ -322,7 +337,19 @@ void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, in
     }
 }
 
-flashc_status flashc_cpu_check_varlen(struct flashc_context *ctx, const flashc_problem *p) {
+flashc_status flashc_cpu_check_inputs(struct flashc_context *ctx, const flashc_problem *p) {
+    /* A non-finite slope is refused like a non-finite scale: it would turn every score of its head to NaN or
+     * infinity, which no caller means. (The CUDA backend cannot read device memory without a synchronizing
+     * copy, so there such a slope gives NaN.) */
+    if (p->alibi)
+        for (int64_t b = 0; b < (p->alibi_batch_stride ? p->B : 1); b++)
+            for (int64_t h = 0; h < p->H; h++) {
+                const float m = p->alibi[b * p->alibi_batch_stride + h];
+                if (!isfinite(m))
+                    return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                      "alibi slope of batch %lld, head %lld is %g: slopes must be finite",
+                                      (long long)b, (long long)h, (double)m);
+            }
     if (!p->varlen) return FLASHC_STATUS_OK;
     if (p->cu_q[0] != 0 || p->cu_k[0] != 0)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens must start at 0 (got %d, %d)",

@@ -76,7 +76,6 @@ flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward);
  */
 #define FLASHC_CPU_LD_PAD 16
 
-int flashc_cpu_thread_count(const struct flashc_context *ctx);
 
 /* Element offset of (batch b, row n, head h, dim 0) in a view. */
 static inline int64_t flashc_cpu_offset(const flashc_tensor *t, int64_t b, int64_t n, int64_t h) {
@@ -125,8 +124,8 @@ int flashc_cpu_tile_visible(const flashc_problem *p, int64_t b, int64_t h, int64
 void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, int64_t nq, int64_t nk, int64_t *lo,
                                 int64_t *hi);
 
-/* Checks cu_seqlens (host memory) against the problem; sets the error on ctx. */
-flashc_status flashc_cpu_check_varlen(struct flashc_context *ctx, const flashc_problem *p);
+/* Checks what lives in host memory: cu_seqlens against the problem, ALiBi slopes finite; sets the error on ctx. */
+flashc_status flashc_cpu_check_inputs(struct flashc_context *ctx, const flashc_problem *p);
 
 size_t flashc_cpu_forward_workspace(const struct flashc_context *ctx, const flashc_problem *p);
 size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p);

@@ -104,8 +104,10 @@ static void gemm_avx2(int m, int n, int k, const float *a, int64_t rs_a, int64_t
 }
 
 AI __m256 exp2_ps(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(127.0f));
+    /* NaN stays NaN: max/min return their second operand when either is NaN, so x goes second, and the flush to
+     * 0 below -126 is "not less than", true for NaN. */
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_NLT_UQ);
+    x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), x));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
     __m256 p = _mm256_set1_ps(FLASHC_EXP2_C6);
@@ -124,7 +126,9 @@ static void softmax_avx2(int cols, int rows, float *st, int64_t ld, float *m, fl
     for (int r = 0; r < rows; r += 8) {
         const __m256 m_old = _mm256_loadu_ps(m + r);
         __m256 mx = m_old;
-        for (int c = 0; c < cols; c++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(st + (size_t)c * ld + r));
+        /* The row max skips NaN scores (max returns its second operand, mx, when the score is NaN), as fmaxf does
+         * in the portable kernel; a NaN score still makes its row NaN through exp2 and the sum. */
+        for (int c = 0; c < cols; c++) mx = _mm256_max_ps(_mm256_loadu_ps(st + (size_t)c * ld + r), mx);
         const __m256 empty = _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ);
         const __m256 sub = _mm256_blendv_ps(mx, zero, empty);
         const __m256 a = _mm256_blendv_ps(exp2_ps(_mm256_sub_ps(m_old, sub)), one, empty);

@@ -100,8 +100,10 @@ static void gemm_avx512(int m, int n, int k, const float *a, int64_t rs_a, int64
 
 /* Clamped to [-126, 128]: vscalefps turns n = 128 into +inf, and +inf inputs never reach inf - inf = NaN. */
 AI __m512 exp2_ps(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(128.0f));
+    /* NaN stays NaN: max/min return their second operand when either is NaN, so x goes second, and the flush to
+     * 0 below -126 is "not less than", true for NaN. */
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-126.0f), x));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(FLASHC_EXP2_C6);
@@ -119,7 +121,9 @@ static void softmax_avx512(int cols, int rows, float *st, int64_t ld, float *m, 
     for (int r = 0; r < rows; r += 16) {
         const __m512 m_old = _mm512_loadu_ps(m + r);
         __m512 mx = m_old;
-        for (int c = 0; c < cols; c++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(st + (size_t)c * ld + r));
+        /* The row max skips NaN scores (max returns its second operand, mx, when the score is NaN), as fmaxf does
+         * in the portable kernel; a NaN score still makes its row NaN through exp2 and the sum. */
+        for (int c = 0; c < cols; c++) mx = _mm512_max_ps(_mm512_loadu_ps(st + (size_t)c * ld + r), mx);
         const __mmask16 empty = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
         const __m512 sub = _mm512_mask_mov_ps(mx, empty, zero);
         const __m512 a = _mm512_mask_mov_ps(exp2_ps(_mm512_sub_ps(m_old, sub)), empty, one);

@@ -120,8 +120,10 @@ const char *flashc_cuda_bwd_path_name(const flashc_problem *p, int sm90) {
 }
 
 size_t flashc_cuda_bwd_workspace(const flashc_problem *p) {
-    size_t bytes = bwd_dvec_bytes(p);
-    if (!p->deterministic) bytes += (size_t)bwd_rows(p) * (size_t)p->H * (size_t)p->D * sizeof(float);
+    size_t bytes = bwd_dvec_bytes(p); /* saturating: the front refuses SIZE_MAX */
+    if (!p->deterministic)
+        bytes = flashc_size_add(bytes, flashc_size_mul(flashc_size_mul(flashc_size_of_i64(bwd_rows(p)), (size_t)p->H),
+                                                       (size_t)p->D * sizeof(float)));
     return bytes;
 }
 

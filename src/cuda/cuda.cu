@@ -267,7 +267,8 @@ static size_t cuda_workspace_size(struct flashc_context *ctx, const flashc_probl
     const int n = fwd_splits(ctx, p, e);
     if (n < 2) return 0;
     const int64_t rows = p->varlen ? p->total_q : p->B * p->Nq; /* the partials' (H, rows) layout */
-    return (size_t)n * (size_t)p->H * (size_t)rows * ((size_t)p->D + 1) * sizeof(float);
+    return flashc_size_mul(flashc_size_mul(flashc_size_mul((size_t)n, (size_t)p->H), flashc_size_of_i64(rows)),
+                           ((size_t)p->D + 1) * sizeof(float)); /* saturates: the front refuses SIZE_MAX */
 }
 
 static flashc_status cuda_workspace_alloc(struct flashc_context *ctx, size_t bytes, void **ptr) {
