@@ -27,11 +27,16 @@ int cli_flag(const char *arg, const char *name);
 /* 1 for -h, --help, help. */
 int cli_is_help(const char *arg);
 
-/* Strict parsers: the whole string must be a number in [lo, hi]. Return 0 or -1 after printing why. */
+/* Strict parsers: the whole string must be a number (no blanks), in [lo, hi] for integers, for f32 a finite value
+ * that fp32 holds as a normal number or exactly 0. Return 0 or -1 after printing why. */
 int cli_parse_i64(const char *cmd, const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out);
 int cli_parse_f32(const char *cmd, const char *opt, const char *s, float *out);
 int cli_parse_backend(const char *cmd, const char *s, flashc_backend *out);
 int cli_parse_dtype(const char *cmd, const char *s, flashc_dtype *out);
+
+/* 1 when the two paths name one file: the same (device, inode) through any spelling, symbolic or hard link;
+ * for names that do not exist yet, the same final name in the same directory. */
+int cli_same_file(const char *a, const char *b);
 
 /* Prints "flashc CMD: message" and a pointer to --help on stderr; returns 2. */
 int cli_usage_error(const char *cmd, const char *fmt, ...)

@@ -8,11 +8,14 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -45,13 +48,29 @@ int cli_is_help(const char *arg) {
     return strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0 || strcmp(arg, "help") == 0;
 }
 
+/* strtoll and strtod skip leading blanks; a strict parser must not, or "--window ' 5,3'" would pass. */
+static int cli_blank(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
 int cli_parse_i64(const char *cmd, const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    char *end;
+    if (s[0] == '\0') {
+        cli_usage_error(cmd, "--%s needs a value, got an empty string", opt);
+        return -1;
+    }
+    char *end = (char *)s;
     errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi) {
+    long long v = cli_blank(s[0]) ? 0 : strtoll(s, &end, 10);
+    if (end == s || *end != '\0') {
         cli_usage_error(cmd, "--%s wants an integer in [%lld, %lld], not '%s'", opt, (long long)lo, (long long)hi,
                         s);
+        return -1;
+    }
+    if (errno == ERANGE) {
+        cli_usage_error(cmd, "--%s %s does not fit in a 64-bit integer; it wants an integer in [%lld, %lld]", opt, s,
+                        (long long)lo, (long long)hi);
+        return -1;
+    }
+    if (v < lo || v > hi) {
+        cli_usage_error(cmd, "--%s wants an integer in [%lld, %lld], not %s", opt, (long long)lo, (long long)hi, s);
         return -1;
     }
     *out = v;
@@ -59,14 +78,37 @@ int cli_parse_i64(const char *cmd, const char *opt, const char *s, int64_t lo, i
 }
 
 int cli_parse_f32(const char *cmd, const char *opt, const char *s, float *out) {
-    char *end;
+    if (s[0] == '\0') {
+        cli_usage_error(cmd, "--%s needs a value, got an empty string", opt);
+        return -1;
+    }
+    char *end = (char *)s;
     errno = 0;
-    float v = strtof(s, &end);
-    if (errno != 0 || end == s || *end != '\0' || !isfinite(v)) {
+    double v = cli_blank(s[0]) ? 0.0 : strtod(s, &end);
+    if (end == s || *end != '\0') {
+        cli_usage_error(cmd, "--%s wants a number, not '%s'", opt, s);
+        return -1;
+    }
+    int range = errno == ERANGE;
+    if (!range && !isfinite(v)) {
         cli_usage_error(cmd, "--%s wants a finite number, not '%s'", opt, s);
         return -1;
     }
-    *out = v;
+    /* The library computes in fp32: a value past FLT_MAX would become inf, and one below FLT_MIN would become
+     * a subnormal or 0 (which --scale reads as "the default" and --softcap as "off") - neither what was asked. */
+    if ((range && fabs(v) > 1.0) || fabs(v) > (double)FLT_MAX) {
+        cli_usage_error(cmd, "--%s %s is too large for fp32 (the largest is %g)", opt, s, (double)FLT_MAX);
+        return -1;
+    }
+    float f = (float)v;
+    if ((range && fabs(v) <= 1.0) || (v != 0.0 && fabsf(f) < FLT_MIN)) {
+        cli_usage_error(cmd,
+                        "--%s %s is not representable as a normal fp32 value: nonzero values need a magnitude of "
+                        "at least %g",
+                        opt, s, (double)FLT_MIN);
+        return -1;
+    }
+    *out = f;
     return 0;
 }
 
@@ -90,6 +132,34 @@ int cli_parse_dtype(const char *cmd, const char *s, flashc_dtype *out) {
         return -1;
     }
     return 0;
+}
+
+/* ---- paths ---------------------------------------------------------------------------------------------------- */
+
+/* The (device, inode) of the directory a path's last component lives in, and that component. */
+static int cli_parent_id(const char *path, struct stat *dir, const char **base) {
+    const char *slash = strrchr(path, '/');
+    *base = slash ? slash + 1 : path;
+    if (!slash) return stat(".", dir);
+    size_t n = slash == path ? 1 : (size_t)(slash - path);
+    char *d = (char *)malloc(n + 1);
+    if (!d) return -1;
+    memcpy(d, path, n);
+    d[n] = '\0';
+    int rc = stat(d, dir);
+    free(d);
+    return rc;
+}
+
+int cli_same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    int ea = stat(a, &sa) == 0, eb = stat(b, &sb) == 0;
+    if (ea && eb) return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    if (ea || eb) return 0;
+    /* Neither exists yet: the same name in the same directory, however the directory was spelled. */
+    const char *ba, *bb;
+    if (cli_parent_id(a, &sa, &ba) != 0 || cli_parent_id(b, &sb, &bb) != 0) return 0;
+    return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino && ba[0] && strcmp(ba, bb) == 0;
 }
 
 int cli_usage_error(const char *cmd, const char *fmt, ...) {

@@ -46,13 +46,18 @@ static const char run_usage[] =
     "  --layout bnhd|bhnd             axis order of every file: (B, N, H, D) (default) or (B, H, N, D)\n"
     "  --causal                       causal mask, aligned to the bottom right when Nq != Nk\n"
     "  --window L,R                   sliding window: key j is kept iff i+Nk-Nq-L <= j <= i+Nk-Nq+R; -1 unbounded\n"
-    "  --scale S                      softmax scale (default 1/sqrt(D))\n"
-    "  --softcap C                    scores become C * tanh(scores / C)\n"
+    "  --scale S                      softmax scale (default, or 0: 1/sqrt(D)); a finite fp32 value\n"
+    "  --softcap C                    scores become C * tanh(scores / C); C >= 0, 0 is off\n"
     "  --backend auto|cpu|cuda        default auto: CUDA when this command can reach a GPU and the GPU kernels\n"
     "                                 run the problem, else the CPU. CUDA computes float32 inputs with bf16\n"
     "                                 operands (fp32 accumulation); --backend cpu keeps full fp32 accuracy\n"
     "  --device N                     GPU index for --backend cuda (default 0)\n"
-    "  --threads T                    CPU threads (default: OpenMP's)\n";
+    "  --threads T                    CPU threads (default: OpenMP's)\n"
+    "\n"
+    "Outputs are written to a temporary file beside each name and renamed into place once all of them are\n"
+    "written, so a failed run (exit status 1 or 2) leaves existing files as they were. A name that is a device\n"
+    "or FIFO (e.g. /dev/null) is written straight through. An output may not name the same file as an input\n"
+    "or as the other output.\n";
 
 /* ---- info ----------------------------------------------------------------------------------------------------- */
 
@@ -140,7 +145,8 @@ static flashc_tensor run_view(void *data, flashc_dtype dtype, int ndim, const in
 
 static int parse_window(const char *s, int64_t *left, int64_t *right) {
     const char *comma = strchr(s, ',');
-    if (!comma) return cli_usage_error("run", "--window wants L,R (e.g. 128,0 or -1,64), not '%s'", s), -1;
+    if (!comma || strchr(comma + 1, ','))
+        return cli_usage_error("run", "--window wants two integers L,R (e.g. 128,0 or -1,64), not '%s'", s), -1;
     char buf[64];
     size_t n = (size_t)(comma - s);
     if (n >= sizeof buf) return cli_usage_error("run", "--window value too long"), -1;
@@ -153,6 +159,31 @@ static int parse_window(const char *s, int64_t *left, int64_t *right) {
 
 static void run_release(run_input *in, int n) {
     for (int i = 0; i < n; i++) npy_free(&in[i].arr);
+}
+
+/* A file option given twice is refused rather than letting the last one win: "--q a.npy --q b.npy" is far more
+ * often a typo for --k than a deliberate override. */
+static int run_path(const char **slot, const char *opt, const char *v) {
+    if (*slot) return cli_usage_error("run", "--%s given twice ('%s' and '%s')", opt, *slot, v);
+    if (!v[0]) return cli_usage_error("run", "--%s needs a file name, got an empty string", opt);
+    *slot = v;
+    return 0;
+}
+
+/* Writing an output over an input would destroy the input (and, for --out and --lse, one output over the
+ * other): refuse every pair that names one file, whatever the spelling (./a.npy, a hard link, a symbolic link). */
+static int run_check_paths(const char *const *path, const char *const *role, int inputs, int n) {
+    for (int o = inputs; o < n; o++) {
+        if (!path[o]) continue;
+        for (int j = 0; j < n; j++) {
+            if (j == o || !path[j] || (j > o && j >= inputs)) continue;
+            if (cli_same_file(path[o], path[j]))
+                return cli_usage_error("run", "--%s %s and --%s %s are the same file; writing it would destroy %s",
+                                       role[o], path[o], role[j], path[j],
+                                       j < inputs ? "the input" : "the other output");
+        }
+    }
+    return 0;
 }
 
 int cli_run(int argc, char **argv) {
@@ -171,20 +202,15 @@ int cli_run(int argc, char **argv) {
             return 0;
         }
         if ((m = cli_opt(argc, argv, &i, "q", &v)) != 0) {
-            if (m < 0) return 2;
-            in[0].path = v;
+            if (m < 0 || run_path(&in[0].path, "q", v) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "k", &v)) != 0) {
-            if (m < 0) return 2;
-            in[1].path = v;
+            if (m < 0 || run_path(&in[1].path, "k", v) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "v", &v)) != 0) {
-            if (m < 0) return 2;
-            in[2].path = v;
+            if (m < 0 || run_path(&in[2].path, "v", v) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "out", &v)) != 0) {
-            if (m < 0) return 2;
-            out_path = v;
+            if (m < 0 || run_path(&out_path, "out", v) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "lse", &v)) != 0) {
-            if (m < 0) return 2;
-            lse_path = v;
+            if (m < 0 || run_path(&lse_path, "lse", v) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "layout", &v)) != 0) {
             if (m < 0) return 2;
             if (strcmp(v, "bnhd") == 0) bhnd = 0;
@@ -198,27 +224,48 @@ int cli_run(int argc, char **argv) {
             if (m < 0 || cli_parse_f32("run", "scale", v, &prm.softmax_scale) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "softcap", &v)) != 0) {
             if (m < 0 || cli_parse_f32("run", "softcap", v, &prm.softcap) != 0) return 2;
+            if (prm.softcap < 0.0f) return cli_usage_error("run", "--softcap wants a number >= 0 (0: off), not %s", v);
         } else if ((m = cli_opt(argc, argv, &i, "backend", &v)) != 0) {
             if (m < 0 || cli_parse_backend("run", v, &requested) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "device", &v)) != 0) {
             if (m < 0 || cli_parse_i64("run", "device", v, 0, 1024, &device) != 0) return 2;
         } else if ((m = cli_opt(argc, argv, &i, "threads", &v)) != 0) {
             if (m < 0 || cli_parse_i64("run", "threads", v, 0, 4096, &threads) != 0) return 2;
+        } else if (strncmp(a, "--causal=", 9) == 0) {
+            return cli_usage_error("run", "--causal takes no value (got '%s')", a);
         } else {
             return cli_usage_error("run", "unknown argument '%s'", a);
         }
     }
     if (!in[0].path || !in[1].path || !in[2].path || !out_path)
         return cli_usage_error("run", "--q, --k, --v and --out are required");
+    static const char *const role[5] = {"q", "k", "v", "out", "lse"};
+    const char *const paths[5] = {in[0].path, in[1].path, in[2].path, out_path, lse_path};
+    if (run_check_paths(paths, role, 3, 5) != 0) return 2;
+    /* With --out /dev/stdout the summary line would land inside the .npy bytes: send it to stderr then. */
+    FILE *summary = cli_same_file(out_path, "/dev/stdout") || (lse_path && cli_same_file(lse_path, "/dev/stdout"))
+                        ? stderr
+                        : stdout;
 
     flashc_backend backend = cli_resolve_backend(requested);
     if (cli_backend_usable("run", backend, (int)device) != 0) return 1;
 
-    static const char *const role[3] = {"q", "k", "v"};
+    /* The outputs are opened first - as temporaries beside their names, see npy.c - so a name that cannot be
+     * written fails before any work, and so that exit status 1 can mean that no file changed. */
     char err[512];
+    npy_out outs[2];
+    memset(outs, 0, sizeof outs);
+    if (npy_out_open(&outs[0], out_path, err, sizeof err) != 0) return cli_fail("run", "%s", err);
+    if (lse_path && npy_out_open(&outs[1], lse_path, err, sizeof err) != 0) {
+        npy_out_discard(&outs[0]);
+        return cli_fail("run", "%s", err);
+    }
+
     for (int t = 0; t < 3; t++) {
         if (npy_read(in[t].path, &in[t].arr, err, sizeof err) != 0) {
             run_release(in, 3);
+            npy_out_discard(&outs[0]);
+            npy_out_discard(&outs[1]);
             return cli_fail("run", "%s", err);
         }
         const npy_array *a = &in[t].arr;
@@ -226,12 +273,16 @@ int cli_run(int argc, char **argv) {
             cli_fail("run", "%s: %s must be 3-d (N, H, D) or 4-d (B, N, H, D)%s, got %d-d", in[t].path, role[t],
                      bhnd ? " in bhnd order: (H, N, D) or (B, H, N, D)" : "", a->ndim);
             run_release(in, 3);
+            npy_out_discard(&outs[0]);
+            npy_out_discard(&outs[1]);
             return 1;
         }
         if (a->ndim != in[0].arr.ndim) {
             cli_fail("run", "%s: %s is %d-d but %s is %d-d", in[t].path, role[t], a->ndim, in[0].path,
                      in[0].arr.ndim);
             run_release(in, 3);
+            npy_out_discard(&outs[0]);
+            npy_out_discard(&outs[1]);
             return 1;
         }
         in[t].view = run_view(in[t].arr.data, a->dtype, a->ndim, a->shape, bhnd);
@@ -242,8 +293,18 @@ int cli_run(int argc, char **argv) {
     int64_t B = qv->shape[0], Nq = qv->shape[1], H = qv->shape[2];
     size_t esize = cli_dtype_size(qa->dtype);
     size_t out_bytes = qa->count * esize;
+    /* The reader bounds the product of the nonzero sizes by INT64_MAX / 2, so B * H * Nq cannot overflow; its
+     * bytes can (an f16 q with D = 0 holds nothing, yet may name 2^62 rows). */
     size_t lse_count = (size_t)(B * H * Nq);
     int rc = 1;
+    if (lse_path && lse_count > SIZE_MAX / sizeof(float)) {
+        cli_fail("run", "%s: the lse for B=%lld H=%lld Nq=%lld is too large for this machine", in[0].path,
+                 (long long)B, (long long)H, (long long)Nq);
+        npy_out_discard(&outs[0]);
+        npy_out_discard(&outs[1]);
+        run_release(in, 3);
+        return 1;
+    }
     flashc_context_t ctx = NULL;
     void *dev[5] = {NULL, NULL, NULL, NULL, NULL}; /* q, k, v, out, lse where the backend computes */
     void *out_host = malloc(out_bytes ? out_bytes : 1);
@@ -304,7 +365,9 @@ int cli_run(int argc, char **argv) {
 
     double t0 = cli_now();
     if (flashc_forward(ctx, &qt, &kt, &vt, &prm, &ot, lse, NULL, 0) != FLASHC_STATUS_OK) {
-        cli_fail("run", "%s", flashc_context_last_error(ctx));
+        /* The library speaks of q, k and v; say which files those were. */
+        cli_fail("run", "--q %s, --k %s, --v %s: %s", in[0].path, in[1].path, in[2].path,
+                 flashc_context_last_error(ctx));
         goto done;
     }
     if (backend == FLASHC_BACKEND_CUDA) {
@@ -316,26 +379,43 @@ int cli_run(int argc, char **argv) {
     }
     double secs = cli_now() - t0;
 
-    if (npy_write(out_path, qa->dtype, qa->ndim, qa->shape, out_host, err, sizeof err) != 0) {
-        cli_fail("run", "%s", err);
-        goto done;
-    }
-    if (lse_path) {
-        /* (B, H, Nq), or (H, Nq) when the inputs had no batch axis */
+    /* Every output is written in full before any is renamed into place, so a failure leaves the old files as
+     * they were. Temporaries go first and devices/FIFOs (written straight through) last: bytes sent to a device
+     * cannot be taken back, so they are sent only once everything that can still fail on disk has succeeded. */
+    {
+        /* lse: (B, H, Nq), or (H, Nq) when the inputs had no batch axis */
         int64_t lshape[3] = {B, H, Nq};
         int lnd = qa->ndim == 3 ? 2 : 3;
-        if (npy_write(lse_path, FLASHC_DTYPE_F32, lnd, lshape + (3 - lnd), lse_host, err, sizeof err) != 0) {
-            cli_fail("run", "%s", err);
-            goto done;
+        const int n_out = lse_path ? 2 : 1;
+        for (int pass = 0; pass < 2; pass++)
+            for (int o = 0; o < n_out; o++) {
+                if (outs[o].direct != pass) continue;
+                int w = o == 0 ? npy_out_write(&outs[0], qa->dtype, qa->ndim, qa->shape, out_host, err, sizeof err)
+                               : npy_out_write(&outs[1], FLASHC_DTYPE_F32, lnd, lshape + (3 - lnd), lse_host, err,
+                                               sizeof err);
+                if (w != 0) {
+                    cli_fail("run", "%s", err);
+                    goto done;
+                }
+            }
+        for (int o = 0; o < n_out; o++) {
+            if (npy_out_commit(&outs[o], err, sizeof err) != 0) {
+                /* Only a rename can fail here; an earlier output may already be in place, so say which. */
+                if (o > 0) cli_fail("run", "%s was written, but:", out_path);
+                cli_fail("run", "%s", err);
+                goto done;
+            }
         }
     }
-    printf("flashc run: %s %s B=%lld Nq=%lld Nk=%lld H=%lld Hkv=%lld D=%lld%s -> %s%s%s (%.3f ms)\n",
+    fprintf(summary, "flashc run: %s %s B=%lld Nq=%lld Nk=%lld H=%lld Hkv=%lld D=%lld%s -> %s%s%s (%.3f ms)\n",
            flashc_backend_name(backend), flashc_dtype_name(qa->dtype), (long long)B, (long long)Nq,
            (long long)kt.shape[1], (long long)H, (long long)kt.shape[2], (long long)qt.shape[3],
            prm.causal ? " causal" : "", out_path, lse_path ? ", " : "", lse_path ? lse_path : "", 1e3 * secs);
     rc = 0;
 
 done:
+    npy_out_discard(&outs[0]);
+    npy_out_discard(&outs[1]);
     for (int t = 0; t < 5; t++) cli_mem_free(backend, dev[t]);
     flashc_context_destroy(ctx);
     free(out_host);
@@ -381,6 +461,10 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
+        if (argc > 2) {
+            fprintf(stderr, "flashc: %s takes no arguments (got '%s')\n", cmd, argv[2]);
+            return 2;
+        }
         printf("flashc %s\n", flashc_version());
         return 0;
     }

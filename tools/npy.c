@@ -8,12 +8,20 @@
  * The header is parsed strictly (exactly those three keys, nothing after the dict but padding) because a file
  * that does not look like NumPy's own output is more likely corrupt than creative.
  */
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L /* fstat, mkstemp, fsync, readlink, rename into place */
+#endif
+
 #include "npy.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #define NPY_MAGIC "\x93NUMPY"
 #define NPY_MAGIC_LEN 6
@@ -197,6 +205,17 @@ static int npy_parse_header(const char *h, size_t len, npy_array *a, const char 
 
 /* ---- reading ---------------------------------------------------------------------------------------------- */
 
+/* Data from a stream without a size (a pipe) is read in pieces of this size, doubling, up to what the header says. */
+#define NPY_READ_PIECE ((size_t)1 << 26)
+
+/* "(2, 3)", as NumPy prints a shape, for messages. */
+static void npy_shape_text(const int64_t *shape, int ndim, char *buf, size_t len) {
+    size_t n = (size_t)snprintf(buf, len, "(");
+    for (int i = 0; i < ndim && n < len; i++)
+        n += (size_t)snprintf(buf + n, len - n, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (n < len) snprintf(buf + n, len - n, ndim == 1 ? ",)" : ")");
+}
+
 void npy_free(npy_array *a) {
     if (!a) return;
     free(a->data);
@@ -207,6 +226,8 @@ int npy_read_stream(FILE *f, const char *name, npy_array *a, char *err, size_t e
     memset(a, 0, sizeof *a);
     unsigned char pre[NPY_MAGIC_LEN + 2 + 4];
     size_t got = fread(pre, 1, NPY_MAGIC_LEN + 2, f);
+    if (got < NPY_MAGIC_LEN && ferror(f)) return npy_fail(err, errlen, name, "read error: %s", strerror(errno));
+    if (got == 0) return npy_fail(err, errlen, name, "not a NumPy .npy file (bad magic: the file is empty)");
     if (got < NPY_MAGIC_LEN || memcmp(pre, NPY_MAGIC, NPY_MAGIC_LEN) != 0)
         return npy_fail(err, errlen, name, "not a NumPy .npy file (bad magic)");
     if (got < NPY_MAGIC_LEN + 2) return npy_fail(err, errlen, name, "truncated header");
@@ -235,37 +256,83 @@ int npy_read_stream(FILE *f, const char *name, npy_array *a, char *err, size_t e
         return -1;
     }
 
-    size_t esize = npy_elem_size(a->dtype), count = 1;
+    char shape_text[NPY_MAX_NDIM * 22 + 8];
+    npy_shape_text(a->shape, a->ndim, shape_text, sizeof shape_text);
+    /* The product is taken with zero sizes counted as one: an array with an empty axis holds nothing, but the
+     * command still builds int64 strides from the other sizes, and those must not overflow either. */
+    size_t esize = npy_elem_size(a->dtype), count = 1, span = 1;
+    const uint64_t limit = ((uint64_t)INT64_MAX < (uint64_t)SIZE_MAX ? (uint64_t)INT64_MAX : (uint64_t)SIZE_MAX) / esize;
     for (int i = 0; i < a->ndim; i++) {
-        if (a->shape[i] != 0 && count > SIZE_MAX / esize / (uint64_t)a->shape[i]) {
+        uint64_t d = (uint64_t)a->shape[i], dd = d ? d : 1;
+        if (d > limit || span > limit / dd) {
             memset(a, 0, sizeof *a);
-            return npy_fail(err, errlen, name, "bad header: the array is too large for this machine");
+            return npy_fail(err, errlen, name,
+                            "bad header: shape %s is too large for this machine (the product of its nonzero sizes "
+                            "exceeds %llu elements)",
+                            shape_text, (unsigned long long)limit);
         }
-        count *= (size_t)a->shape[i];
+        span *= (size_t)dd;
+        count *= (size_t)d;
     }
     size_t bytes = count * esize;
-    a->count = count;
-    a->data = malloc(bytes ? bytes : 1);
-    if (!a->data) {
-        memset(a, 0, sizeof *a);
-        return npy_fail(err, errlen, name, "out of memory (%zu bytes of data)", bytes);
+
+    /* Compare the promise with the file before allocating: a 64-byte file whose header claims 128 GiB is
+     * truncated, not a reason to ask the system for 128 GiB. Pipes have no size; they are read in growing
+     * pieces instead, so memory follows the data that actually arrives. */
+    struct stat st;
+    off_t pos = ftello(f);
+    int regular = fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && pos >= 0;
+    if (regular) {
+        uint64_t have = st.st_size > pos ? (uint64_t)(st.st_size - pos) : 0;
+        if (have < (uint64_t)bytes) {
+            memset(a, 0, sizeof *a);
+            return npy_fail(err, errlen, name,
+                            "truncated data: the header says %zu bytes of data (shape %s, %zu bytes each), the file "
+                            "has %llu after the header",
+                            bytes, shape_text, esize, (unsigned long long)have);
+        }
     }
-    size_t have = fread(a->data, 1, bytes, f);
+    size_t cap = regular || bytes <= NPY_READ_PIECE ? bytes : NPY_READ_PIECE, have = 0;
+    unsigned char *data = (unsigned char *)malloc(cap ? cap : 1);
+    for (;;) {
+        if (!data) {
+            memset(a, 0, sizeof *a);
+            return npy_fail(err, errlen, name, "out of memory for %zu bytes of data (shape %s)", cap, shape_text);
+        }
+        have += fread(data + have, 1, cap - have, f);
+        if (have < cap || cap == bytes) break;
+        size_t next = cap <= bytes / 2 ? cap * 2 : bytes;
+        unsigned char *grown = (unsigned char *)realloc(data, next);
+        if (!grown) free(data);
+        data = grown;
+        cap = next;
+    }
     if (have != bytes) {
         int failed = ferror(f);
-        npy_free(a);
-        if (failed) return npy_fail(err, errlen, name, "read error");
-        return npy_fail(err, errlen, name, "truncated data: the header promises %zu bytes, the file holds %zu",
-                        bytes, have);
+        free(data);
+        memset(a, 0, sizeof *a);
+        if (failed) return npy_fail(err, errlen, name, "read error: %s", strerror(errno));
+        return npy_fail(err, errlen, name,
+                        "truncated data: the header says %zu bytes of data (shape %s, %zu bytes each), the file has "
+                        "%zu after the header",
+                        bytes, shape_text, esize, have);
     }
+    a->count = count;
+    a->data = data;
     if (npy_host_is_big_endian()) npy_swap(a->data, count, esize);
     return 0;
 }
 
 int npy_read(const char *path, npy_array *a, char *err, size_t errlen) {
     memset(a, 0, sizeof *a);
+    if (!path[0]) return npy_fail(err, errlen, "''", "cannot open: the file name is empty");
     FILE *f = fopen(path, "rb");
     if (!f) return npy_fail(err, errlen, path, "cannot open: %s", strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+        fclose(f);
+        return npy_fail(err, errlen, path, "is a directory, not a .npy file");
+    }
     int rc = npy_read_stream(f, path, a, err, errlen);
     fclose(f);
     return rc;
@@ -326,12 +393,239 @@ int npy_write_stream(FILE *f, const char *name, flashc_dtype dtype, int ndim, co
     return 0;
 }
 
+/* ---- output files: whole or not at all -------------------------------------------------------------------
+ *
+ * The rule, so that a failed run never costs the user a file:
+ *  - a regular file (new, or existing and to be replaced) is written to a temporary file beside it,
+ *    ".<name>.flashc-XXXXXX" in the same directory, flushed, synced and closed, and only then renamed over the
+ *    name; a failure removes that temporary and nothing else. The old file stays whole until the rename.
+ *    Replacing an existing file keeps its permission bits (and, when allowed, its owner); a hard link to it
+ *    keeps the old contents, as with any replace-by-rename.
+ *  - a name that is a symbolic link is followed: the file it points to is the one replaced, the link stays.
+ *  - a name that exists and is neither a regular file nor a directory (a character device such as /dev/null,
+ *    a FIFO, a socket) is written straight through: there is nothing to rename over, and it is never removed,
+ *    whatever happens. So is a regular file reached through a link that names no path (/dev/stdout redirected
+ *    to a file, through /proc/self/fd/1): it is truncated and written in place, and never removed.
+ *  - a directory is refused.
+ */
+
+/* Links followed per name before giving up, as the kernel's own limit for path lookups (ELOOP). */
+#define NPY_MAX_LINKS 40
+
+static char *npy_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = (char *)malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+/* The name at the end of a chain of symbolic links (relative targets are taken from the link's directory),
+ * or NULL with errno set. The last name need not exist. */
+static char *npy_follow_links(const char *path) {
+    char *cur = npy_strdup(path);
+    for (int hop = 0; cur; hop++) {
+        struct stat st;
+        if (lstat(cur, &st) != 0) {
+            if (errno == ENOENT) return cur;
+            free(cur);
+            return NULL;
+        }
+        if (!S_ISLNK(st.st_mode)) return cur;
+        if (hop == NPY_MAX_LINKS) {
+            free(cur);
+            errno = ELOOP;
+            return NULL;
+        }
+        size_t cap = st.st_size > 0 ? (size_t)st.st_size + 1 : 4096;
+        char *link = (char *)malloc(cap);
+        ssize_t n = link ? readlink(cur, link, cap) : -1;
+        if (n < 0 || (size_t)n >= cap) {
+            free(link);
+            free(cur);
+            if (n >= 0) errno = ENAMETOOLONG; /* the link changed between lstat and readlink */
+            return NULL;
+        }
+        link[n] = '\0';
+        const char *slash = strrchr(cur, '/');
+        if (link[0] == '/' || !slash) {
+            free(cur);
+            cur = link;
+        } else {
+            size_t dlen = (size_t)(slash - cur) + 1;
+            char *next = (char *)malloc(dlen + (size_t)n + 1);
+            if (next) {
+                memcpy(next, cur, dlen);
+                memcpy(next + dlen, link, (size_t)n + 1);
+            }
+            free(link);
+            free(cur);
+            cur = next;
+        }
+    }
+    errno = ENOMEM;
+    return NULL;
+}
+
+void npy_out_discard(npy_out *o) {
+    if (o->f) fclose(o->f);
+    if (o->tmp) unlink(o->tmp); /* only ever the temporary this process created; never the name itself */
+    free(o->tmp);
+    free(o->target);
+    memset(o, 0, sizeof *o);
+}
+
+/* Opens path for writing in place. Without O_CREAT, so a name that vanished since the stat fails instead of
+ * being created; O_TRUNC only where the caller saw a regular file (a device or FIFO has nothing to cut). */
+static int npy_out_direct(npy_out *o, const char *path, int regular, char *err, size_t errlen) {
+    int fd = open(path, O_WRONLY | O_NOCTTY | (regular ? O_TRUNC : 0));
+    struct stat now;
+    if (fd < 0 || fstat(fd, &now) != 0 || S_ISDIR(now.st_mode) || (!regular && S_ISREG(now.st_mode))) {
+        int e = fd < 0 ? errno : EBUSY; /* EBUSY: it was swapped for a regular file since the stat */
+        if (fd >= 0) close(fd);
+        npy_out_discard(o);
+        return npy_fail(err, errlen, path, "cannot open for writing: %s", strerror(e));
+    }
+    o->direct = 1;
+    o->f = fdopen(fd, "wb");
+    if (!o->f) {
+        int e = errno;
+        close(fd);
+        npy_out_discard(o);
+        return npy_fail(err, errlen, path, "cannot open for writing: %s", strerror(e));
+    }
+    return 0;
+}
+
+int npy_out_open(npy_out *o, const char *path, char *err, size_t errlen) {
+    memset(o, 0, sizeof *o);
+    o->name = path;
+    if (!path[0]) return npy_fail(err, errlen, "''", "cannot create: the file name is empty");
+
+    struct stat st;
+    int exists = stat(path, &st) == 0;
+    if (!exists && errno != ENOENT) return npy_fail(err, errlen, path, "cannot create: %s", strerror(errno));
+    if (exists && S_ISDIR(st.st_mode))
+        return npy_fail(err, errlen, path, "is a directory; --out and --lse want file names");
+    if (exists && !S_ISREG(st.st_mode)) return npy_out_direct(o, path, 0, err, errlen);
+
+    o->target = npy_follow_links(path);
+    if (!o->target) return npy_fail(err, errlen, path, "cannot create: %s", strerror(errno));
+    struct stat resolved;
+    if (exists && (stat(o->target, &resolved) != 0 || resolved.st_dev != st.st_dev || resolved.st_ino != st.st_ino)) {
+        /* A link whose text is not a path to the file, as /proc/self/fd/1 behind /dev/stdout: there is no
+         * name to rename over, so the file is written in place like a device (and, like one, never removed). */
+        free(o->target);
+        o->target = NULL;
+        return npy_out_direct(o, path, 1, err, errlen);
+    }
+
+    /* A rename needs only the directory's permission; a file the user made read-only must still stop us, as
+     * it stops a plain open for writing. */
+    if (exists && access(o->target, W_OK) != 0) {
+        int e = errno;
+        npy_out_discard(o);
+        return npy_fail(err, errlen, path, "cannot write: %s", strerror(e));
+    }
+
+    /* ".<name>.flashc-XXXXXX" beside the target, so the final rename stays within one file system. Long
+     * names are shortened in the temporary's name only (NAME_MAX is 255 on common file systems). */
+    const char *slash = strrchr(o->target, '/');
+    const char *base = slash ? slash + 1 : o->target;
+    size_t dlen = slash ? (size_t)(slash - o->target) + 1 : 0, blen = strlen(base);
+    if (blen == 0) {
+        npy_out_discard(o);
+        return npy_fail(err, errlen, path, "names a directory, not a file");
+    }
+    if (blen > 200) blen = 200;
+    static const char suffix[] = ".flashc-XXXXXX";
+    o->tmp = (char *)malloc(dlen + 1 + blen + sizeof suffix);
+    if (!o->tmp) {
+        npy_out_discard(o);
+        return npy_fail(err, errlen, path, "out of memory");
+    }
+    memcpy(o->tmp, o->target, dlen);
+    o->tmp[dlen] = '.';
+    memcpy(o->tmp + dlen + 1, base, blen);
+    memcpy(o->tmp + dlen + 1 + blen, suffix, sizeof suffix);
+    int fd = mkstemp(o->tmp);
+    if (fd < 0) {
+        int e = errno;
+        free(o->tmp);
+        o->tmp = NULL; /* nothing was created: nothing to remove */
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%.*s", dlen > 1 ? (int)dlen - 1 : 1, dlen ? o->target : ".");
+        npy_out_discard(o);
+        if (e == ENOENT || e == ENOTDIR)
+            return npy_fail(err, errlen, path, "cannot create: the directory %s does not exist", dir);
+        return npy_fail(err, errlen, path,
+                        "cannot create a file in %s: %s (outputs are written to a temporary file there, then "
+                        "renamed over the name)",
+                        dir, strerror(e));
+    }
+    /* mkstemp makes the file 0600; give it what the replaced file had, or what a plain fopen would give. */
+    mode_t mode;
+    if (exists) {
+        mode = st.st_mode & 07777;
+        if ((st.st_uid != geteuid() || st.st_gid != getegid()) && fchown(fd, st.st_uid, st.st_gid) != 0) {
+            /* not permitted for an ordinary user; the file then belongs to whoever ran the command */
+        }
+    } else {
+        mode_t mask = umask(0);
+        umask(mask);
+        mode = 0666 & ~mask;
+    }
+    if (fchmod(fd, mode) != 0 || !(o->f = fdopen(fd, "wb"))) {
+        int e = errno;
+        if (!o->f) close(fd);
+        npy_out_discard(o);
+        return npy_fail(err, errlen, path, "cannot create: %s", strerror(e));
+    }
+    return 0;
+}
+
+int npy_out_write(npy_out *o, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data, char *err,
+                  size_t errlen) {
+    int rc = npy_write_stream(o->f, o->name, dtype, ndim, shape, data, err, errlen);
+    if (rc == 0 && fflush(o->f) != 0) rc = npy_fail(err, errlen, o->name, "write error: %s", strerror(errno));
+    /* A temporary must be on disk before it replaces the old file, or a crash could leave an empty name.
+     * Devices, FIFOs and some file systems do not sync (EINVAL, ENOTSUP): nothing more can be done there. */
+    if (rc == 0 && fsync(fileno(o->f)) != 0 && errno != EINVAL && errno != ENOTSUP && errno != ENOSYS)
+        rc = npy_fail(err, errlen, o->name, "write error: %s", strerror(errno));
+    int closed = fclose(o->f);
+    o->f = NULL;
+    if (rc == 0 && closed != 0) rc = npy_fail(err, errlen, o->name, "write error: %s", strerror(errno));
+    return rc;
+}
+
+int npy_out_commit(npy_out *o, char *err, size_t errlen) {
+    int rc = 0;
+    if (o->tmp) {
+        if (rename(o->tmp, o->target) != 0) {
+            rc = npy_fail(err, errlen, o->name, "cannot replace: %s", strerror(errno));
+        } else {
+            free(o->tmp);
+            o->tmp = NULL;
+            /* Makes the rename itself durable; best effort, not every file system allows it. */
+            const char *slash = strrchr(o->target, '/');
+            if (slash) *(char *)(slash == o->target ? slash + 1 : slash) = '\0';
+            int dfd = open(slash ? o->target : ".", O_RDONLY | O_DIRECTORY);
+            if (dfd >= 0) {
+                (void)fsync(dfd);
+                close(dfd);
+            }
+        }
+    }
+    npy_out_discard(o);
+    return rc;
+}
+
 int npy_write(const char *path, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data, char *err,
               size_t errlen) {
-    FILE *f = fopen(path, "wb");
-    if (!f) return npy_fail(err, errlen, path, "cannot create: %s", strerror(errno));
-    int rc = npy_write_stream(f, path, dtype, ndim, shape, data, err, errlen);
-    if (fclose(f) != 0 && rc == 0) rc = npy_fail(err, errlen, path, "write error: %s", strerror(errno));
-    if (rc != 0) remove(path);
-    return rc;
+    npy_out o;
+    if (npy_out_open(&o, path, err, errlen) != 0) return -1;
+    if (npy_out_write(&o, dtype, ndim, shape, data, err, errlen) != 0) {
+        npy_out_discard(&o);
+        return -1;
+    }
+    return npy_out_commit(&o, err, errlen);
 }

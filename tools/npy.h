@@ -33,7 +33,28 @@ int npy_read(const char *path, npy_array *a, char *err, size_t errlen);
 /* Same from an open stream positioned at the magic; name is used in messages only. */
 int npy_read_stream(FILE *f, const char *name, npy_array *a, char *err, size_t errlen);
 
-/* Writes a C-ordered array of ndim dimensions (0..NPY_MAX_NDIM). */
+/* An output file on its way to disk (the rules are at the top of npy.c's writing section): a regular file is
+ * written to a temporary beside it and renamed over it by npy_out_commit; a device or FIFO is written straight
+ * through (direct). Neither path ever removes the named file. */
+typedef struct npy_out {
+    const char *name; /* as given, for messages */
+    char *target;     /* name with symbolic links followed: what gets replaced */
+    char *tmp;        /* the temporary; NULL when direct, or once renamed */
+    FILE *f;
+    int direct;
+} npy_out;
+
+/* Checks the name and opens the temporary (or the device). On failure nothing exists that did not before. */
+int npy_out_open(npy_out *o, const char *path, char *err, size_t errlen);
+/* Writes the array, flushes, syncs and closes. On failure call npy_out_discard. */
+int npy_out_write(npy_out *o, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data, char *err,
+                  size_t errlen);
+/* Renames the temporary over the name; releases o either way. */
+int npy_out_commit(npy_out *o, char *err, size_t errlen);
+/* Removes the temporary, if any, and releases o; safe on a zeroed or released npy_out. */
+void npy_out_discard(npy_out *o);
+
+/* Writes a C-ordered array of ndim dimensions (0..NPY_MAX_NDIM) through npy_out: all or nothing. */
 int npy_write(const char *path, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data,
               char *err, size_t errlen);
 int npy_write_stream(FILE *f, const char *name, flashc_dtype dtype, int ndim, const int64_t *shape,
