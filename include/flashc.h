@@ -36,7 +36,7 @@
  * NaN is in q or k; a NaN in v at a masked key may still reach rows of the same tile (0 * NaN). A non-finite
  * scale, softcap or (CPU) ALiBi slope is refused.
  *
- * Limits: D <= 256; Nq, Nk and varlen totals < 2^31; B * H * max(Nq, Nk) * 256 within int64; every view's byte
+ * Limits: D <= 256; Nq, Nk and varlen totals at most 2^31 - 1024 rows; B * H * max(Nq, Nk) * 256 within int64; every view's byte
  * span within half the address space. Larger problems are refused with NOT_SUPPORTED or INVALID_ARGUMENT, never
  * wrapped. Window sides >= Nk (left) or >= Nq (right) are unbounded; block-mask block sizes longer than the
  * sequence are one block.

@@ -534,8 +534,11 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         p->total_q = q->shape[1];
         p->total_k = k->shape[1];
     }
-    if (p->total_q > INT32_MAX || p->total_k > INT32_MAX)
-        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "sequence lengths above 2^31 - 1 are not supported");
+    /* Row counts stay in int32 even after the kernels round them up to whole tiles (at most 1024 rows). */
+    if (p->total_q > FLASHC_MAX_ROWS || p->total_k > FLASHC_MAX_ROWS)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "sequences of (%lld, %lld) rows: more than 2^31 - 1024 are not supported",
+                          (long long)p->total_q, (long long)p->total_k);
     /* The backends count work in int64 as B * H * N * D (tasks, per-head buffers, lse rows): it must fit. */
     int64_t work;
     const int64_t nmax = p->Nq > p->Nk ? p->Nq : p->Nk;

@@ -18,6 +18,8 @@ extern "C" {
 #define FLASHC_MAX_HEAD_DIM 256
 /* The most threads a CPU context runs (flashc_context_set_threads caps larger requests at the processor count). */
 #define FLASHC_MAX_THREADS 1024
+/* The most rows of q or k (packed totals with varlen): 2^31 - 1024, so that rounding up to tiles stays in int32. */
+#define FLASHC_MAX_ROWS (INT32_MAX - 1023)
 
 /*
  * Checked arithmetic on sizes that come from the user. One rule everywhere: signed products and sums of

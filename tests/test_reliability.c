@@ -100,11 +100,11 @@ static void expect_refused(const char *what, flashc_status st, flashc_status wan
 /* ---- size arithmetic ------------------------------------------------------------------------------------- */
 
 static void test_workspace_overflow(flashc_context_t ctx) {
-    /* GQA with 2^20 query heads over 2^31 - 1 keys: the single-pass backward's per-head dK, dV buffers,
+    /* GQA with 2^20 query heads over 2^30 keys: the single-pass backward's per-head dK, dV buffers,
      * 2 * B * H * Nk * D * 4 bytes = 2^64, wrapped size_t to a few bytes and the query said OK. */
     flashc_params prm = flashc_params_default();
-    flashc_tensor q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 4, 1, (int64_t)1 << 20, 256);
-    flashc_tensor k = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 4, INT32_MAX, 1, 256);
+    flashc_tensor q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 8, 1, (int64_t)1 << 20, 256);
+    flashc_tensor k = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 8, (int64_t)1 << 30, 1, 256);
     size_t bytes = 1;
     flashc_status st = flashc_backward_workspace_size(ctx, &q, &k, &k, &prm, &bytes);
     expect_refused("backward workspace 2^64 bytes", st, FLASHC_STATUS_NOT_SUPPORTED, ctx, "workspace");
@@ -114,6 +114,10 @@ static void test_workspace_overflow(flashc_context_t ctx) {
     k = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, (int64_t)1 << 20, 1, 1, 1);
     st = flashc_forward_workspace_size(ctx, &q, &k, &k, &prm, &bytes);
     expect_refused("B * H * N * 256 beyond int64", st, FLASHC_STATUS_NOT_SUPPORTED, ctx, "does not fit");
+    /* Rows beyond 2^31 - 1024: tile counts rounded up would leave int32. */
+    q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 1, INT32_MAX - 5, 1, 1);
+    st = flashc_forward_workspace_size(ctx, &q, &q, &q, &prm, &bytes);
+    expect_refused("2^31 - 6 rows", st, FLASHC_STATUS_NOT_SUPPORTED, ctx, "2^31 - 1024");
 }
 
 static void test_huge_block_and_window(flashc_context_t ctx) {
