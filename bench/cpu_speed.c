@@ -10,6 +10,7 @@
  * FLOPs: forward 4 * B * H * N^2 * D (halved when causal), backward 2.5x forward. Times are the median of
  * several runs after a warm-up, wall clock.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime: clang's -fopenmp does not turn it on as gcc's does */
 #include "flashc.h"
 #include "cpu/cpu.h"
 
