@@ -7,7 +7,7 @@
 #   bench/gpu.sh --quick          the reduced benchmark (compare_torch.py --quick)
 #   bench/gpu.sh --no-test        build + benchmark only;   --no-sanitize, --no-bench likewise
 #   bench/gpu.sh --bwd            also the backward benchmark (compare_torch_bwd.py); --bwd-only: that one alone
-#   bench/gpu.sh --lab F.h ...    also build each tile-table variant F.h (bench/tiles/) and time it (flashc only)
+#   bench/gpu.sh --lab F.h ...    also build each tile-table variant F.h (lab/tiles/) and time it (flashc only)
 #   bench/gpu.sh -- ARGS          extra arguments for compare_torch.py
 # Each step has a time limit (GPU_TEST_LIMIT, SANITIZE_LIMIT, BENCH_LIMIT seconds) so that one call ends in time.
 set -u

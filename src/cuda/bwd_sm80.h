@@ -47,7 +47,7 @@ typedef struct flashc_bwd_args {
  * keeping d / ds columns of dK and dV (ds > 1 where a warp cannot hold whole rows: d > 128). dQ kernel
  * (deterministic mode): one block owns qbr query rows (16 per warp, qnw warps) and walks the keys qbc at a time.
  * minb / qminb: blocks per SM the register allocation of each kernel must allow. Measured on H200 (bench/RESULTS.md,
- * bench/bwd_lab.sh with bench/tiles/bwd_*.h): d 64 takes 32-query steps and two blocks per SM (+0-15%, most on
+ * lab/bwd_lab.sh with lab/tiles/bwd_*.h): d 64 takes 32-query steps and two blocks per SM (+0-15%, most on
  * short causal rows); 32-query steps at d 128 cost 5-10%.
  */
 typedef struct fc_btile {

@@ -47,17 +47,15 @@
 #include "sm90.cuh"
 
 #include <stdint.h>
-#include <string.h>
 
 #define FC90B_THREADS 384   /* producer + two consumer warpgroups */
 #define FC90B_CONS_REGS 232 /* setmaxnreg of the consumers: what the producer gives back (168 -> 32) */
 #define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
 #define FC90B_BAR_DQ 2      /* named barriers 2, 3: one consumer's dQ staging (free, then written) */
 /* How dQ reaches the fp32 sums (the kernel's DQ parameter): not at all (the deterministic mode's dQ kernel computes
- * it), staged in shared memory and added by the TMA (measured 9-28% faster than vector reductions from registers,
- * bench/RESULTS.md; at d 256 the staging is the step's Q / dO ring slot), or at d 256 by vector reductions from
- * registers (RED, FLASHC_CUDA_BWD90_DQ=red, kept for comparison). */
-enum { FC90B_DQ_NONE = 0, FC90B_DQ_RED = 1, FC90B_DQ_TMA = 2 };
+ * it), or staged in shared memory and added by the TMA (at d 256 the staging is the step's Q / dO ring slot). The
+ * vector reductions from registers it replaced, at d 64 / 128 and then at d 256, are in lab/bwd90/. */
+enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -67,8 +65,8 @@ __host__ __device__ constexpr uint32_t fc90b_off_q(fc90_btile t) { return 2 * fc
 __host__ __device__ constexpr uint32_t fc90b_off_g(fc90_btile t) { return fc90b_off_q(t) + t.st * fc90b_q_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b_off_g(t) + t.st * fc90b_q_bytes(t); }
 /* At d 256 (fc90b_split) the consumers split the step's queries for S^T and dP^T and d for the rest, so P^T joins
- * dS^T in shared memory (two of each, by step parity), and dQ goes out by vector reductions from registers: the
- * staging would not fit. */
+ * dS^T in shared memory (two of each, by step parity), and dQ is staged over the step's Q / dO ring slot: a
+ * staging of its own would not fit. */
 __host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
     return fc90b_off_ds(t) + (fc90b_split(t) ? 4 : 2) * fc90b_ds_bytes(t);
@@ -409,18 +407,6 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             } else {
                 fc90_bar_arrive(bar_empty + 8 * slot);
             }
-            if (DQ == FC90B_DQ_RED) {
-                /* Vector reductions from registers: row m0 + 16 warp + g + 8 hf, columns col0 + 8 j + 2 tig. */
-                fc90_pin(dq);
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int i = m0 + 16 * warp + g + 8 * hf;
-                    if (i >= nq) continue;
-                    float *row = a.dq_acc + (((int64_t)b * nq + i) * a.H + h) * D + col0 + 2 * tig;
-#pragma unroll
-                    for (int j = 0; j < DQN / 8; ++j) fc_red_add2(row + 8 * j, dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
-                }
-            }
         } else {
             uint32_t pa[BM / 16][4], da[BM / 16][4];
             fc90_pack_p<BM, BF>(pa, s);
@@ -603,18 +589,9 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, a->Nq, a->H, a->B, a->g_sn, a->g_sh, a->g_sb, TL.bm);
-    /* FLASHC_CUDA_BWD90_DQ=red: d 256's dQ by vector reductions from registers instead of the TMA (comparisons). */
-    static const bool red = [] {
-        const char *v = getenv("FLASHC_CUDA_BWD90_DQ");
-        return v && !strcmp(v, "red");
-    }();
-    const bool use_red = fc90b_split(TL) && red;
-    if (e == cudaSuccess && a->dq_acc && !use_red) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
-    else tm[4] = tm[0]; /* unused without dQ or staging */
+    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
+    else tm[4] = tm[0]; /* unused without dQ */
     if (e != cudaSuccess) return e;
-    if (a->dq_acc && use_red) {
-        if constexpr (fc90b_split(TL)) return fc90b_launch<D, BF, FC90B_DQ_RED>(&k, tm, blocks, stream);
-    }
     if (a->dq_acc) return fc90b_launch<D, BF, FC90B_DQ_TMA>(&k, tm, blocks, stream);
     return fc90b_launch<D, BF, FC90B_DQ_NONE>(&k, tm, blocks, stream);
 }

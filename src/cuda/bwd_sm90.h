@@ -20,7 +20,7 @@
  * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q); st: stages of the (Q, dO) ring.
  * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, the rows'
  * lse and D_i, and two dQ staging tiles bm x 64 fp32: 130 KB at d 64, 194 KB at d 128; 210 KB at d 256 (no
- * staging: dQ by vector reductions).
+ * staging tiles: dQ is staged over the step's Q / dO ring slot).
  */
 typedef struct fc90_btile {
     int d, bn, bm, st;

@@ -25,7 +25,6 @@ typedef struct cuda_state {
     int fwd_sm90;           /* the Hopper forward runs here (and FLASHC_CUDA_FWD=sm80 did not turn it off) */
     int bwd_sm90;           /* the Hopper backward runs here (and FLASHC_CUDA_BWD=sm80 or simt did not turn it off) */
     int log_fwd;            /* FLASHC_CUDA_LOG=1: each forward names its kernel on stderr */
-    int sm90_sched;         /* the Hopper forward's schedule, FC90_SCHED_* (FLASHC_CUDA_SM90_SCHED=0..3) */
     /* The Hopper forward's persistent grid (fwd_sm90.h, fc90_grid): FC90_CTR_SLOTS pairs of tile counters in
      * device memory, one pair per launch in turn, so that launches on different streams (set_stream between
      * calls) do not share one unless 64 of them run at once. NULL: one block per tile (FLASHC_CUDA_SM90_GRID=
@@ -138,10 +137,6 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
     /* FLASHC_CUDA_BWD=sm80 (or simt, see bwd.h) does the same for the backward. */
     const char *bwd = getenv("FLASHC_CUDA_BWD");
     s->bwd_sm90 = !(bwd && (!strcmp(bwd, "sm80") || !strcmp(bwd, "simt"))) && flashc_bwd_sm90_available(ctx->device);
-    /* FLASHC_CUDA_SM90_SCHED=0..3 picks the Hopper forward's schedule (fwd_sm90.h), to tell the overlapped ones
-     * apart from the first version on the GPU; anything else keeps the default. */
-    const char *sched = getenv("FLASHC_CUDA_SM90_SCHED");
-    s->sm90_sched = sched && sched[0] >= '0' && sched[0] <= '3' && !sched[1] ? sched[0] - '0' : FC90_SCHED_DEFAULT;
     /* FLASHC_CUDA_SM90_GRID=blocks launches the Hopper forward one block per tile instead of persistent. */
     const char *grid = getenv("FLASHC_CUDA_SM90_GRID");
     s->l2_bytes = prop.l2CacheSize;
@@ -337,10 +332,6 @@ typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90 } fwd_path;
 static const char *const fwd_path_names[] = {"sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine",
                                              "sm90 (wgmma, TMA, warp-specialized)"};
 
-/* The Hopper forward's schedules by FC90_SCHED_* value, as the forward log names them. */
-static const char *const sm90_sched_names[] = {", serial schedule", ", ping-pong", ", intra-warpgroup overlap",
-                                               ", ping-pong + intra-warpgroup overlap"};
-
 /* Split-KV stays on the Ampere-class kernel and its combine; the Hopper kernel takes what it supports. */
 static fwd_path fwd_choose(struct flashc_context *ctx, const flashc_fwd_args *a, int e) {
     if (a->nsplit > 1) return FWD_SM80_SPLIT;
@@ -377,13 +368,13 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     if (path == FWD_SM90 && s->fc90_ctr) grid.ctr = s->fc90_ctr + 2 * (s->fc90_ctr_next++ % FC90_CTR_SLOTS);
     if (s->log_fwd) {
         const int sm90 = path == FWD_SM90;
-        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s%s%s\n", a.B, a.Nq, a.Nk, a.H,
-                a.Hkv, a.D, fwd_path_names[path], sm90 ? sm90_sched_names[s->sm90_sched] : "", sm90 ? ", " : "",
+        fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s%s\n", a.B, a.Nq, a.Nk, a.H,
+                a.Hkv, a.D, fwd_path_names[path], sm90 ? ", ping-pong + intra-warpgroup overlap, " : "",
                 sm90 ? flashc_fwd_sm90_grid_name(&a, &grid) : "");
     }
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     if (path == FWD_SM90) {
-        const cudaError_t err = flashc_fwd_sm90_launch(&a, s->sm90_sched, &grid, stream);
+        const cudaError_t err = flashc_fwd_sm90_launch(&a, &grid, stream);
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
         return FLASHC_STATUS_OK;
     }

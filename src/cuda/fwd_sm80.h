@@ -56,7 +56,7 @@ typedef struct fc_tile {
     int d, br, bc, nw, st, qreg, minb;
 } fc_tile;
 
-/* Measured on H200 (bench/RESULTS.md, bench/tiles/). A lab build may try others: -DFLASHC_CUDA_TILES_FILE=path
+/* Measured on H200 (bench/RESULTS.md, lab/tiles/). A lab build may try others: -DFLASHC_CUDA_TILES_FILE=path
  * (CMake) includes a header defining some FC_TILE_<d> / FC_TILE_<d>_SM90 before the defaults below. */
 #ifdef FLASHC_CUDA_TILES_FILE
 #include FLASHC_CUDA_TILES_FILE

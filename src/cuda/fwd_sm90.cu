@@ -7,8 +7,8 @@
  * Fast and Accurate Attention with Asynchrony and Low-precision"): section 3.1's producer-consumer warp
  * specialization with a circular buffer of K/V tiles and its ping-pong between consumer warpgroups, and
  * section 3.2's intra-warpgroup overlap of the softmax with the GEMMs. The online softmax is FlashAttention-2's,
- * in base 2, exactly as in fwd_sm80.cuh. The schedule is a launch-time choice (fc90_sched in fwd_sm90.h); all
- * of them do the same arithmetic in the same order.
+ * in base 2, exactly as in fwd_sm80.cuh. The serial, ping-pong-only and overlap-only schedules it was measured
+ * against are in lab/fwd90/.
  *
  * Block: 1 + br / 64 warpgroups working on tiles (query tile of br rows, head, sequence), one after another on
  * the persistent grid (see fc90_fwd_kernel's grid comment): 384 threads at br 128, 512 at br 192 (d 64).
@@ -20,12 +20,11 @@
  * and O += P V by wgmma m64n{d}k16 with V in shared memory read N-major (transpose bit), since V is stored
  * keys x d. Tile sizes (bc 128 at d 64 and 128, 80 at d 256): fc90_tile_for in fwd_sm90.h.
  *
- * Consumer schedules. SERIAL: per tile, S, softmax, P V, each waited for. The overlapped ones work in turns:
- * turn j issues S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (O is rescaled by softmax j - 1's factor
- * just before, since that P V is only added now), then runs softmax j on S_j, so S_j and the packed P_(j-1)
- * live in registers together. PINGPONG: the consumers take turns at issuing, round robin (named barriers 1 ..
- * consumers), so the tensor cores run one warpgroup's products while the others do their softmax. OVERLAP: softmax j starts once
- * S_j is done, while P_(j-1) V_(j-1) is still in flight.
+ * The consumers' schedule: turn j issues S_j = Q K_j^T and O += P_(j-1) V_(j-1) back to back (O is rescaled by
+ * softmax j - 1's factor just before, since that P V is only added now), then runs softmax j on S_j, so S_j and
+ * the packed P_(j-1) live in registers together. Ping-pong: the consumers take turns at issuing, round robin
+ * (named barriers 1 .. consumers), so the tensor cores run one warpgroup's products while the others do their
+ * softmax. Intra-warpgroup overlap: softmax j starts once S_j is done, while P_(j-1) V_(j-1) is still in flight.
  *
  * Shared memory holds every operand in the 128-byte swizzled layout, written by TMA (CU_TENSOR_MAP_SWIZZLE_128B)
  * and read by wgmma through descriptors with the same swizzle: a tile of R rows and d columns is d / 64 column
@@ -35,15 +34,15 @@
  * Barrier protocol (phases counted per ring slot; a fresh mbarrier is in phase 0, and waiting for the parity
  * of the phase before it returns at once):
  *   q_full       1 arrival (the producer's expect_tx) + the Q bytes; consumers wait for parity 0 once.
- *   k_full[s]    1 arrival (expect_tx) + the K bytes of the tile in slot s (SERIAL: the K and V bytes). Tile it
- *                uses slot it % 2 in its (it / 2)-th round; consumers wait for parity (it / 2) & 1.
- *   v_full[s]    the same for V (not used by SERIAL).
- *   k_empty[s]   128 x consumers arrivals, one per consumer thread once its S = Q K^T (SERIAL: its P V) of the tile in slot
+ *   k_full[s]    1 arrival (expect_tx) + the K bytes of the tile in slot s. Tile it uses slot it % 2 in its
+ *                (it / 2)-th round; consumers wait for parity (it / 2) & 1.
+ *   v_full[s]    the same for V.
+ *   k_empty[s]   128 x consumers arrivals, one per consumer thread once its S = Q K^T of the tile in slot
  *                s is complete. Before refilling slot s for tile it the producer waits for parity
  *                ((it / 2) & 1) ^ 1: at once in round 0, then for the consumers' release of the round before.
  *   v_empty[s]   the same for V, released once P V is complete. V is read one turn after K, so a 2-stage
  *                ring per operand keeps a load a whole turn ahead of its use.
- * Turns (PINGPONG): named barrier 1 + c is consumer c's turn, round robin; see fc90_turn_begin. Otherwise the warpgroups
+ * Turns: named barrier 1 + c is consumer c's turn, round robin; see fc90_turn_begin. Otherwise the warpgroups
  * synchronize only through the mbarriers; each consumer warp stages its own output rows.
  *
  * Masks: key tiles wholly above the causal diagonal of the block's last row are never loaded; tiles cut by the
@@ -131,16 +130,6 @@ static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D)
     fc90_wgmma_commit();
 }
 
-/* s = Q K^T, waited for (the serial schedule). */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90_qk(float (&s)[fc90_tile_for(D).bc / 2], uint64_t dq, uint64_t dk) {
-    fc90_pin(s);
-    fc90_wgmma_fence();
-    fc90_qk_issue<D, BF>(s, dq, dk);
-    fc90_wgmma_wait<0>();
-    fc90_pin(s);
-}
-
 /* Keys past the end, or past row i's diagonal + win_right, to -inf; i0 is the thread's first row (the second is
  * i0 + 8), n0 the tile's first key. */
 template <int BC>
@@ -163,7 +152,7 @@ static __device__ __forceinline__ void fc90_mask(float (&s)[BC / 2], int i0, int
  * Online softmax step in base 2 on raw scores s (the scale, times log2 e, folds into the exponent's FFMA:
  * max(c s) = c max(s) for c > 0): the row max m moves, the row sum l is rescaled by alpha = 2^(m_old - m_new),
  * and s becomes P = 2^(c s - m). O is left alone: it must be scaled by alpha before the next P V adds to it,
- * which the overlapped schedules do only once the P V product in flight has completed. The four lanes of a quad
+ * which the consumers do only once the P V product in flight has completed. The four lanes of a quad
  * share a row. A row that has seen no key keeps m = -inf and takes exponents against 0, so that no inf - inf
  * appears; l stays thread-partial until the end.
  */
@@ -206,15 +195,6 @@ static __device__ __forceinline__ void fc90_rescale(float (&o)[D / 2], const flo
         }
 }
 
-/* The serial schedule's softmax step: P in s, and O rescaled at once (nothing is in flight). */
-template <int D, int BC>
-static __device__ __forceinline__ void fc90_softmax(float (&s)[BC / 2], float (&o)[D / 2], float (&row_m)[2],
-                                                    float (&row_l)[2], float smul) {
-    float alpha[2];
-    fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
-    fc90_rescale<D>(o, alpha);
-}
-
 /* Issues o += P V, V from one ring slot, as one commit group; the caller fences before and waits after. */
 template <int D, int BF>
 static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
@@ -223,21 +203,6 @@ static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
     for (int c = 0; c < fc90_tile_for(D).bc / 16; ++c)
         fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * 128) >> 4));
     fc90_wgmma_commit();
-}
-
-/* o += P V, waited for, after which the slot may be released (the serial schedule). */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90_pv(float (&o)[D / 2], const float (&p)[fc90_tile_for(D).bc / 2],
-                                               uint64_t dv) {
-    constexpr int BC = fc90_tile_for(D).bc;
-    uint32_t pa[BC / 16][4];
-    fc90_pack_p<BC, BF>(pa, p);
-    fc90_pin(o);
-    fc90_pin(pa);
-    fc90_wgmma_fence();
-    fc90_pv_issue<D, BF>(o, pa, dv);
-    fc90_wgmma_wait<0>();
-    fc90_pin(o);
 }
 
 /*
@@ -268,13 +233,10 @@ static __device__ __forceinline__ void fc90_mask_tile(float (&s)[BC / 2], int i0
  * consumers, two softmaxes under one's products). Consumer 0 takes the first turn (the last consumer arrives
  * once ahead); the last does not hand over after its last turn, so every arrival on a barrier meets a sync
  * and none is left pending at exit (every consumer of a block takes the same number of turns). */
-template <bool PP, int NC>
-static __device__ __forceinline__ void fc90_turn_begin(int cw) {
-    if (PP) fc90_nbar_sync(FC90_BAR_TURN + cw);
-}
-template <bool PP, int NC>
+static __device__ __forceinline__ void fc90_turn_begin(int cw) { fc90_nbar_sync(FC90_BAR_TURN + cw); }
+template <int NC>
 static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
-    if (PP && !(last && cw == NC - 1)) fc90_nbar_arrive(FC90_BAR_TURN + (cw + 1) % NC);
+    if (!(last && cw == NC - 1)) fc90_nbar_arrive(FC90_BAR_TURN + (cw + 1) % NC);
 }
 
 /*
@@ -316,9 +278,8 @@ static __device__ __forceinline__ int fc90_key_tiles(const flashc_fwd_args &a, i
  * without keys still goes through q_full (no bytes), since its rows get O = 0 and lse = +inf.
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
- * SCHED: the consumers' schedule (fwd_sm90.h, fc90_sched).
  */
-template <int D, int BF, int SCHED>
+template <int D, int BF>
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -327,10 +288,8 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     constexpr fc90_tile TL = fc90_tile_for(D);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
-    constexpr bool PP = SCHED & FC90_SCHED_PINGPONG, OV = SCHED & FC90_SCHED_OVERLAP;
     constexpr bool ALIASED = fc90_o_aliased(TL), PERSIST = fc90_persistent(TL);
     static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
-    static_assert(SCHED >= 0 && SCHED <= FC90_SCHED_BOTH, "schedule");
 
     extern __shared__ uint8_t fc90_smem[];
     const uint32_t raw = fc_smem_addr(fc90_smem);
@@ -392,25 +351,15 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
                     const int s = kv_it % ST;
                     const uint32_t k_dst = sK + s * KV_BYTES, v_dst = sV + s * KV_BYTES;
                     const uint32_t free_parity = ((kv_it / ST) & 1) ^ 1;
-                    if (SCHED == FC90_SCHED_SERIAL) {
-                        /* K and V of a tile share kfull / kempty: the serial consumer reads both in one step. */
-                        fc90_bar_wait(bar_kempty + 8 * s, free_parity);
-                        fc90_bar_expect(bar_kfull + 8 * s, 2 * KV_BYTES);
-                        for (int c = 0; c < NCH; ++c)
-                            fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
-                        for (int c = 0; c < NCH; ++c)
-                            fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
-                    } else {
-                        /* The overlapped consumers read V one turn after K, so each has its own ring phases. */
-                        fc90_bar_wait(bar_kempty + 8 * s, free_parity);
-                        fc90_bar_expect(bar_kfull + 8 * s, KV_BYTES);
-                        for (int c = 0; c < NCH; ++c)
-                            fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
-                        fc90_bar_wait(bar_vempty + 8 * s, free_parity);
-                        fc90_bar_expect(bar_vfull + 8 * s, KV_BYTES);
-                        for (int c = 0; c < NCH; ++c)
-                            fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_vfull + 8 * s, c * 64, it * BC, hk, b);
-                    }
+                    /* The consumers read V one turn after K, so each has its own ring phases. */
+                    fc90_bar_wait(bar_kempty + 8 * s, free_parity);
+                    fc90_bar_expect(bar_kfull + 8 * s, KV_BYTES);
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
+                    fc90_bar_wait(bar_vempty + 8 * s, free_parity);
+                    fc90_bar_expect(bar_vfull + 8 * s, KV_BYTES);
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_vfull + 8 * s, c * 64, it * BC, hk, b);
                 }
                 tile = next;
                 if (!PERSIST) break;
@@ -454,37 +403,24 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
         if (PERSIST && ntiles == 0) fc90_bar_arrive(bar_qempty);
 
-        if (SCHED == FC90_SCHED_SERIAL) {
-            /* One tile at a time: S, softmax, P V, each waited for; the two warpgroups run unsynchronized. */
-            for (int it = 0; it < ntiles; ++it) {
-                const uint32_t kt = kv_it + it, slot = kt % ST, slot_off = (slot * KV_BYTES) >> 4;
-                fc90_bar_wait(bar_kfull + 8 * slot, (kt / ST) & 1);
-                fc90_qk<D, BF>(s, dq, dk + slot_off);
-                if (PERSIST && it == ntiles - 1) fc90_bar_arrive(bar_qempty);
-                fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
-                fc90_softmax<D, BC>(s, o, row_m, row_l, a.score_mul);
-                fc90_pv<D, BF>(o, s, dv + slot_off);
-                fc90_bar_arrive(bar_kempty + 8 * slot);
-            }
-        } else if (ntiles > 0) {
+        if (ntiles > 0) {
             /*
              * Turn it issues S_it = Q K_it^T and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha
-             * of softmax it - 1, whose P V is only now added), then runs softmax it on S_it. With OV the softmax
-             * starts once S_it is done, while P V still runs (so it must leave O and the P fragments alone);
-             * without, it waits for both. Registers: S (bc / 2 floats) and the packed P of the tile before
-             * (bc / 4) live together.
+             * of softmax it - 1, whose P V is only now added), then runs softmax it on S_it. The softmax starts
+             * once S_it is done, while P V still runs (so it must leave O and the P fragments alone).
+             * Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4) live together.
              */
             uint32_t pa[BC / 16][4];
             float alpha[2];
-            if (PP && cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
+            if (cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
 
             const uint32_t k0 = kv_it % ST;
             fc90_bar_wait(bar_kfull + 8 * k0, (kv_it / ST) & 1);
-            fc90_turn_begin<PP, NC>(cw);
+            fc90_turn_begin(cw);
             fc90_pin(s);
             fc90_wgmma_fence();
             fc90_qk_issue<D, BF>(s, dq, dk + ((k0 * KV_BYTES) >> 4));
-            fc90_turn_end<PP, NC>(cw, false);
+            fc90_turn_end<NC>(cw, false);
             fc90_wgmma_wait<0>();
             fc90_pin(s);
             fc90_bar_arrive(bar_kempty + 8 * k0);
@@ -497,7 +433,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
                 const uint32_t kt = kv_it + it, ks = kt % ST, vs = (kt - 1) % ST;
                 fc90_bar_wait(bar_kfull + 8 * ks, (kt / ST) & 1);
                 fc90_bar_wait(bar_vfull + 8 * vs, ((kt - 1) / ST) & 1);
-                fc90_turn_begin<PP, NC>(cw);
+                fc90_turn_begin(cw);
                 fc90_rescale<D>(o, alpha);
                 fc90_pin(s);
                 fc90_pin(o);
@@ -505,14 +441,14 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
                 fc90_wgmma_fence();
                 fc90_qk_issue<D, BF>(s, dq, dk + ((ks * KV_BYTES) >> 4));
                 fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-                fc90_turn_end<PP, NC>(cw, false);
-                fc90_wgmma_wait<OV ? 1 : 0>();
+                fc90_turn_end<NC>(cw, false);
+                fc90_wgmma_wait<1>();
                 fc90_pin(s);
                 fc90_bar_arrive(bar_kempty + 8 * ks);
                 if (PERSIST && it == ntiles - 1) fc90_bar_arrive(bar_qempty);
                 fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
                 fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
-                if (OV) fc90_block_end(s, row_l[0]);
+                fc90_block_end(s, row_l[0]);
                 fc90_wgmma_wait<0>();
                 fc90_pin(o);
                 fc90_pin(pa);
@@ -522,13 +458,13 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
 
             const uint32_t kt = kv_it + ntiles - 1, vs = kt % ST;
             fc90_bar_wait(bar_vfull + 8 * vs, (kt / ST) & 1);
-            fc90_turn_begin<PP, NC>(cw);
+            fc90_turn_begin(cw);
             fc90_rescale<D>(o, alpha);
             fc90_pin(o);
             fc90_pin(pa);
             fc90_wgmma_fence();
             fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-            fc90_turn_end<PP, NC>(cw, true);
+            fc90_turn_end<NC>(cw, true);
             fc90_wgmma_wait<0>();
             fc90_pin(o);
             fc90_bar_arrive(bar_vempty + 8 * vs);
@@ -593,13 +529,13 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
 #endif /* FC90_DEVICE */
 }
 
-template <int D, int BF, int SCHED>
+template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, SCHED>>(smem);
+    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF, SCHED>
+    fc90_fwd_kernel<D, BF>
         <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
@@ -624,7 +560,7 @@ static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid)
 }
 
 template <int D, int BF>
-static cudaError_t fc90_run(const flashc_fwd_args *a, int sched, const fc90_grid *grid, cudaStream_t stream) {
+static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {
     constexpr fc90_tile TL = fc90_tile_for(D);
     flashc_fwd_args k = *a;
     k.n_mblk = (a->Nq + TL.br - 1) / TL.br;
@@ -640,16 +576,7 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, int sched, const fc90_grid
     if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bc);
     if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bc);
     if (e != cudaSuccess) return e;
-    switch (sched) {
-    case FC90_SCHED_SERIAL:
-        return fc90_launch<D, BF, FC90_SCHED_SERIAL>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
-    case FC90_SCHED_PINGPONG:
-        return fc90_launch<D, BF, FC90_SCHED_PINGPONG>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
-    case FC90_SCHED_OVERLAP:
-        return fc90_launch<D, BF, FC90_SCHED_OVERLAP>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
-    case FC90_SCHED_BOTH: return fc90_launch<D, BF, FC90_SCHED_BOTH>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
-    }
-    return cudaErrorInvalidValue;
+    return fc90_launch<D, BF>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
 }
 
 int flashc_fwd_sm90_available(int device) {
@@ -661,10 +588,8 @@ int flashc_fwd_sm90_available(int device) {
     }
     if (major != 9 || minor != 0) return 0;
     /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
-    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, FC90_SCHED_BOTH>,
-                              (const void *)fc90_fwd_kernel<64, 1, FC90_SCHED_BOTH>,
-                              (const void *)fc90_fwd_kernel<128, 0, FC90_SCHED_BOTH>,
-                              (const void *)fc90_fwd_kernel<128, 1, FC90_SCHED_BOTH>};
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0>, (const void *)fc90_fwd_kernel<64, 1>,
+                              (const void *)fc90_fwd_kernel<128, 0>, (const void *)fc90_fwd_kernel<128, 1>};
     for (int i = 0; i < 4; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
@@ -689,12 +614,11 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);
 }
 
-cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, const fc90_grid *grid, cudaStream_t stream) {
-    if (sched < FC90_SCHED_SERIAL || sched > FC90_SCHED_BOTH) return cudaErrorInvalidValue;
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {
     switch (fc90_kernel_d(a->D)) {
-    case 64: return a->bf16 ? fc90_run<64, 1>(a, sched, grid, stream) : fc90_run<64, 0>(a, sched, grid, stream);
-    case 128: return a->bf16 ? fc90_run<128, 1>(a, sched, grid, stream) : fc90_run<128, 0>(a, sched, grid, stream);
-    case 256: return a->bf16 ? fc90_run<256, 1>(a, sched, grid, stream) : fc90_run<256, 0>(a, sched, grid, stream);
+    case 64: return a->bf16 ? fc90_run<64, 1>(a, grid, stream) : fc90_run<64, 0>(a, grid, stream);
+    case 128: return a->bf16 ? fc90_run<128, 1>(a, grid, stream) : fc90_run<128, 0>(a, grid, stream);
+    case 256: return a->bf16 ? fc90_run<256, 1>(a, grid, stream) : fc90_run<256, 0>(a, grid, stream);
     }
     return cudaErrorInvalidValue;
 }

@@ -46,21 +46,11 @@ __host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
 
 /* The kernel a head dim runs on: its own at 64, 128 and 256; d 96 on the d 128 kernel and d 192 on the d 256 one,
  * whose extra columns TMA fills with zeros (they add nothing to Q K^T, and P V computes them without writing them):
- * 25-33% of the products wasted, which the measured rates (bench/RESULTS.md) still put well ahead of the
+ * 25-33% of the products wasted, which the measured rates (lab/LOG.md, Hopper forward v7) still put well ahead of the
  * Ampere-class kernels at those head dims. 0: none (the Ampere-class kernel takes it). */
 __host__ __device__ constexpr int fc90_kernel_d(int d) {
     return d == 64 ? 64 : d == 96 || d == 128 ? 128 : d == 192 || d == 256 ? 256 : 0;
 }
-
-/*
- * The consumers' schedule, chosen per launch (FLASHC_CUDA_SM90_SCHED, read by cuda.cu) so that the GPU can tell
- * a fault of the overlapped schedules from one of the first version. Bit 0, PINGPONG: the consumer warpgroups
- * take turns at issuing their products, round robin (named barriers), so the others' softmax runs under one's
- * products (FA3 section 3.1; with three consumers measured level with OVERLAP alone at d 64). Bit 1, OVERLAP: a warpgroup issues S = Q K^T of tile j with P V of tile j - 1 and
- * starts softmax j while P V is still in flight (FA3 section 3.2). SERIAL (0) is the first version's loop.
- */
-enum { FC90_SCHED_SERIAL = 0, FC90_SCHED_PINGPONG = 1, FC90_SCHED_OVERLAP = 2, FC90_SCHED_BOTH = 3 };
-#define FC90_SCHED_DEFAULT FC90_SCHED_BOTH
 
 /* 1 when `device` (the current device) is compute capability 9.0 and the sm_90a kernels are the code loaded for
  * it (a build without 90a-real, or a later GPU, runs the Ampere-class kernel instead). */
@@ -85,9 +75,10 @@ typedef struct fc90_grid {
 
 /* Launches the forward on stream (a configuration flashc_fwd_sm90_supports accepted, on a device for which
  * flashc_fwd_sm90_available holds). Builds the Q, K, V tensor maps on the host, so it fails (without
- * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. sched: one of FC90_SCHED_*.
- * Launches sharing a grid->ctr must not run concurrently. */
-cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, int sched, const fc90_grid *grid, cudaStream_t stream);
+ * launching) when the driver has no cuTensorMapEncodeTiled or refuses a map. The consumers' schedule is FA3's
+ * ping-pong between warpgroups (section 3.1) with the intra-warpgroup overlap of softmax and products (3.2);
+ * the schedules it beat are in lab/fwd90/. Launches sharing a grid->ctr must not run concurrently. */
+cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream);
 
 /* "persistent grid" or "a block per tile": the grid that launch takes for a on grid (for the forward log). */
 const char *flashc_fwd_sm90_grid_name(const flashc_fwd_args *a, const fc90_grid *grid);

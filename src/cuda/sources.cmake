@@ -8,7 +8,7 @@ set(FLASHC_CUDA_HEAD_DIMS "32;64;96;128;160;192;256" CACHE STRING
     "Head dims with a compiled CUDA forward kernel (subset of 32;64;96;128;160;192;256)")
 set(FLASHC_CUDA_ARCHS "80;90a-real" CACHE STRING
     "CUDA architectures: sm_80 machine code + PTX (runs on every later GPU) and sm_90a machine code")
-set(FLASHC_CUDA_TILES_FILE "" CACHE FILEPATH "Lab builds: a header overriding FC_TILE_<d> of src/cuda/fwd_sm80.h")
+set(FLASHC_CUDA_TILES_FILE "" CACHE FILEPATH "Lab builds: a header overriding FC_TILE_<d> of src/cuda/fwd_sm80.h (lab/tiles/)")
 option(FLASHC_CUDA_PTXAS_VERBOSE "Print the ptxas resource report (registers, spills) of the CUDA kernels" OFF)
 
 set(CMAKE_CUDA_ARCHITECTURES ${FLASHC_CUDA_ARCHS})
@@ -28,7 +28,7 @@ endif()
 set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm80.cu
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm80.cu)
 list(APPEND FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm90.cu  # Hopper forward: d 64, 96, 128, 192, 256
-    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu) # Hopper backward (dK, dV, atomic dQ): d 64, 128
+    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu) # Hopper backward (dK, dV, dQ by TMA reductions): d 64, 128, 256
 set(FLASHC_CUDA_DEFS "")
 set(_flashc_known_dims 32 64 96 128 160 192 256)
 foreach(d ${FLASHC_CUDA_HEAD_DIMS})

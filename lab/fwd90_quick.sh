@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/fwd90_quick.sh - the Hopper forward's short loop on the GPU machine: build (every head dim), gpu_fwd with
+# lab/fwd90_quick.sh - the Hopper forward's short loop on the GPU machine: build (every head dim), gpu_fwd with
 # the persistent grid and once more a block per tile (kernels named), compute-sanitizer racecheck and memcheck on
 # one Hopper forward per head dim (64, 96, 128, 192, 256; N 700, causal), then the forward sweep (FWD_ARGS) with
 # torch-flash and cuDNN, flashc alone under each AB setting ("NAME=VALUE ...;NAME=VALUE ...", AB_ARGS), and the

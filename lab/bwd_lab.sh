@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/bwd_lab.sh - the backward's tile lab: builds the library (head dims LAB_DIMS, default 64;128) with the
-# default tile table and with each variant header given (bench/tiles/*.h, -DFLASHC_CUDA_TILES_FILE), all builds in
+# lab/bwd_lab.sh - the backward's tile lab: builds the library (head dims LAB_DIMS, default 64;128) with the
+# default tile table and with each variant header given (lab/tiles/*.h, -DFLASHC_CUDA_TILES_FILE), all builds in
 # parallel, then times each with compare_torch_bwd.py. Prints the spills and one table per build.
-#   bench/bwd_lab.sh bench/tiles/bwd_occ2.h ...      (extra compare_torch_bwd.py arguments in BWD_ARGS)
+#   lab/bwd_lab.sh lab/tiles/bwd_occ2.h ...      (extra compare_torch_bwd.py arguments in BWD_ARGS)
 cd "$(dirname "$0")/.."
 dims=${LAB_DIMS:-64;128}
 builds=(default "$@")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/bwd90_quick.sh - the Hopper backward's short loop on the GPU machine: build (head dims 64, 128, 256),
+# lab/bwd90_quick.sh - the Hopper backward's short loop on the GPU machine: build (head dims 64, 128, 256),
 # gpu_bwd's full table with the kernels named, compute-sanitizer on one Hopper forward + backward per head dim,
 # then the backward sweep at d 64 and 128 (BWD_ARGS to change it). Logs in $OUT (or build-gpu/logs).
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/bwd90_ab.sh - the Hopper backward's check-and-compare loop on the GPU machine: build, gpu_bwd with the
+# lab/bwd90_ab.sh - the Hopper backward's check-and-compare loop on the GPU machine: build, gpu_bwd with the
 # kernels named, compute-sanitizer racecheck + memcheck on one Hopper forward + backward per head dim in SAN_DIMS,
 # then compare_torch_bwd.py (BWD_ARGS) as built and once more under AB ("NAME=VALUE ..."). Summary last.
 set -u

@@ -1,4 +1,4 @@
-# bench/gpu_loop.sh - what the Hopper short loops (fwd90_quick.sh, bwd90_ab.sh) share; sourced, not run.
+# lab/gpu_loop.sh - what the Hopper short loops (fwd90_quick.sh, bwd90_ab.sh) share; sourced, not run.
 # gpu_loop_start TMPNAME: repository root, logs in $OUT (or build-gpu/logs) and /tmp/TMPNAME, the summary lines.
 # gpu_loop_build KERNEL: build build-gpu with every head dim and note the ptxas spills of the sm_90a KERNEL entries.
 # note TEXT: print TEXT and keep it for the summary (gpu_loop_summary prints them again).
