@@ -33,21 +33,19 @@ class Tensor(ctypes.Structure):
                 ("stride", ctypes.c_int64 * 4)]
 
 
-class Params(ctypes.Structure):
-    _fields_ = [("softmax_scale", ctypes.c_float), ("causal", ctypes.c_int), ("window_left", ctypes.c_int64),
-                ("window_right", ctypes.c_int64), ("softcap", ctypes.c_float),
-                ("alibi_slopes", ctypes.c_void_p), ("alibi_batch_stride", ctypes.c_int64),
-                ("block_mask", ctypes.c_void_p), ("block_mask_q", ctypes.c_int64), ("block_mask_k", ctypes.c_int64),
-                ("block_mask_batch", ctypes.c_int64), ("block_mask_heads", ctypes.c_int64),
-                ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("num_seqs", ctypes.c_int64),
-                ("max_seqlen_q", ctypes.c_int64), ("max_seqlen_k", ctypes.c_int64), ("dropout_p", ctypes.c_float),
-                ("dropout_seed", ctypes.c_uint64), ("dropout_offset", ctypes.c_uint64),
-                ("deterministic", ctypes.c_int)]
+def params_type(path):
+    """flashc_params as the library at path lays it out: the Python package's ctypes structure, which it builds
+    from the library's own description (flashc_params_field), so this shim copies no layout by hand."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    os.environ["FLASHC_LIBRARY"] = os.path.abspath(path)
+    from flashc import _lib
+    return _lib.Params
 
 
 class Flashc:
     def __init__(self, path):
         lib = ctypes.CDLL(path)
+        Params = params_type(path)
         lib.flashc_params_default.restype = Params
         lib.flashc_context_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int]
         lib.flashc_context_set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]

@@ -64,7 +64,7 @@ extern "C" {
 #endif
 
 #define FLASHC_VERSION_MAJOR 0
-#define FLASHC_VERSION_MINOR 1
+#define FLASHC_VERSION_MINOR 2
 #define FLASHC_VERSION_PATCH 0
 
 /* Status codes. Values are only ever appended. */
@@ -104,8 +104,21 @@ typedef struct flashc_tensor {
     int64_t stride[4];
 } flashc_tensor;
 
-/* Attention parameters. Always start from flashc_params_default(). */
+/*
+ * Attention parameters. Always start from flashc_params_default(), which sets struct_size to
+ * sizeof(flashc_params) of the flashc.h it was compiled with; then set the fields you need.
+ *
+ * Growing safely: fields are only ever appended, each after the previous version's last byte (never into its
+ * tail padding), and a new field's zero bytes mean what its default means. So the library reads
+ *   - struct_size of a layout an older flashc.h published (0.2 on): as that layout, newer fields at their
+ *     defaults;
+ *   - struct_size larger than this library's sizeof(flashc_params) (a newer flashc.h): as this layout, when
+ *     every byte past it is zero (the caller set none of the newer fields), else refused;
+ * and refuses anything else (a struct_size of 0, or one no flashc.h published) with INVALID_ARGUMENT. A program
+ * built against a flashc.h older than 0.2 has no struct_size: rebuild it against this one.
+ */
 typedef struct flashc_params {
+    uint32_t struct_size; /* sizeof(flashc_params) as the caller compiled it: set by flashc_params_default() */
     float softmax_scale;  /* 0: 1/sqrt(D) */
     int causal;           /* bottom-right aligned; same as window (left, 0) */
     int64_t window_left;  /* -1: unbounded */
@@ -164,6 +177,14 @@ FLASHC_API flashc_status flashc_device_name(flashc_backend backend, int device, 
 FLASHC_API const char *flashc_cpu_features(void);
 
 FLASHC_API flashc_params flashc_params_default(void);
+/* sizeof(flashc_params) in this library, for bindings that build the struct without this header. */
+FLASHC_API size_t flashc_params_size(void);
+/*
+ * Field index of flashc_params (0, 1, ... in declaration order): its name, byte offset, size and type code
+ * ('I' uint32_t, 'i' int, 'f' float, 'q' int64_t, 'Q' uint64_t, 'p' pointer). Returns 1, or 0 past the last
+ * field (and for a negative index), leaving the outputs untouched. Any output pointer may be NULL.
+ */
+FLASHC_API int flashc_params_field(int index, const char **name, size_t *offset, size_t *size, char *type);
 
 /* ---- context ----------------------------------------------------------------------------------------- */
 
@@ -232,7 +253,8 @@ FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tens
                                          const flashc_tensor *dk, const flashc_tensor *dv, void *workspace,
                                          size_t workspace_bytes);
 
-/* Fills a view of a contiguous (d0, d1, d2, d3) tensor. */
+/* Fills a view of a contiguous (d0, d1, d2, d3) tensor. A stride that would overflow int64 is set to INT64_MIN,
+ * which every call refuses. */
 FLASHC_API flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1,
                                                   int64_t d2, int64_t d3);
 

@@ -3,10 +3,10 @@
  * strings. Backends (src/cpu, src/cuda) only ever see a problem that passed these checks.
  */
 #include "internal.h"
-#include "ref/testkit.h"
 
 #include <limits.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,6 +101,39 @@ static unsigned long long next_context_id(void) {
 #endif
 }
 
+/* ---- backends ------------------------------------------------------------------------------------------ */
+
+/* The compiled-in backend tables, in the order AUTO prefers them: the first with a device wins. */
+#ifdef FLASHC_WITH_CUDA
+static const flashc_backend_ops *const backends[] = {&flashc_cuda_ops, &flashc_cpu_ops};
+#else
+static const flashc_backend_ops *const backends[] = {&flashc_cpu_ops};
+#endif
+
+static const flashc_backend_ops *find_backend(flashc_backend backend) {
+    for (size_t i = 0; i < sizeof backends / sizeof backends[0]; i++)
+        if (backends[i]->kind == backend) return backends[i];
+    return NULL;
+}
+
+/* AUTO's choice: the first compiled-in backend with a device (the CPU always has one). */
+static const flashc_backend_ops *auto_backend(void) {
+    const size_t n = sizeof backends / sizeof backends[0];
+    for (size_t i = 0; i + 1 < n; i++)
+        if (backends[i]->device_count() > 0) return backends[i];
+    return backends[n - 1];
+}
+
+/* The table of a concrete backend, or why there is none. */
+static flashc_status backend_table(flashc_backend backend, const flashc_backend_ops **ops) {
+    *ops = backend == FLASHC_BACKEND_AUTO ? NULL : find_backend(backend);
+    if (*ops) return FLASHC_STATUS_OK;
+    if (backend == FLASHC_BACKEND_CPU || backend == FLASHC_BACKEND_CUDA)
+        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED, "this flashc was built without the %s backend",
+                          backend == FLASHC_BACKEND_CUDA ? "CUDA" : "CPU");
+    return FLASHC_STATUS_INVALID_ARGUMENT; /* the caller says what it wanted of it */
+}
+
 /* ---- library ------------------------------------------------------------------------------------------- */
 
 const char *flashc_version(void) {
@@ -139,73 +172,103 @@ const char *flashc_backend_name(flashc_backend backend) {
 }
 
 int flashc_backend_compiled(flashc_backend backend) {
-    switch (backend) {
-    case FLASHC_BACKEND_AUTO:
-    case FLASHC_BACKEND_CPU: return 1;
-    case FLASHC_BACKEND_CUDA:
-#ifdef FLASHC_WITH_CUDA
-        return 1;
-#else
-        return 0;
-#endif
-    }
-    return 0;
+    return backend == FLASHC_BACKEND_AUTO || find_backend(backend) != NULL;
 }
 
 int flashc_device_count(flashc_backend backend) {
-    switch (backend) {
-    case FLASHC_BACKEND_CPU: return 1;
-    case FLASHC_BACKEND_CUDA:
-#ifdef FLASHC_WITH_CUDA
-        return flashc_cuda_device_count();
-#else
-        return 0;
-#endif
-    case FLASHC_BACKEND_AUTO: return flashc_device_count(FLASHC_BACKEND_CUDA) > 0 ? flashc_device_count(FLASHC_BACKEND_CUDA) : 1;
-    }
-    return 0;
+    const flashc_backend_ops *ops = backend == FLASHC_BACKEND_AUTO ? auto_backend() : find_backend(backend);
+    return ops ? ops->device_count() : 0;
 }
 
 flashc_status flashc_device_name(flashc_backend backend, int device, char *buf, size_t len) {
     if (!buf || len == 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "buf is NULL or len is 0");
     buf[0] = '\0';
-    if (backend == FLASHC_BACKEND_CPU) {
-        if (device != 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "cpu device %d does not exist", device);
-        snprintf(buf, len, "cpu");
-        FILE *f = fopen("/proc/cpuinfo", "r"); /* the model name where the OS tells it */
-        if (f) {
-            char line[256];
-            while (fgets(line, sizeof line, f)) {
-                char *colon = strchr(line, ':');
-                if (strncmp(line, "model name", 10) == 0 && colon) {
-                    colon += strspn(colon + 1, " \t") + 1;
-                    colon[strcspn(colon, "\n")] = '\0';
-                    snprintf(buf, len, "%s", colon);
-                    break;
-                }
-            }
-            fclose(f);
-        }
-        return FLASHC_STATUS_OK;
-    }
-    if (backend == FLASHC_BACKEND_CUDA) {
-#ifdef FLASHC_WITH_CUDA
-        return flashc_cuda_device_name(device, buf, len);
-#else
-        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED, "this flashc was built without the CUDA backend");
-#endif
-    }
-    return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "backend %d has no devices to name", (int)backend);
+    const flashc_backend_ops *ops;
+    const flashc_status st = backend_table(backend, &ops);
+    if (st == FLASHC_STATUS_INVALID_ARGUMENT)
+        return FLASHC_ERR(NULL, st, "backend %d has no devices to name", (int)backend);
+    FLASHC_TRY(st);
+    return ops->device_name(device, buf, len);
 }
 
 flashc_params flashc_params_default(void) {
     flashc_params p;
     memset(&p, 0, sizeof p);
+    p.struct_size = (uint32_t)sizeof p;
     p.window_left = -1;
     p.window_right = -1;
     p.block_mask_batch = 1;
     p.block_mask_heads = 1;
     return p;
+}
+
+size_t flashc_params_size(void) { return sizeof(flashc_params); }
+
+#define PARAMS_FIELD(f, type) {#f, offsetof(flashc_params, f), sizeof(((flashc_params *)0)->f), type}
+static const struct params_field {
+    const char *name;
+    size_t offset, size;
+    char type;
+} params_fields[] = {
+    PARAMS_FIELD(struct_size, 'I'),       PARAMS_FIELD(softmax_scale, 'f'),    PARAMS_FIELD(causal, 'i'),
+    PARAMS_FIELD(window_left, 'q'),       PARAMS_FIELD(window_right, 'q'),     PARAMS_FIELD(softcap, 'f'),
+    PARAMS_FIELD(alibi_slopes, 'p'),      PARAMS_FIELD(alibi_batch_stride, 'q'), PARAMS_FIELD(block_mask, 'p'),
+    PARAMS_FIELD(block_mask_q, 'q'),      PARAMS_FIELD(block_mask_k, 'q'),     PARAMS_FIELD(block_mask_batch, 'q'),
+    PARAMS_FIELD(block_mask_heads, 'q'),  PARAMS_FIELD(cu_seqlens_q, 'p'),     PARAMS_FIELD(cu_seqlens_k, 'p'),
+    PARAMS_FIELD(num_seqs, 'q'),          PARAMS_FIELD(max_seqlen_q, 'q'),     PARAMS_FIELD(max_seqlen_k, 'q'),
+    PARAMS_FIELD(dropout_p, 'f'),         PARAMS_FIELD(dropout_seed, 'Q'),     PARAMS_FIELD(dropout_offset, 'Q'),
+    PARAMS_FIELD(deterministic, 'i'),
+};
+
+int flashc_params_field(int index, const char **name, size_t *offset, size_t *size, char *type) {
+    if (index < 0 || (size_t)index >= sizeof params_fields / sizeof params_fields[0]) return 0;
+    const struct params_field *f = &params_fields[index];
+    if (name) *name = f->name;
+    if (offset) *offset = f->offset;
+    if (size) *size = f->size;
+    if (type) *type = f->type;
+    return 1;
+}
+
+/*
+ * The end of the last field of every published flashc_params layout, oldest first (the rule is in flashc.h).
+ * Appending a field: add the layout it extends here and move PARAMS_END_NOW to the new last field.
+ */
+#define PARAMS_END_0_2 (offsetof(flashc_params, deterministic) + sizeof(int))
+#define PARAMS_END_NOW PARAMS_END_0_2
+static const size_t params_layout_ends[] = {PARAMS_END_0_2};
+#define PARAMS_ALIGN _Alignof(flashc_params)
+#define PARAMS_LAYOUT_SIZE(end) (((end) + PARAMS_ALIGN - 1) / PARAMS_ALIGN * PARAMS_ALIGN)
+_Static_assert(sizeof(flashc_params) == PARAMS_LAYOUT_SIZE(PARAMS_END_NOW),
+               "flashc_params grew: add its previous layout to params_layout_ends and move PARAMS_END_NOW");
+/* A struct_size above this is garbage rather than a newer flashc.h: the bytes past ours are not read then. */
+#define PARAMS_MAX_SIZE 4096
+
+/* The caller's params in this library's layout, or INVALID_ARGUMENT for a struct_size it cannot read. */
+static flashc_status params_read(flashc_context_t ctx, const flashc_params *in, flashc_params *out) {
+    const size_t n = in->struct_size, known = sizeof(flashc_params);
+    if (n > known && n <= PARAMS_MAX_SIZE && n % PARAMS_ALIGN == 0) {
+        const unsigned char *newer = (const unsigned char *)in + known;
+        for (size_t i = 0; i < n - known; i++)
+            if (newer[i])
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                  "params (struct_size %zu) set fields that this library (flashc %s, %zu bytes) does "
+                                  "not know: start from flashc_params_default() and rebuild against this library's "
+                                  "flashc.h, or use a newer library",
+                                  n, flashc_version(), known);
+        memcpy(out, in, known);
+        return FLASHC_STATUS_OK;
+    }
+    for (size_t i = 0; i < sizeof params_layout_ends / sizeof params_layout_ends[0]; i++)
+        if (n == PARAMS_LAYOUT_SIZE(params_layout_ends[i])) {
+            *out = flashc_params_default();
+            memcpy(out, in, params_layout_ends[i]);
+            return FLASHC_STATUS_OK;
+        }
+    return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                      "params->struct_size is %zu, not the size of any flashc_params layout (this library's is %zu): "
+                      "start from flashc_params_default() and rebuild against this flashc.h",
+                      n, known);
 }
 
 flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1, int64_t d2,
@@ -217,10 +280,13 @@ flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d
     t.shape[1] = d1;
     t.shape[2] = d2;
     t.shape[3] = d3;
+    /* Shapes whose strides overflow int64 get the stride INT64_MIN, which every call refuses ("out of range"). */
+    int64_t s1 = INT64_MIN, s0 = INT64_MIN;
+    if (flashc_mul_i64(d2, d3, &s1) && !flashc_mul_i64(s1, d1, &s0)) s0 = INT64_MIN;
     t.stride[3] = 1;
     t.stride[2] = d3;
-    t.stride[1] = d2 * d3;
-    t.stride[0] = d1 * d2 * d3;
+    t.stride[1] = s1;
+    t.stride[0] = s0;
     return t;
 }
 
@@ -230,27 +296,14 @@ flashc_status flashc_context_create(flashc_context_t *out, flashc_backend backen
     if (!out) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx output pointer is NULL");
     *out = NULL;
     const flashc_backend_ops *ops = NULL;
-    switch (backend) {
-    case FLASHC_BACKEND_AUTO:
-#ifdef FLASHC_WITH_CUDA
-        ops = flashc_cuda_device_count() > 0 ? &flashc_cuda_ops : &flashc_cpu_ops;
-#else
-        ops = &flashc_cpu_ops;
-#endif
-        break;
-    case FLASHC_BACKEND_CPU: ops = &flashc_cpu_ops; break;
-    case FLASHC_BACKEND_CUDA:
-#ifdef FLASHC_WITH_CUDA
-        ops = &flashc_cuda_ops;
-        break;
-#else
-        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED, "this flashc was built without the CUDA backend");
-#endif
-    default: return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "unknown backend %d", (int)backend);
+    if (backend == FLASHC_BACKEND_AUTO) ops = auto_backend();
+    else {
+        const flashc_status st = backend_table(backend, &ops);
+        if (st == FLASHC_STATUS_INVALID_ARGUMENT)
+            return FLASHC_ERR(NULL, st, "unknown backend %d", (int)backend);
+        FLASHC_TRY(st);
     }
     if (device < 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "device index %d is negative", device);
-    if (ops->kind == FLASHC_BACKEND_CPU && device != 0)
-        return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "the cpu backend has only device 0, not %d", device);
 
     struct flashc_context *ctx = (struct flashc_context *)calloc(1, sizeof *ctx);
     if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_OUT_OF_MEMORY, "out of host memory for the context");
@@ -294,15 +347,15 @@ flashc_status flashc_context_set_stream(flashc_context_t ctx, void *stream) {
 flashc_status flashc_context_set_threads(flashc_context_t ctx, int threads) {
     if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
     if (threads < 0) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "thread count %d is negative", threads);
-    const int lim = flashc_cpu_thread_limit();
-    ctx->threads = threads > lim ? lim : threads; /* flashc_context_threads() tells the count in use */
+    /* The backend caps it further where it runs (flashc_context_threads() tells the count in use). */
+    ctx->threads = threads > FLASHC_MAX_THREADS ? FLASHC_MAX_THREADS : threads;
     flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
 
 int flashc_context_threads(flashc_context_t ctx) {
     if (!ctx) return 0;
-    return ctx->backend == FLASHC_BACKEND_CPU ? flashc_cpu_thread_count(ctx) : 1;
+    return ctx->ops->threads ? ctx->ops->threads(ctx) : 1;
 }
 
 const char *flashc_context_last_error(flashc_context_t ctx) {
@@ -426,6 +479,9 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     int need = !query;
     memset(p, 0, sizeof *p);
     if (!params) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "params is NULL (use flashc_params_default())");
+    flashc_params layout_now;
+    FLASHC_TRY(params_read(ctx, params, &layout_now));
+    params = &layout_now;
     if (op != FLASHC_OP_FORWARD && op != FLASHC_OP_BACKWARD)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "unknown op %d", (int)op);
 
@@ -656,47 +712,38 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
 
 /* ---- attention ----------------------------------------------------------------------------------------- */
 
-static flashc_status supported_problem(flashc_context_t ctx, const flashc_problem *p) {
-    return ctx->ops->supported ? ctx->ops->supported(ctx, p) : FLASHC_STATUS_OK;
+/* The backend's one decision for this call; a workspace that does not fit (the backends saturate at SIZE_MAX)
+ * is refused here. */
+static flashc_status plan_call(flashc_context_t ctx, const flashc_problem *p, flashc_plan *plan) {
+    memset(plan, 0, sizeof *plan);
+    FLASHC_TRY(ctx->ops->plan(ctx, p, plan));
+    if (plan->workspace > SIZE_MAX / 2)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "the workspace for this problem does not fit in this address space");
+    return FLASHC_STATUS_OK;
+}
+
+/* A query (supported, kernel name, workspace size): shapes and parameters only, then the plan. */
+static flashc_status plan_query(flashc_context_t ctx, flashc_op op, const flashc_tensor *q, const flashc_tensor *k,
+                                const flashc_tensor *v, const flashc_params *params, flashc_plan *plan) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    flashc_problem p;
+    FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
+    FLASHC_TRY(plan_call(ctx, &p, plan));
+    flashc_clear_error(ctx);
+    return FLASHC_STATUS_OK;
 }
 
 flashc_status flashc_supported(flashc_context_t ctx, flashc_op op, const flashc_tensor *q, const flashc_tensor *k,
                                const flashc_tensor *v, const flashc_params *params) {
-    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
-    flashc_problem p;
-    FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
-    FLASHC_TRY(supported_problem(ctx, &p));
-    flashc_clear_error(ctx);
-    return FLASHC_STATUS_OK;
+    flashc_plan plan;
+    return plan_query(ctx, op, q, k, v, params, &plan);
 }
 
 const char *flashc_kernel_name(flashc_context_t ctx, flashc_op op, const flashc_tensor *q, const flashc_tensor *k,
                                const flashc_tensor *v, const flashc_params *params) {
-    if (!ctx) {
-        FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
-        return NULL;
-    }
-    flashc_problem p;
-    if (flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p) != FLASHC_STATUS_OK ||
-        supported_problem(ctx, &p) != FLASHC_STATUS_OK)
-        return NULL;
-    flashc_clear_error(ctx);
-#ifdef FLASHC_WITH_CUDA
-    if (ctx->backend == FLASHC_BACKEND_CUDA)
-        return op == FLASHC_OP_FORWARD ? flashc_cuda_fwd_path(ctx, &p) : flashc_cuda_bwd_path(ctx, &p);
-#endif
-    return "CPU tiles (SIMD microkernels)";
-}
-
-/* The backend's workspace for p; backends saturate their size arithmetic at SIZE_MAX (internal.h). */
-static flashc_status backend_workspace(flashc_context_t ctx, const flashc_problem *p, size_t *bytes) {
-    *bytes = ctx->ops->workspace_size(ctx, p);
-    if (*bytes > SIZE_MAX / 2) {
-        *bytes = 0;
-        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
-                          "the workspace for this problem does not fit in this address space");
-    }
-    return FLASHC_STATUS_OK;
+    flashc_plan plan;
+    return plan_query(ctx, op, q, k, v, params, &plan) == FLASHC_STATUS_OK ? plan.kernel : NULL;
 }
 
 static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
@@ -705,11 +752,9 @@ static flashc_status workspace_size(flashc_context_t ctx, flashc_op op, const fl
     if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
     if (!bytes) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "bytes is NULL");
     *bytes = 0;
-    flashc_problem p;
-    FLASHC_TRY(flashc_problem_build(ctx, op, q, k, v, params, NULL, NULL, NULL, NULL, NULL, NULL, &p));
-    FLASHC_TRY(supported_problem(ctx, &p));
-    FLASHC_TRY(backend_workspace(ctx, &p, bytes));
-    flashc_clear_error(ctx);
+    flashc_plan plan;
+    FLASHC_TRY(plan_query(ctx, op, q, k, v, params, &plan));
+    *bytes = plan.workspace;
     return FLASHC_STATUS_OK;
 }
 
@@ -723,12 +768,14 @@ flashc_status flashc_backward_workspace_size(flashc_context_t ctx, const flashc_
     return workspace_size(ctx, FLASHC_OP_BACKWARD, q, k, v, params, bytes);
 }
 
-/* Runs fn on p with the caller's workspace, or one the backend allocates for this call. */
-static flashc_status run_with_workspace(flashc_context_t ctx, const flashc_problem *p,
-                                        flashc_status (*fn)(struct flashc_context *, const flashc_problem *, void *),
-                                        void *workspace, size_t workspace_bytes) {
-    size_t need;
-    FLASHC_TRY(backend_workspace(ctx, p, &need));
+typedef flashc_status (*run_fn)(struct flashc_context *, const flashc_problem *, const flashc_plan *, void *);
+
+/* Plans p, then runs it with the caller's workspace or one the backend allocates for this call. */
+static flashc_status plan_and_run(flashc_context_t ctx, const flashc_problem *p, run_fn fn, void *workspace,
+                                  size_t workspace_bytes) {
+    flashc_plan plan;
+    FLASHC_TRY(plan_call(ctx, p, &plan));
+    const size_t need = plan.workspace;
     if (workspace && workspace_bytes < need)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "workspace has %zu bytes, this problem needs %zu",
                           workspace_bytes, need);
@@ -751,7 +798,7 @@ static flashc_status run_with_workspace(flashc_context_t ctx, const flashc_probl
         FLASHC_TRY(ctx->ops->workspace_alloc(ctx, need, &owned));
         workspace = owned;
     }
-    flashc_status st = fn(ctx, p, workspace);
+    flashc_status st = fn(ctx, p, &plan, need > 0 ? workspace : NULL);
     if (owned) ctx->ops->workspace_free(ctx, owned);
     return st;
 }
@@ -764,8 +811,7 @@ flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const
     flashc_problem p;
     FLASHC_TRY(flashc_problem_build(ctx, FLASHC_OP_FORWARD, q, k, v, params, out, softmax_lse, NULL, NULL, NULL,
                                     NULL, &p));
-    FLASHC_TRY(supported_problem(ctx, &p));
-    FLASHC_TRY(run_with_workspace(ctx, &p, ctx->ops->forward, workspace, workspace_bytes));
+    FLASHC_TRY(plan_and_run(ctx, &p, ctx->ops->forward, workspace, workspace_bytes));
     flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }
@@ -781,8 +827,7 @@ flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, cons
     flashc_problem p;
     FLASHC_TRY(flashc_problem_build(ctx, FLASHC_OP_BACKWARD, q, k, v, params, out, (float *)softmax_lse, dout, dq,
                                     dk, dv, &p));
-    FLASHC_TRY(supported_problem(ctx, &p));
-    FLASHC_TRY(run_with_workspace(ctx, &p, ctx->ops->backward, workspace, workspace_bytes));
+    FLASHC_TRY(plan_and_run(ctx, &p, ctx->ops->backward, workspace, workspace_bytes));
     flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }

@@ -1,6 +1,15 @@
 /*
  * internal.h - what the front (src/flashc.c) and the backends share: the validated problem, the backend
  * vtable, and the error helpers. Not installed.
+ *
+ * Layers, each calling only the one below it (and this header):
+ *   front      src/flashc.c: arguments into a flashc_problem, error slots; knows the backends by their tables
+ *   table      struct flashc_backend_ops below: the only way from the front into a backend
+ *   backends   src/cpu/backend.c, src/cuda/cuda.cu: fill a table, choose kernels, threads, launches
+ *   drivers    src/cpu/attn.c (tiled loops, over src/cpu/tiles.c), src/cuda/{fwd,bwd}_*.cu
+ *   kernels    per ISA or GPU generation: src/cpu/kernels_avx2.c, src/cuda/fwd_sm90.cu and their siblings
+ * src/ref (the fp64 oracle and case table) sits beside the library, for tests and the command; nothing in the
+ * library includes it.
  */
 #ifndef FLASHC_INTERNAL_H
 #define FLASHC_INTERNAL_H
@@ -16,7 +25,7 @@ extern "C" {
 
 #define FLASHC_ERROR_LEN 512
 #define FLASHC_MAX_HEAD_DIM 256
-/* The most threads a CPU context runs (flashc_context_set_threads caps larger requests at the processor count). */
+/* The most threads a context may ask for (the CPU backend caps further, at 4 per processor it may run on). */
 #define FLASHC_MAX_THREADS 1024
 /* The most rows of q or k (packed totals with varlen): 2^31 - 1024, so that rounding up to tiles stays in int32. */
 #define FLASHC_MAX_ROWS (INT32_MAX - 1023)
@@ -84,19 +93,56 @@ typedef struct flashc_problem {
 
 struct flashc_context;
 
-/* One table of functions per backend (src/cpu/cpu.c, src/cuda/cuda.cu). */
+/*
+ * Builds and validates a problem from the public arguments, exactly as flashc_forward / flashc_backward do
+ * (src/flashc.c); also what the oracle's callers use to get the same problem. ctx may be NULL (errors then go
+ * to the thread's slot).
+ */
+flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
+                                   const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
+                                   const flashc_tensor *out, float *lse, const flashc_tensor *dout,
+                                   const flashc_tensor *dq, const flashc_tensor *dk, const flashc_tensor *dv,
+                                   flashc_problem *p);
+
+/*
+ * One table of functions per backend (src/cpu/backend.c, src/cuda/cuda.cu), filled with designated
+ * initializers. Members are only appended; those marked "NULL:" may be left out, the others are required.
+ */
+/*
+ * What a backend decided for one call (its plan member), once: supported(), the workspace size, kernel_name() and
+ * the launch of that call all read this, and nothing is chosen again. The front keeps it on its stack.
+ */
+typedef struct flashc_plan {
+    const char *kernel; /* the kernel(s) the call runs, a static string (flashc_kernel_name) */
+    size_t workspace;   /* bytes; the backend's size arithmetic saturates, and the front refuses SIZE_MAX */
+    int threads;        /* CPU: threads of this call (the workspace is sized for them) */
+    int path;           /* the backend's own: which kernel path */
+    int entry;          /* the backend's own: index into its kernel table */
+    int nsplit;         /* the backend's own: key-range pieces (split-KV) */
+} flashc_plan;
+
 typedef struct flashc_backend_ops {
     flashc_backend kind;
-    flashc_status (*init)(struct flashc_context *ctx);
-    void (*fini)(struct flashc_context *ctx);
-    flashc_status (*set_stream)(struct flashc_context *ctx, void *stream);
-    /* OK, or NOT_SUPPORTED with a message set through flashc_set_error. */
-    flashc_status (*supported)(struct flashc_context *ctx, const flashc_problem *p);
-    size_t (*workspace_size)(struct flashc_context *ctx, const flashc_problem *p);
+    /* Devices usable now; 0 makes AUTO pass this backend over. */
+    int (*device_count)(void);
+    /* A device's name into buf (len > 0; always NUL-terminated). A device that does not exist: INVALID_ARGUMENT,
+     * recorded with no context (flashc_set_error(NULL, ...)). */
+    flashc_status (*device_name)(int device, char *buf, size_t len);
+    flashc_status (*init)(struct flashc_context *ctx); /* NULL: nothing to set up */
+    void (*fini)(struct flashc_context *ctx);          /* NULL: nothing to release */
+    flashc_status (*set_stream)(struct flashc_context *ctx, void *stream); /* NULL: only the NULL stream */
+    /* Threads a call on ctx runs, after the backend's caps on ctx->threads. NULL: 1. */
+    int (*threads)(const struct flashc_context *ctx);
+    /* The one decision of a call on a validated problem (a query's or a data call's): OK with *plan filled, or
+     * NOT_SUPPORTED with the reason set through flashc_set_error. */
+    flashc_status (*plan)(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan);
     flashc_status (*workspace_alloc)(struct flashc_context *ctx, size_t bytes, void **ptr);
     void (*workspace_free)(struct flashc_context *ctx, void *ptr);
-    flashc_status (*forward)(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
-    flashc_status (*backward)(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
+    /* Run p as planned, with plan->workspace bytes of workspace (NULL when 0). */
+    flashc_status (*forward)(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                             void *workspace);
+    flashc_status (*backward)(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                              void *workspace);
 } flashc_backend_ops;
 
 /*
@@ -108,7 +154,7 @@ struct flashc_context {
     const flashc_backend_ops *ops;
     flashc_backend backend;
     int device;
-    int threads;
+    int threads; /* as asked (0: the backend's default), at most FLASHC_MAX_THREADS */
     void *stream;
     void *backend_state;
     unsigned long long id; /* unique per process: what the per-thread error slots are keyed by */
@@ -134,16 +180,8 @@ void flashc_clear_error(struct flashc_context *ctx);
     } while (0)
 
 extern const flashc_backend_ops flashc_cpu_ops;
-/* The most threads a CPU call runs (src/cpu/cpu.c); and the count a CPU context's call runs. */
-int flashc_cpu_thread_limit(void);
-int flashc_cpu_thread_count(const struct flashc_context *ctx);
 #ifdef FLASHC_WITH_CUDA
 extern const flashc_backend_ops flashc_cuda_ops;
-int flashc_cuda_device_count(void);
-flashc_status flashc_cuda_device_name(int device, char *buf, size_t len);
-/* The kernel a forward / backward problem runs on (static strings; NULL when the forward is not supported). */
-const char *flashc_cuda_fwd_path(struct flashc_context *ctx, const flashc_problem *p);
-const char *flashc_cuda_bwd_path(struct flashc_context *ctx, const flashc_problem *p);
 #endif
 
 /* ---- helpers shared by backends and the oracle ---------------------------------------------------------- */

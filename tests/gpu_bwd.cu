@@ -30,7 +30,7 @@ static int failures = 0;
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
-static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
+static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
     int ran = 0, passed = 0;
@@ -46,9 +46,10 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
             failures++;
             continue;
         }
-        printf("%s %-26s %-4s %10.3g %10.3g %10.3g %10.3g%s%s\n", r.pass ? "ok  " : "FAIL", c->name,
-               flashc_dtype_name(c->dtype), r.err_grad, r.tol_grad, r.err_out, r.tol_out, r.message[0] ? " -- " : "",
-               r.message);
+        tally_add(kernels, r.kernel_bwd);
+        printf("%s %-26s %-4s %10.3g %10.3g %10.3g %10.3g on %s%s%s\n", r.pass ? "ok  " : "FAIL", c->name,
+               flashc_dtype_name(c->dtype), r.err_grad, r.tol_grad, r.err_out, r.tol_out,
+               r.kernel_bwd ? r.kernel_bwd : "?", r.message[0] ? " -- " : "", r.message);
         fflush(stdout);
         if (r.pass) passed++;
         else failures++;
@@ -169,14 +170,34 @@ int main(int argc, char **argv) {
         return 0;
     }
     flashc_context_t ctx = gpu_test_context();
+    /* gpu_bwd_sm80 runs this program with FLASHC_CUDA_BWD=sm80: then no Hopper kernel may run. */
+    const char *forced = getenv("FLASHC_CUDA_BWD");
+    const int hopper = gpu_is_hopper() && !forced, no90 = forced && !strcmp(forced, "sm80");
 
-    run_table(ctx, !quick, 5000);
+    kernel_tally kernels = {};
+    run_table(ctx, !quick, 5000, &kernels);
+    tally_print("table", &kernels);
+    /* On a Hopper GPU the table reaches the Hopper dK/dV kernel (with atomic and deterministic dQ) and the mma.sync
+     * kernels (varlen, block masks); the CUDA-core baseline is run on its own below. */
+    const int n_sm90 = tally_count(&kernels, "sm90 (wgmma, TMA, warp-specialized)"),
+              n_det = tally_count(&kernels, "sm90 (wgmma, TMA, warp-specialized) dK/dV"),
+              n_mma = tally_count(&kernels, "tensor cores (mma.sync)"), n_simt = tally_count(&kernels, "CUDA cores");
+    const int cover = n_mma > 0 && (!hopper || (n_sm90 > n_det && n_det > 0)) &&
+                      (!no90 || n_sm90 == 0);
+    printf("%s table kernels: %d sm90 (%d deterministic), %d mma.sync, %d CUDA cores\n", cover ? "ok  " : "FAIL",
+           n_sm90, n_det, n_mma, n_simt);
+    if (!cover) failures++;
     if (!quick) {
         /* The CUDA-core baseline still runs what the tensor-core kernels do not take (strided head dims); keep it
-         * checked on the reduced table. */
-        setenv("FLASHC_CUDA_BWD", "simt", 1);
-        run_table(ctx, 0, 7000);
-        unsetenv("FLASHC_CUDA_BWD");
+         * checked on the reduced table, in a context that sends it everything (FLASHC_CUDA_BWD=simt). */
+        flashc_context_t simt = gpu_context_with("FLASHC_CUDA_BWD", "simt");
+        kernel_tally ks = {};
+        run_table(simt, 0, 7000, &ks);
+        tally_print("FLASHC_CUDA_BWD=simt", &ks);
+        const int only = tally_count(&ks, "CUDA cores") == tally_total(&ks) && tally_total(&ks) > 0;
+        printf("%s FLASHC_CUDA_BWD=simt runs only the CUDA-core backward\n", only ? "ok  " : "FAIL");
+        if (!only) failures++;
+        flashc_context_destroy(simt);
     }
     if (!quick) {
         /* GQA sums over the group and long causal rows; a window with softcap; fp32 at the widest head dim. */

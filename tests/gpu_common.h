@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define CHECK_CUDA(call)                                                                                     \
     do {                                                                                                     \
@@ -61,6 +62,57 @@ static flashc_context_t gpu_test_context(void) {
     printf("device: %s\n", name);
     static const flashc_case_memory mem = {dev_alloc, dev_free, to_device, to_host};
     flashc_case_set_memory(&mem);
+    return ctx;
+}
+
+/* The kernels a test went through, by flashc_kernel_name, so that it asserts the paths it means to exercise. */
+typedef struct kernel_tally {
+    const char *name[32];
+    int count[32];
+    int n;
+} kernel_tally;
+
+static void tally_add(kernel_tally *t, const char *kernel) {
+    if (!kernel) kernel = "(none)";
+    for (int i = 0; i < t->n; i++)
+        if (!strcmp(t->name[i], kernel)) {
+            t->count[i]++;
+            return;
+        }
+    if (t->n < 32) t->name[t->n] = kernel, t->count[t->n++] = 1;
+}
+
+/* Cases whose kernel name starts with prefix. */
+static int tally_count(const kernel_tally *t, const char *prefix) {
+    int c = 0;
+    for (int i = 0; i < t->n; i++)
+        if (!strncmp(t->name[i], prefix, strlen(prefix))) c += t->count[i];
+    return c;
+}
+
+static int tally_total(const kernel_tally *t) { return tally_count(t, ""); }
+
+static void tally_print(const char *what, const kernel_tally *t) {
+    for (int i = 0; i < t->n; i++) printf("     %s: %4d x %s\n", what, t->count[i], t->name[i]);
+}
+
+/* 1 when device 0 is a Hopper GPU (compute capability 9.0), where the sm90 kernels must run. */
+static int gpu_is_hopper(void) {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    return prop.major == 9 && prop.minor == 0;
+}
+
+/* A context created with NAME=VALUE in the environment (the CUDA backend reads its switches once per context). */
+static flashc_context_t gpu_context_with(const char *name, const char *value) {
+    const char *was = getenv(name);
+    char *saved = was ? strdup(was) : NULL;
+    setenv(name, value, 1);
+    flashc_context_t ctx = NULL;
+    CHECK_FC(NULL, flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0));
+    if (saved) setenv(name, saved, 1);
+    else unsetenv(name);
+    free(saved);
     return ctx;
 }
 

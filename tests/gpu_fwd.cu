@@ -25,7 +25,7 @@ static int failures = 0;
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
-static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
+static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
     int passed = 0;
@@ -40,9 +40,10 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
             continue;
         }
         const int ok = r.pass;
-        printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g)%s%s\n", ok ? "ok  " : "FAIL", c.name,
-               flashc_dtype_name(c.dtype), r.err_out, r.tol_out, r.err_lse, r.tol_lse, r.message[0] ? " -- " : "",
-               r.message);
+        tally_add(kernels, r.kernel_fwd);
+        printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g) on %s%s%s\n", ok ? "ok  " : "FAIL", c.name,
+               flashc_dtype_name(c.dtype), r.err_out, r.tol_out, r.err_lse, r.tol_lse,
+               r.kernel_fwd ? r.kernel_fwd : "?", r.message[0] ? " -- " : "", r.message);
         if (ok) passed++;
         else failures++;
     }
@@ -175,10 +176,22 @@ static void run_problem(flashc_context_t ctx, problem_buf *pb) {
     CHECK_CUDA(cudaDeviceSynchronize());
 }
 
-/* Runs a shape once and checks its first and last row blocks of the first and last (b, h). */
-static void long_shape(flashc_context_t ctx, const char *what, shape s, int64_t rows, uint64_t seed) {
+/* Checks that the problem runs on the kernel whose name starts with want (NULL: anything). */
+static void expect_kernel(flashc_context_t ctx, const char *what, problem_buf *pb, const char *want) {
+    const char *k = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &pb->tq, &pb->tk, &pb->tv, &pb->prm);
+    const int ok = k && (!want || !strncmp(k, want, strlen(want)));
+    printf("%s %-26s runs on %s%s%s\n", ok ? "ok  " : "FAIL", what, k ? k : flashc_context_last_error(ctx),
+           ok || !want ? "" : ", wanted ", ok || !want ? "" : want);
+    if (!ok) failures++;
+}
+
+/* Runs a shape once and checks its first and last row blocks of the first and last (b, h); want: the kernel it
+ * must run on (a name prefix), NULL for any. */
+static void long_shape(flashc_context_t ctx, const char *what, shape s, int64_t rows, uint64_t seed,
+                       const char *want = NULL) {
     problem_buf pb;
     if (make_problem(&pb, s, seed)) return;
+    expect_kernel(ctx, what, &pb, want);
     cudaEvent_t t0, t1;
     CHECK_CUDA(cudaEventCreate(&t0));
     CHECK_CUDA(cudaEventCreate(&t1));
@@ -200,9 +213,10 @@ static void long_shape(flashc_context_t ctx, const char *what, shape s, int64_t 
 }
 
 /* 100 reruns must reproduce the first output bit for bit (outputs re-poisoned before each). */
-static void determinism(flashc_context_t ctx, const char *what, shape s, int reruns) {
+static void determinism(flashc_context_t ctx, const char *what, shape s, int reruns, const char *want = NULL) {
     problem_buf pb;
     if (make_problem(&pb, s, 77)) return;
+    expect_kernel(ctx, what, &pb, want);
     const size_t ob = (size_t)(s.B * s.Nq * s.H * s.D) * 2, lb = (size_t)(s.B * s.H * s.Nq) * 4;
     unsigned char *first = (unsigned char *)malloc(ob + lb), *again = (unsigned char *)malloc(ob + lb);
     if (!first || !again) exit(2);
@@ -230,28 +244,49 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
 int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     flashc_context_t ctx = gpu_test_context();
+    const int hopper = gpu_is_hopper();
+    const char *sm90 = hopper ? "sm90" : "sm80"; /* where the Hopper kernel must take a shape */
 
-    run_table(ctx, !quick, 1000);
+    kernel_tally kernels = {};
+    run_table(ctx, !quick, 1000, &kernels);
+    tally_print("table", &kernels);
+    /* The table covers both generations on a Hopper GPU: plain and causal rows on the Hopper kernel, the features
+     * it lacks (softcap, ALiBi, windows, block masks, varlen) on mma.sync. */
+    const int n_sm80 = tally_count(&kernels, "sm80"), n_sm90 = tally_count(&kernels, "sm90");
+    const int cover = n_sm80 > 0 && (!hopper || n_sm90 > 0) && n_sm80 + n_sm90 == tally_total(&kernels);
+    printf("%s table kernels: %d sm80, %d sm90 of %d cases\n", cover ? "ok  " : "FAIL", n_sm80, n_sm90,
+           tally_total(&kernels));
+    if (!cover) failures++;
     if (!quick) {
+        /* The mma.sync forward on its own (FLASHC_CUDA_FWD=sm80), which the Hopper kernel otherwise replaces. */
+        flashc_context_t sm80 = gpu_context_with("FLASHC_CUDA_FWD", "sm80");
+        kernel_tally k80 = {};
+        run_table(sm80, 0, 3000, &k80);
+        tally_print("FLASHC_CUDA_FWD=sm80", &k80);
+        const int only80 = tally_count(&k80, "sm80") == tally_total(&k80) && tally_total(&k80) > 0;
+        printf("%s FLASHC_CUDA_FWD=sm80 runs only sm80 kernels\n", only80 ? "ok  " : "FAIL");
+        if (!only80) failures++;
+        flashc_context_destroy(sm80);
+
         /* decode: B * H * query tiles far below one wave, so the keys are split (flash-decoding) */
-        long_shape(ctx, "splitkv_decode_gqa", (shape){2, 1, 8192, 8, 2, 128, 0}, 1, 11);
-        long_shape(ctx, "splitkv_q16_causal", (shape){1, 16, 20000, 4, 4, 64, 1}, 16, 12);
-        determinism(ctx, "determinism_causal", (shape){2, 1000, 1000, 4, 4, 128, 1}, 100);
-        determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100);
+        long_shape(ctx, "splitkv_decode_gqa", (shape){2, 1, 8192, 8, 2, 128, 0}, 1, 11, "sm80 (mma.sync) + split-KV");
+        long_shape(ctx, "splitkv_q16_causal", (shape){1, 16, 20000, 4, 4, 64, 1}, 16, 12, "sm80 (mma.sync) + split-KV");
+        determinism(ctx, "determinism_causal", (shape){2, 1000, 1000, 4, 4, 128, 1}, 100, sm90);
+        determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100, "sm80 (mma.sync) + split-KV");
         /* d 256 on Hopper: a key tile (80) that does not divide the lengths, many turns of the ring, and the
          * output staged over Q and K once both consumers are done (enough blocks for a wave: no split-KV) */
-        long_shape(ctx, "d256_long_causal_gqa", (shape){2, 1500, 1700, 8, 2, 256, 1}, 128, 15);
-        determinism(ctx, "determinism_d256", (shape){2, 1000, 1000, 8, 8, 256, 0}, 100);
+        long_shape(ctx, "d256_long_causal_gqa", (shape){2, 1500, 1700, 8, 2, 256, 1}, 128, 15, sm90);
+        determinism(ctx, "determinism_d256", (shape){2, 1000, 1000, 8, 8, 256, 0}, 100, sm90);
         /* Hopper: d 96 and 192 on the d 128 / d 256 kernels (TMA's zero fill past d); more tiles than SMs (and
          * enough blocks that the keys are not split), so the persistent grid takes d 64, 96 and 128
          * (FLASHC_CUDA_LOG=1 names the grid), with tiles that see no key (Nq > Nk, causal: rows above the first
          * key's diagonal) among them */
-        long_shape(ctx, "d96_causal_gqa", (shape){4, 1500, 1700, 16, 4, 96, 1}, 128, 16);
-        long_shape(ctx, "d192_causal_gqa", (shape){2, 1500, 1700, 8, 2, 192, 1}, 128, 17);
-        long_shape(ctx, "persistent_d64_causal", (shape){8, 2000, 2000, 8, 4, 64, 1}, 200, 18);
-        long_shape(ctx, "persistent_nq_gt_nk_causal", (shape){4, 3000, 700, 8, 8, 128, 1}, 2400, 19);
-        determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100);
-        determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100);
+        long_shape(ctx, "d96_causal_gqa", (shape){4, 1500, 1700, 16, 4, 96, 1}, 128, 16, sm90);
+        long_shape(ctx, "d192_causal_gqa", (shape){2, 1500, 1700, 8, 2, 192, 1}, 128, 17, sm90);
+        long_shape(ctx, "persistent_d64_causal", (shape){8, 2000, 2000, 8, 4, 64, 1}, 200, 18, sm90);
+        long_shape(ctx, "persistent_nq_gt_nk_causal", (shape){4, 3000, 700, 8, 8, 128, 1}, 2400, 19, sm90);
+        determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100, sm90);
+        determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100, sm90);
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

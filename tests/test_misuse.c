@@ -324,6 +324,23 @@ int main(void) {
     expect_fwd("forward: q stride INT64_MIN", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
 
     /* ---- parameters ---- */
+    /* params not from flashc_params_default() of this flashc.h: a struct_size no layout has */
+    const uint32_t foreign_sizes[] = {0, 4, (uint32_t)sizeof(flashc_params) - 8, (uint32_t)sizeof(flashc_params) + 3,
+                                      1u << 20, 0xdeadbeefu};
+    for (size_t i = 0; i < sizeof foreign_sizes / sizeof foreign_sizes[0]; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "forward: params struct_size %u", (unsigned)foreign_sizes[i]);
+        f = base;
+        f.prm.struct_size = foreign_sizes[i];
+        expect_fwd(what, ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
+        check_true("  ... the message says to start from flashc_params_default()",
+                   strstr(flashc_context_last_error(ctx), "flashc_params_default()") != NULL);
+    }
+    f = base;
+    f.prm.struct_size = 0;
+    expect("backward: params struct_size 0", bwd(ctx, &f), FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+    expect("supported: params struct_size 0", flashc_supported(ctx, FLASHC_OP_FORWARD, &f.q, &f.k, &f.v, &f.prm),
+           FLASHC_STATUS_INVALID_ARGUMENT, ctx);
     f = base;
     f.prm.window_left = -2;
     expect_fwd("forward: window_left = -2", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);

@@ -114,6 +114,12 @@ static void test_workspace_overflow(flashc_context_t ctx) {
     k = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, (int64_t)1 << 20, 1, 1, 1);
     st = flashc_forward_workspace_size(ctx, &q, &k, &k, &prm, &bytes);
     expect_refused("B * H * N * 256 beyond int64", st, FLASHC_STATUS_NOT_SUPPORTED, ctx, "does not fit");
+    /* flashc_tensor_contiguous with strides beyond int64 (signed overflow, UBSan) makes a view calls refuse. */
+    q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 40, (int64_t)1 << 40, (int64_t)1 << 40, 1024);
+    CHECK(q.stride[0] == INT64_MIN && q.stride[1] == (int64_t)1 << 50, "overflowing contiguous strides (%lld, %lld)",
+          (long long)q.stride[0], (long long)q.stride[1]);
+    expect_refused("overflowing contiguous view", flashc_supported(ctx, FLASHC_OP_FORWARD, &q, &q, &q, &prm),
+                   FLASHC_STATUS_INVALID_ARGUMENT, ctx, "out of range");
     /* Rows beyond 2^31 - 1024: tile counts rounded up would leave int32. */
     q = flashc_tensor_contiguous(NULL, FLASHC_DTYPE_F32, 1, INT32_MAX - 5, 1, 1);
     st = flashc_forward_workspace_size(ctx, &q, &q, &q, &prm, &bytes);

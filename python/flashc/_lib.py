@@ -34,7 +34,9 @@ DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2
 OP_FORWARD, OP_BACKWARD = 0, 1
 
 
-# ---- structs: field order and types exactly as in flashc.h ---------------------------------------------------
+# ---- structs ----------------------------------------------------------------------------------------------------
+# flashc_tensor is fixed; flashc_params grows by appended fields, so Params is built from the library's own
+# description of it once the library is loaded (below).
 class Tensor(ctypes.Structure):
     """flashc_tensor: a strided 4-d view, shape and strides in elements."""
 
@@ -43,34 +45,6 @@ class Tensor(ctypes.Structure):
         ("dtype", ctypes.c_int),  # flashc_dtype
         ("shape", ctypes.c_int64 * 4),
         ("stride", ctypes.c_int64 * 4),
-    ]
-
-
-class Params(ctypes.Structure):
-    """flashc_params. Always start from lib.flashc_params_default()."""
-
-    _fields_ = [
-        ("softmax_scale", ctypes.c_float),
-        ("causal", ctypes.c_int),
-        ("window_left", ctypes.c_int64),
-        ("window_right", ctypes.c_int64),
-        ("softcap", ctypes.c_float),
-        ("alibi_slopes", ctypes.c_void_p),  # const float *
-        ("alibi_batch_stride", ctypes.c_int64),
-        ("block_mask", ctypes.c_void_p),  # const uint8_t *
-        ("block_mask_q", ctypes.c_int64),
-        ("block_mask_k", ctypes.c_int64),
-        ("block_mask_batch", ctypes.c_int64),
-        ("block_mask_heads", ctypes.c_int64),
-        ("cu_seqlens_q", ctypes.c_void_p),  # const int32_t *
-        ("cu_seqlens_k", ctypes.c_void_p),  # const int32_t *
-        ("num_seqs", ctypes.c_int64),
-        ("max_seqlen_q", ctypes.c_int64),
-        ("max_seqlen_k", ctypes.c_int64),
-        ("dropout_p", ctypes.c_float),
-        ("dropout_seed", ctypes.c_uint64),
-        ("dropout_offset", ctypes.c_uint64),
-        ("deterministic", ctypes.c_int),
     ]
 
 
@@ -89,7 +63,7 @@ def _candidates():
     elif sys.platform == "win32":
         names = ["flashc.dll", "libflashc.dll"]
     else:
-        names = ["libflashc.so", "libflashc.so.0"]
+        names = ["libflashc.so", "libflashc.so.0.2"]
     out = [os.path.join(_HERE, n) for n in names]
     repo = os.path.dirname(os.path.dirname(_HERE))  # python/flashc -> repo root
     for build in ["build"] + sorted(os.path.basename(p) for p in glob.glob(os.path.join(repo, "build-*"))):
@@ -115,6 +89,52 @@ def _load():
 
 
 lib, library_path = _load()
+
+
+def _s(b):
+    return b.decode("utf-8", "replace") if b is not None else ""
+
+
+# flashc_params_field type codes.
+_PARAM_TYPES = {"I": ctypes.c_uint32, "i": ctypes.c_int, "f": ctypes.c_float, "q": ctypes.c_int64,
+                "Q": ctypes.c_uint64, "p": ctypes.c_void_p}
+
+
+def _params_struct():
+    """flashc_params as this library lays it out, from flashc_params_field / flashc_params_size. ctypes places
+    the fields by the C rules, so a disagreement with the library's offsets means a library this module cannot
+    describe (refused here rather than passing misplaced values)."""
+    if not hasattr(lib, "flashc_params_field"):
+        raise ImportError("flashc: %s is older than flashc 0.2 (it cannot describe flashc_params); rebuild it"
+                          % library_path)
+    field = lib.flashc_params_field
+    field.restype = ctypes.c_int
+    field.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t),
+                      ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_char)]
+    lib.flashc_params_size.restype = ctypes.c_size_t
+    lib.flashc_params_size.argtypes = []
+    name, offset, size, code = ctypes.c_char_p(), ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_char()
+    fields, where = [], {}
+    while field(len(fields), ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size), ctypes.byref(code)):
+        ctype = _PARAM_TYPES.get(code.value.decode("ascii", "replace"))
+        if ctype is None or ctypes.sizeof(ctype) != size.value:
+            raise ImportError("flashc: flashc_params.%s has type code %r, %d bytes, which this module does not know"
+                              % (_s(name.value), code.value, size.value))
+        fields.append((_s(name.value), ctype))
+        where[_s(name.value)] = offset.value
+    cls = type("Params", (ctypes.Structure,), {
+        "__doc__": "flashc_params, laid out as the loaded library reports it. Always start from "
+                   "lib.flashc_params_default().",
+        "_fields_": fields,
+    })
+    wrong = [n for n, _ in fields if getattr(cls, n).offset != where[n]]
+    if wrong or ctypes.sizeof(cls) != lib.flashc_params_size():
+        raise ImportError("flashc: %s lays out flashc_params differently from this platform's C rules (fields %s, "
+                          "size %d vs %d)" % (library_path, wrong, lib.flashc_params_size(), ctypes.sizeof(cls)))
+    return cls
+
+
+Params = _params_struct()
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -148,10 +168,6 @@ for _name, (_res, _args) in _SIGNATURES.items():
     _fn = getattr(lib, _name)
     _fn.restype = _res
     _fn.argtypes = _args
-
-
-def _s(b):
-    return b.decode("utf-8", "replace") if b is not None else ""
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------

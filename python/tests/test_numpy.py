@@ -5,6 +5,7 @@ ctypes mirror of flashc.h."""
 import ctypes
 import os
 import shutil
+import struct
 import subprocess
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 import flashc
 import refattn
-from flashc import _lib
+from flashc import _core, _lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -263,6 +264,62 @@ def test_params_default_read_through_the_mirror():
     assert p.dropout_p == 0.0 and p.deterministic == 0
     t = _lib.lib.flashc_tensor_contiguous(None, _lib.DTYPE_BF16, 2, 3, 4, 5)
     assert t.dtype == _lib.DTYPE_BF16 and list(t.shape) == [2, 3, 4, 5] and list(t.stride) == [60, 20, 5, 1]
+
+
+def _library_params_fields():
+    """(name, offset, size, type code) of every flashc_params field, as the library describes them."""
+    name, off, size, code = ctypes.c_char_p(), ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_char()
+    out = []
+    while _lib.lib.flashc_params_field(len(out), ctypes.byref(name), ctypes.byref(off), ctypes.byref(size),
+                                       ctypes.byref(code)):
+        out.append((name.value.decode(), off.value, size.value, code.value.decode()))
+    return out
+
+
+def test_params_struct_is_the_libraries():
+    """Params is built from flashc_params_field: the same fields at the same offsets, the same size, and
+    flashc_params_default() fills struct_size with that size."""
+    fields = _library_params_fields()
+    assert fields[0][0] == "struct_size" and len(fields) == len(_lib.Params._fields_)
+    for (name, off, size, _), (pyname, ctype) in zip(fields, _lib.Params._fields_):
+        assert (pyname, getattr(_lib.Params, pyname).offset, ctypes.sizeof(ctype)) == (name, off, size)
+    assert ctypes.sizeof(_lib.Params) == _lib.lib.flashc_params_size()
+    assert _lib.lib.flashc_params_default().struct_size == _lib.lib.flashc_params_size()
+
+
+def test_params_round_trip(rng):
+    """Options given to the Python API land at the offsets the library reports, and the library acts on them:
+    the result matches the reference with the options and differs from the one without."""
+    opts = dict(softmax_scale=0.3, causal=True, window_size=(5, -1), softcap=2.0)
+    p = _core.make_params(softmax_scale=0.3, causal=True, window=(5, -1), softcap=2.0, deterministic=True)
+    raw = ctypes.string_at(ctypes.addressof(p), ctypes.sizeof(p))
+    fmt = {"I": "I", "i": "i", "f": "f", "q": "q", "Q": "Q", "p": "P"}
+    got = {name: struct.unpack_from("@" + fmt[code], raw, off)[0] for name, off, _, code in _library_params_fields()}
+    assert got["struct_size"] == ctypes.sizeof(p)
+    assert got["causal"] == 1 and got["window_left"] == 5 and got["window_right"] == -1
+    assert got["softcap"] == 2.0 and abs(got["softmax_scale"] - 0.3) < 1e-7 and got["deterministic"] == 1
+    assert got["block_mask_batch"] == 1 and got["block_mask_heads"] == 1 and got["alibi_slopes"] in (0, None)
+
+    q, k, v, do = make_inputs(rng, (1, 40, 2, 32), (1, 40, 2, 32), np.float32)
+    out, _ = flashc.attention(q, k, v, **opts)
+    ref_out, _, _ = refattn.attention(q, k, v, do, **opts)
+    plain, _, _ = refattn.attention(q, k, v, do)
+    assert refattn.rel_err(out, ref_out) <= 1e-5
+    assert refattn.rel_err(out, plain) > 1e-2
+
+
+@pytest.mark.parametrize("size", [0, 7, 0xDEADBEEF])
+def test_params_with_a_foreign_struct_size_are_refused(size):
+    """A flashc_params not made by flashc_params_default() of this flashc.h is refused with a message that says
+    what to do, not read with its fields misplaced."""
+    p = _lib.lib.flashc_params_default()
+    p.struct_size = size
+    t = _lib.lib.flashc_tensor_contiguous(None, _lib.DTYPE_F32, 1, 4, 1, 8)
+    ctx = _lib.context(_lib.BACKEND_CPU)
+    st = _lib.lib.flashc_supported(ctx.handle, _lib.OP_FORWARD, t, t, t, p)
+    assert _lib.STATUS_NAMES[st] == "FLASHC_STATUS_INVALID_ARGUMENT"
+    msg = _core.last_error(ctx)
+    assert "struct_size" in msg and "flashc_params_default()" in msg
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or not os.path.exists(os.path.join(REPO, "include", "flashc.h")),

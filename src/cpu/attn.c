@@ -118,9 +118,8 @@ static size_t partial_floats(const layout *L) { return (size_t)L->br * L->dp + 2
 #define SMUL flashc_size_mul
 #define SADD flashc_size_add
 
-size_t flashc_cpu_forward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
+size_t flashc_cpu_forward_workspace(const flashc_problem *p, int nthreads) {
     const layout L = make_layout(p, 0);
-    const int nthreads = flashc_cpu_thread_count(ctx);
     const int64_t splits = kv_splits(p, &L, nthreads);
     const size_t tasks = SMUL(SMUL(flashc_size_of_i64(p->B), flashc_size_of_i64(p->H)), flashc_size_of_i64(L.nqb));
     const size_t partials = splits > 1 ? SMUL(SMUL(tasks, (size_t)splits), partial_floats(&L)) : 0;
@@ -201,11 +200,8 @@ static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int
     return 1;
 }
 
-flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(flashc_cpu_check_inputs(ctx, p));
-    const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
+void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     const layout L = make_layout(p, 0);
-    const int nthreads = flashc_cpu_thread_count(ctx);
     const int64_t ntasks = p->B * p->H * L.nqb, splits = kv_splits(p, &L, nthreads);
     float *base = align64(workspace), *partials = base + (size_t)nthreads * L.per_thread;
     const size_t pf = partial_floats(&L);
@@ -278,7 +274,6 @@ flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_proble
         }
     }
     (void)nthreads;
-    return FLASHC_STATUS_OK;
 }
 
 /* ---- backward --------------------------------------------------------------------------------------------- */
@@ -300,9 +295,8 @@ static size_t dkv_head_floats(const flashc_problem *p, const layout *L) {
     return SMUL(flashc_size_of_i64(p->varlen ? p->total_k : p->Nk), (size_t)L->dp);
 }
 
-size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p) {
+size_t flashc_cpu_backward_workspace(const flashc_problem *p, int nthreads) {
     const layout L = make_layout(p, 1);
-    const int nthreads = flashc_cpu_thread_count(ctx);
     size_t floats = SADD(SMUL((size_t)nthreads, L.per_thread), di_floats(p));
     if (single_pass(p, nthreads)) {
         floats = SADD(floats, SMUL((size_t)nthreads, dq_seq_floats(p, &L)));
@@ -518,11 +512,8 @@ static void reduce_group(const flashc_problem *p, const layout *L, const float *
         }
 }
 
-flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(flashc_cpu_check_inputs(ctx, p));
-    const flashc_cpu_kernels *kern = flashc_cpu_select_kernels();
+void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     const layout L = make_layout(p, 1);
-    const int nthreads = flashc_cpu_thread_count(ctx);
     const int single = single_pass(p, nthreads);
     float *dvec = align64(workspace);
     float *base = dvec + di_floats(p);
@@ -571,5 +562,4 @@ flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_probl
         for (int64_t task = 0; task < (single ? 0 : p->B * p->H * L.nqb); task++) dq_task(p, kern, &L, &t, dvec, task);
     }
     (void)nthreads;
-    return FLASHC_STATUS_OK;
 }

@@ -1,6 +1,9 @@
 /*
- * cpu.h - the CPU backend's pieces: the microkernel table (BLIS's split: a portable framework in C and small
- * per-ISA kernels chosen at run time), tile loads/stores, and the forward/backward drivers.
+ * cpu.h - the CPU backend's pieces, top down: backend.c (the table, feature detection, the kernel choice),
+ * attn.c (the forward/backward drivers), tiles.c (tile sizes, loads/stores, the score epilogue) and the
+ * microkernel table that kernels_*.c fill (BLIS's split: a portable framework in C and small per-ISA kernels
+ * chosen at run time). Each calls only the ones below it: the drivers get their kernels and thread count as
+ * arguments.
  */
 #ifndef FLASHC_CPU_H
 #define FLASHC_CPU_H
@@ -56,7 +59,8 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
 extern const flashc_cpu_kernels flashc_cpu_kernels_avx2;
 extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
 #endif
-/* The best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a choice). */
+/* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a
+ * choice). */
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void);
 /* Kernels by name ("generic", "avx2", "avx512"); NULL when not built in or this CPU lacks the ISA. */
 const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name);
@@ -124,13 +128,14 @@ int flashc_cpu_tile_visible(const flashc_problem *p, int64_t b, int64_t h, int64
 void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, int64_t nq, int64_t nk, int64_t *lo,
                                 int64_t *hi);
 
-/* Checks what lives in host memory: cu_seqlens against the problem, ALiBi slopes finite; sets the error on ctx. */
-flashc_status flashc_cpu_check_inputs(struct flashc_context *ctx, const flashc_problem *p);
-
-size_t flashc_cpu_forward_workspace(const struct flashc_context *ctx, const flashc_problem *p);
-size_t flashc_cpu_backward_workspace(const struct flashc_context *ctx, const flashc_problem *p);
-flashc_status flashc_cpu_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
-flashc_status flashc_cpu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace);
+/*
+ * attn.c: the drivers on a validated problem whose host-memory inputs backend.c has checked, with threads
+ * OpenMP threads and workspace of at least the size the matching function gives for the same thread count.
+ */
+size_t flashc_cpu_forward_workspace(const flashc_problem *p, int threads);
+size_t flashc_cpu_backward_workspace(const flashc_problem *p, int threads);
+void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
+void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 
 /*
  * 2^f ~ 1 + f (C1 + f (C2 + ... + f C6)) on [-1/2, 1/2]: a near-minimax fit of the relative error (iteratively

@@ -178,6 +178,14 @@ static void bf16_avx2(int n, const uint16_t *src, float *dst) {
 }
 
 const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
-    "avx2_6x16", 6, 16, gemm_avx2, softmax_avx2, exp2_sub_avx2, exp2_avx2, f16_avx2, bf16_avx2,
+    .name = "avx2_6x16",
+    .mr = 6,
+    .nr = 16,
+    .gemm = gemm_avx2,
+    .softmax = softmax_avx2,
+    .exp2_sub = exp2_sub_avx2,
+    .exp2 = exp2_avx2,
+    .f16_to_f32 = f16_avx2,
+    .bf16_to_f32 = bf16_avx2,
 };
 #endif

@@ -171,6 +171,14 @@ static void bf16_avx512(int n, const uint16_t *src, float *dst) {
 }
 
 const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
-    "avx512_12x32", 12, 32, gemm_avx512, softmax_avx512, exp2_sub_avx512, exp2_avx512, f16_avx512, bf16_avx512,
+    .name = "avx512_12x32",
+    .mr = 12,
+    .nr = 32,
+    .gemm = gemm_avx512,
+    .softmax = softmax_avx512,
+    .exp2_sub = exp2_sub_avx512,
+    .exp2 = exp2_avx512,
+    .f16_to_f32 = f16_avx512,
+    .bf16_to_f32 = bf16_avx512,
 };
 #endif

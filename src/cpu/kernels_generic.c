@@ -65,5 +65,13 @@ static void bf16_generic(int n, const uint16_t *src, float *dst) {
 }
 
 const flashc_cpu_kernels flashc_cpu_kernels_generic = {
-    "generic", 1, 1, gemm_generic, softmax_generic, exp2_sub_generic, exp2_generic, f16_generic, bf16_generic,
+    .name = "generic",
+    .mr = 1,
+    .nr = 1,
+    .gemm = gemm_generic,
+    .softmax = softmax_generic,
+    .exp2_sub = exp2_sub_generic,
+    .exp2 = exp2_generic,
+    .f16_to_f32 = f16_generic,
+    .bf16_to_f32 = bf16_generic,
 };

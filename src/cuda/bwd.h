@@ -13,26 +13,24 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 
-/* NULL when the kernels run this problem, otherwise why not (a static string). Reads shapes only. */
-const char *flashc_cuda_bwd_unsupported(const flashc_problem *p);
+/* The backward's paths, in the order of their names (flashc_plan.path). */
+enum { FC_BWD_SIMT, FC_BWD_SM80, FC_BWD_SM90, FC_BWD_SM90_DET };
 
-/* Bytes of device workspace the backward needs: D_i = rowsum(dO o O) in fp32, one per (head, query row), and
- * unless p->deterministic the fp32 dQ sums, (query rows, H, D). Reads shapes and flags only (works on a
- * supported()/workspace query problem). */
-size_t flashc_cuda_bwd_workspace(const flashc_problem *p);
+/*
+ * The backward's one decision for p: its path (the Hopper dK/dV kernel when sm90 and it takes p; the mma.sync
+ * kernels; or the CUDA-core baseline, always when simt_only), kernel entry, name and workspace (D_i = rowsum(dO o
+ * O) in fp32, one per (head, query row), and unless p->deterministic the fp32 dQ sums, (query rows, H, D)). NULL
+ * with *plan filled, or why the backward cannot run p (a static string). Reads shapes, strides and flags only, so
+ * it answers supported()/workspace queries too.
+ */
+const char *flashc_cuda_bwd_plan(const flashc_problem *p, int sm90, int simt_only, flashc_plan *plan);
 
-/* Queues the backward on stream: dq, dk, dv from q, k, v, out, dout and lse. workspace: device memory of at least
- * flashc_cuda_bwd_workspace(p) bytes, 4-byte aligned (NULL when that is 0); nothing else is allocated. sm90: the
- * Hopper dK/dV kernel (bwd_sm90.h) may run here (the caller has checked flashc_bwd_sm90_available). Returns
- * the first launch error (cudaErrorInvalidValue for a problem flashc_cuda_bwd_unsupported refuses or a missing
- * workspace). dk and dv are always bitwise reproducible (one writer per element, fixed order); dq is too with
- * p->deterministic, otherwise it is summed with fp32 atomics. */
-cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream, int sm90);
-
-/* The path flashc_cuda_bwd_launch takes for p (a static string): "sm90 (wgmma, TMA, warp-specialized)" (plus
- * which dQ), "tensor cores (mma.sync)" or "CUDA cores". FLASHC_CUDA_BWD=simt in the environment forces the
- * CUDA-core baseline; FLASHC_CUDA_BWD=sm80 keeps the mma.sync kernels (read by cuda.cu, which passes sm90). */
-const char *flashc_cuda_bwd_path_name(const flashc_problem *p, int sm90);
+/* Queues the backward as planned on stream: dq, dk, dv from q, k, v, out, dout and lse. workspace: device memory
+ * of plan->workspace bytes, 4-byte aligned (NULL when that is 0); nothing else is allocated. Returns the first
+ * launch error (cudaErrorInvalidValue for a missing workspace). dk and dv are always bitwise reproducible (one
+ * writer per element, fixed order); dq is too with p->deterministic, otherwise it is summed with fp32 atomics. */
+cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, const flashc_plan *plan, void *workspace,
+                                   cudaStream_t stream);
 
 /* The CUDA-core baseline (bwd_simt.cu): any strides, every feature, fp32 throughout; deterministic. dvec: rows x
  * H floats of workspace for D_i. */

@@ -69,8 +69,6 @@ static int head_dim_unit(const flashc_tensor *t, int64_t D) { return D <= 1 || t
 /* Whether the tensor-core kernels take p: a compiled head dim, the head dim contiguous in the inputs they load
  * as tiles, 32-bit lengths, grids within one launch, and shared memory this GPU can give. */
 static int bwd_tensor_cores(const flashc_problem *p) {
-    const char *env = getenv("FLASHC_CUDA_BWD");
-    if (env && strcmp(env, "simt") == 0) return 0;
     const int e = bwd_entry_index(p->D);
     if (e < 0) return 0;
     /* dout is absent from a supported()/workspace query (only q, k, v are passed): it is checked when present. */
@@ -95,36 +93,40 @@ static int bwd_tensor_cores(const flashc_problem *p) {
     return 1;
 }
 
-const char *flashc_cuda_bwd_unsupported(const flashc_problem *p) {
-    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
-    if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
-    if (bwd_tensor_cores(p)) return NULL;
-    return flashc_cuda_bwd_simt_unsupported(p);
-}
-
 static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, float *dq_acc, flashc_bwd_args *a);
 
-/* Whether the Hopper dK/dV kernel takes p (sm90: it runs on this device and was not turned off). */
-static int bwd_on_sm90(const flashc_problem *p, int sm90) {
-    if (!sm90 || !bwd_tensor_cores(p)) return 0;
-    flashc_bwd_args a;
-    make_args(p, fc_btile_for(bwd_entries[bwd_entry_index(p->D)].d), NULL, NULL, &a);
-    return flashc_bwd_sm90_supports(&a);
-}
-
-const char *flashc_cuda_bwd_path_name(const flashc_problem *p, int sm90) {
-    if (bwd_on_sm90(p, sm90))
-        return p->deterministic ? "sm90 (wgmma, TMA, warp-specialized) dK/dV + mma.sync dQ (deterministic)"
-                                : "sm90 (wgmma, TMA, warp-specialized)";
-    return bwd_tensor_cores(p) ? "tensor cores (mma.sync)" : "CUDA cores";
-}
-
-size_t flashc_cuda_bwd_workspace(const flashc_problem *p) {
+static size_t bwd_workspace(const flashc_problem *p) {
     size_t bytes = bwd_dvec_bytes(p); /* saturating: the front refuses SIZE_MAX */
     if (!p->deterministic)
         bytes = flashc_size_add(bytes, flashc_size_mul(flashc_size_mul(flashc_size_of_i64(bwd_rows(p)), (size_t)p->H),
                                                        (size_t)p->D * sizeof(float)));
     return bytes;
+}
+
+static const char *const bwd_path_names[] = {
+    "CUDA cores", "tensor cores (mma.sync)", "sm90 (wgmma, TMA, warp-specialized)",
+    "sm90 (wgmma, TMA, warp-specialized) dK/dV + mma.sync dQ (deterministic)"};
+
+const char *flashc_cuda_bwd_plan(const flashc_problem *p, int sm90, int simt_only, flashc_plan *plan) {
+    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
+    if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
+    plan->workspace = bwd_workspace(p);
+    plan->entry = -1;
+    if (simt_only || !bwd_tensor_cores(p)) {
+        const char *why = flashc_cuda_bwd_simt_unsupported(p);
+        if (why) return why;
+        plan->path = FC_BWD_SIMT;
+    } else {
+        plan->entry = bwd_entry_index(p->D);
+        plan->path = FC_BWD_SM80;
+        if (sm90) { /* the Hopper dK/dV kernel, where it runs and takes p */
+            flashc_bwd_args a;
+            make_args(p, fc_btile_for(bwd_entries[plan->entry].d), NULL, NULL, &a);
+            if (flashc_bwd_sm90_supports(&a)) plan->path = p->deterministic ? FC_BWD_SM90_DET : FC_BWD_SM90;
+        }
+    }
+    plan->kernel = bwd_path_names[plan->path];
+    return NULL;
 }
 
 /* ---- the kernels around the main ones ------------------------------------------------------------------ */
@@ -301,14 +303,13 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->n_qblk = (int)((p->Nq + t.qbr - 1) / t.qbr);
 }
 
-cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cudaStream_t stream, int sm90) {
-    if (flashc_cuda_bwd_unsupported(p)) return cudaErrorInvalidValue;
-    if (flashc_cuda_bwd_workspace(p) > 0 && (!workspace || (uintptr_t)workspace % sizeof(float)))
-        return cudaErrorInvalidValue;
+cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, const flashc_plan *plan, void *workspace,
+                                   cudaStream_t stream) {
+    if (plan->workspace > 0 && (!workspace || (uintptr_t)workspace % sizeof(float))) return cudaErrorInvalidValue;
     float *dvec = (float *)workspace;
-    if (!bwd_tensor_cores(p)) return flashc_cuda_bwd_simt_launch(p, dvec, stream);
+    if (plan->path == FC_BWD_SIMT) return flashc_cuda_bwd_simt_launch(p, dvec, stream);
 
-    const int e = bwd_entry_index(p->D);
+    const int e = plan->entry;
     const fc_btile t = fc_btile_for(bwd_entries[e].d);
     float *dq_acc = p->deterministic ? NULL : (float *)((char *)workspace + bwd_dvec_bytes(p));
     flashc_bwd_args a;
@@ -345,7 +346,7 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, void *workspace, cud
     if ((int64_t)a.n_kblk * a.Hkv * a.B > 0) {
         size_t smem;
         if ((err = bwd_entries[e].fn(&a, stream, 2, &smem)) != cudaSuccess) return err;
-        if (bwd_on_sm90(p, sm90)) err = flashc_bwd_sm90_launch(&a, stream);
+        if (plan->path == FC_BWD_SM90 || plan->path == FC_BWD_SM90_DET) err = flashc_bwd_sm90_launch(&a, stream);
         else err = bwd_entries[e].fn(&a, stream, 0, NULL);
         if (err != cudaSuccess) return err;
     }

@@ -24,6 +24,7 @@ typedef struct cuda_state {
     int pools;              /* stream-ordered allocation (cudaMallocAsync) available */
     int fwd_sm90;           /* the Hopper forward runs here (and FLASHC_CUDA_FWD=sm80 did not turn it off) */
     int bwd_sm90;           /* the Hopper backward runs here (and FLASHC_CUDA_BWD=sm80 or simt did not turn it off) */
+    int bwd_simt;           /* FLASHC_CUDA_BWD=simt: every backward on the CUDA-core baseline */
     int log_fwd;            /* FLASHC_CUDA_LOG=1: each forward names its kernel on stderr */
     /* The Hopper forward's persistent grid (fwd_sm90.h, fc90_grid): FC90_CTR_SLOTS pairs of tile counters in
      * device memory, one pair per launch in turn, so that launches on different streams (set_stream between
@@ -32,8 +33,9 @@ typedef struct cuda_state {
     unsigned *fc90_ctr;
     unsigned fc90_ctr_next;
     long long l2_bytes;
-    /* per forward entry and operand type (f16, bf16), asked once: the kernel's tile and resident blocks per SM */
-    int info_known[8][2];
+    /* per forward entry and operand type (f16, bf16), asked once at context creation (so that threads sharing the
+     * context only read it): the kernel's tile and resident blocks per SM, or why they could not be had */
+    cudaError_t info_err[8][2];
     fc_tile tile[8][2];
     int occupancy[8][2];
 } cuda_state;
@@ -87,7 +89,7 @@ static cuda_state *state_of(struct flashc_context *ctx) { return (cuda_state *)c
 
 /* ---- devices ------------------------------------------------------------------------------------------- */
 
-extern "C" int flashc_cuda_device_count(void) {
+static int cuda_device_count(void) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
         cudaGetLastError();
@@ -96,10 +98,10 @@ extern "C" int flashc_cuda_device_count(void) {
     return n;
 }
 
-extern "C" flashc_status flashc_cuda_device_name(int device, char *buf, size_t len) {
+static flashc_status cuda_device_name(int device, char *buf, size_t len) {
     if (!buf || len == 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "name buffer is empty");
     buf[0] = '\0';
-    const int n = flashc_cuda_device_count();
+    const int n = cuda_device_count();
     if (device < 0 || device >= n)
         return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "CUDA device %d does not exist (%d found)", device, n);
     cudaDeviceProp prop;
@@ -111,8 +113,10 @@ extern "C" flashc_status flashc_cuda_device_name(int device, char *buf, size_t l
 
 /* ---- context ------------------------------------------------------------------------------------------- */
 
+static void fwd_info(cuda_state *s, int e, int bf16);
+
 static flashc_status cuda_init(struct flashc_context *ctx) {
-    const int n = flashc_cuda_device_count();
+    const int n = cuda_device_count();
     if (n == 0) return FLASHC_ERR(ctx, FLASHC_STATUS_DEVICE_ERROR, "no CUDA device found (or no driver)");
     if (ctx->device < 0 || ctx->device >= n)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "CUDA device %d does not exist (%d found)",
@@ -137,6 +141,7 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
     /* FLASHC_CUDA_BWD=sm80 (or simt, see bwd.h) does the same for the backward. */
     const char *bwd = getenv("FLASHC_CUDA_BWD");
     s->bwd_sm90 = !(bwd && (!strcmp(bwd, "sm80") || !strcmp(bwd, "simt"))) && flashc_bwd_sm90_available(ctx->device);
+    s->bwd_simt = bwd && !strcmp(bwd, "simt");
     /* FLASHC_CUDA_SM90_GRID=blocks launches the Hopper forward one block per tile instead of persistent. */
     const char *grid = getenv("FLASHC_CUDA_SM90_GRID");
     s->l2_bytes = prop.l2CacheSize;
@@ -152,6 +157,8 @@ static flashc_status cuda_init(struct flashc_context *ctx) {
     }
     const char *log = getenv("FLASHC_CUDA_LOG");
     s->log_fwd = log && !strcmp(log, "1");
+    for (int e = 0; e < FWD_ENTRIES; e++)
+        for (int bf16 = 0; bf16 < 2; bf16++) fwd_info(s, e, bf16);
     ctx->backend_state = s;
     ctx->stream = NULL;
     return FLASHC_STATUS_OK;
@@ -181,29 +188,22 @@ static int fwd_entry_index(int64_t D) {
 }
 
 /* The tile a forward kernel was built with (by the architecture of the code the GPU loads) and its resident
- * blocks per SM, asked once per context. */
-static flashc_status fwd_info(struct flashc_context *ctx, int e, int bf16) {
-    cuda_state *s = state_of(ctx);
-    if (s->info_known[e][bf16]) return FLASHC_STATUS_OK;
-    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+ * blocks per SM, asked once per context at its creation (the current device is the context's). */
+static void fwd_info(cuda_state *s, int e, int bf16) {
     flashc_fwd_args a;
     memset(&a, 0, sizeof a);
     a.bf16 = bf16;
     int occ = 0;
     fc_tile t;
-    cudaError_t err = fwd_entries[e].fn(&a, NULL, 1, &t, &occ);
-    if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel attributes");
+    memset(&t, 0, sizeof t);
+    s->info_err[e][bf16] = fwd_entries[e].fn(&a, NULL, 1, &t, &occ);
+    if (s->info_err[e][bf16] != cudaSuccess) cudaGetLastError();
     s->tile[e][bf16] = t;
     s->occupancy[e][bf16] = occ;
-    s->info_known[e][bf16] = 1;
-    return FLASHC_STATUS_OK;
 }
 
-static flashc_status cuda_supported(struct flashc_context *ctx, const flashc_problem *p) {
-    if (p->op == FLASHC_OP_BACKWARD) {
-        const char *why = flashc_cuda_bwd_unsupported(p);
-        return why ? FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why) : FLASHC_STATUS_OK;
-    }
+/* Whether the forward kernels take p: its kernel entry, or NOT_SUPPORTED with the reason. */
+static flashc_status fwd_check(struct flashc_context *ctx, const flashc_problem *p, int *entry) {
     if (p->dropout_p > 0)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "dropout is not supported by the CUDA backend");
     const int e = fwd_entry_index(p->D);
@@ -221,18 +221,21 @@ static flashc_status cuda_supported(struct flashc_context *ctx, const flashc_pro
     if (p->Nq > CUDA_MAX_LEN || p->Nk > CUDA_MAX_LEN || p->total_q > CUDA_MAX_LEN * 8 ||
         p->total_k > CUDA_MAX_LEN * 8)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "sequence lengths beyond 2^29 are not supported on CUDA");
+    const cuda_state *s = state_of(ctx);
     const int bf16 = p->dtype != FLASHC_DTYPE_F16;
-    FLASHC_TRY(fwd_info(ctx, e, bf16));
-    const fc_tile t = state_of(ctx)->tile[e][bf16];
+    if (s->info_err[e][bf16] != cudaSuccess)
+        return cuda_fail(ctx, s->info_err[e][bf16], __FILE__, __LINE__, "forward kernel attributes");
+    const fc_tile t = s->tile[e][bf16];
     const size_t smem = fc_fwd_smem_bytes(t);
-    if (smem > state_of(ctx)->smem_optin || state_of(ctx)->occupancy[e][bf16] < 1)
+    if (smem > s->smem_optin || s->occupancy[e][bf16] < 1)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
                           "head dim %lld needs %zu bytes of shared memory per block; this GPU allows %zu",
-                          (long long)p->D, smem, state_of(ctx)->smem_optin);
+                          (long long)p->D, smem, s->smem_optin);
     const int64_t blocks = (p->Nq + t.br - 1) / t.br * p->H * p->B;
     if (blocks > INT_MAX || p->H * p->total_q > (int64_t)INT_MAX * 4)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "problem too large for one launch (%lld blocks)",
                           (long long)blocks);
+    *entry = e;
     return FLASHC_STATUS_OK;
 }
 
@@ -243,7 +246,6 @@ static flashc_status cuda_supported(struct flashc_context *ctx, const flashc_pro
  */
 static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e) {
     const int bf16 = p->dtype != FLASHC_DTYPE_F16;
-    if (fwd_info(ctx, e, bf16) != FLASHC_STATUS_OK) return 1;
     const fc_tile t = state_of(ctx)->tile[e][bf16];
     const int64_t blocks = (p->Nq + t.br - 1) / t.br * p->H * p->B;
     const int64_t wave = (int64_t)state_of(ctx)->sm_count * state_of(ctx)->occupancy[e][bf16];
@@ -255,15 +257,12 @@ static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e
     return n < 2 ? 1 : (int)n;
 }
 
-static size_t cuda_workspace_size(struct flashc_context *ctx, const flashc_problem *p) {
-    if (p->op == FLASHC_OP_BACKWARD) return flashc_cuda_bwd_workspace(p);
-    const int e = fwd_entry_index(p->D);
-    if (p->op != FLASHC_OP_FORWARD || e < 0) return 0;
-    const int n = fwd_splits(ctx, p, e);
-    if (n < 2) return 0;
+/* The split-KV partials: nsplit x (H, rows) x (D + 1) floats (saturating: the front refuses SIZE_MAX). */
+static size_t fwd_workspace(const flashc_problem *p, int nsplit) {
+    if (nsplit < 2) return 0;
     const int64_t rows = p->varlen ? p->total_q : p->B * p->Nq; /* the partials' (H, rows) layout */
-    return flashc_size_mul(flashc_size_mul(flashc_size_mul((size_t)n, (size_t)p->H), flashc_size_of_i64(rows)),
-                           ((size_t)p->D + 1) * sizeof(float)); /* saturates: the front refuses SIZE_MAX */
+    return flashc_size_mul(flashc_size_mul(flashc_size_mul((size_t)nsplit, (size_t)p->H), flashc_size_of_i64(rows)),
+                           ((size_t)p->D + 1) * sizeof(float));
 }
 
 static flashc_status cuda_workspace_alloc(struct flashc_context *ctx, size_t bytes, void **ptr) {
@@ -285,11 +284,11 @@ static void cuda_workspace_free(struct flashc_context *ctx, void *ptr) {
 
 /* ---- forward ------------------------------------------------------------------------------------------- */
 
-/* The kernel arguments of a problem cuda_supported accepted; returns its forward entry. With more than one split
- * the partials go to workspace (NULL in a query: then only a.nsplit tells). */
-static int fwd_args(struct flashc_context *ctx, const flashc_problem *p, void *workspace, flashc_fwd_args *out) {
-    const int e = fwd_entry_index(p->D);
-    const fc_tile t = state_of(ctx)->tile[e][p->dtype != FLASHC_DTYPE_F16]; /* known since cuda_supported */
+/* The kernel arguments of a problem fwd_check accepted, for kernel entry e and nsplit key pieces. With more than
+ * one piece the partials go to workspace (NULL in a plan, which only needs the choice). */
+static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e, int nsplit, void *workspace,
+                     flashc_fwd_args *out) {
+    const fc_tile t = state_of(ctx)->tile[e][p->dtype != FLASHC_DTYPE_F16]; /* known since fwd_check */
     flashc_fwd_args a;
     memset(&a, 0, sizeof a);
     a.q = p->q.data;
@@ -318,13 +317,12 @@ static int fwd_args(struct flashc_context *ctx, const flashc_problem *p, void *w
         a.in_mode = FC_IN_ELEM16;
     a.out_vec = !f32 && p->D % 8 == 0 && fc_rows_aligned16(&p->out, p->varlen);
     a.n_mblk = (int)((p->Nq + t.br - 1) / t.br);
-    a.nsplit = fwd_splits(ctx, p, e);
+    a.nsplit = nsplit;
     if (a.nsplit > 1 && workspace) {
         a.ws_o = (float *)workspace;
         a.ws_lse = a.ws_o + (int64_t)a.nsplit * a.H * a.total_q * a.D;
     }
     *out = a;
-    return e;
 }
 
 /* The forward kernels, in the order of fwd_path_names. */
@@ -332,44 +330,58 @@ typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90 } fwd_path;
 static const char *const fwd_path_names[] = {"sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine",
                                              "sm90 (wgmma, TMA, warp-specialized)"};
 
-/* Split-KV stays on the Ampere-class kernel and its combine; the Hopper kernel takes what it supports. */
-static fwd_path fwd_choose(struct flashc_context *ctx, const flashc_fwd_args *a, int e) {
-    if (a->nsplit > 1) return FWD_SM80_SPLIT;
-    if (state_of(ctx)->fwd_sm90 && flashc_fwd_sm90_supports(a, fwd_entries[e].d)) return FWD_SM90;
-    return FWD_SM80;
+/*
+ * The forward's one decision: kernel entry, split-KV pieces, path and workspace. Split-KV stays on the
+ * Ampere-class kernel and its combine; the Hopper kernel takes what it supports.
+ */
+static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+    int e;
+    FLASHC_TRY(fwd_check(ctx, p, &e));
+    plan->entry = e;
+    plan->nsplit = fwd_splits(ctx, p, e);
+    plan->workspace = fwd_workspace(p, plan->nsplit);
+    fwd_path path = FWD_SM80;
+    if (plan->nsplit > 1) {
+        path = FWD_SM80_SPLIT;
+    } else if (state_of(ctx)->fwd_sm90) {
+        flashc_fwd_args a;
+        fwd_args(ctx, p, e, plan->nsplit, NULL, &a);
+        /* A query without data (flashc_kernel_name) answers for 16-byte aligned tensors, the kind frameworks
+         * allocate; the base address is all the Hopper kernel's choice reads of the pointers. */
+        static const uint4 aligned_stand_in = {0, 0, 0, 0};
+        if (!a.q) a.q = &aligned_stand_in;
+        if (!a.k) a.k = &aligned_stand_in;
+        if (!a.v) a.v = &aligned_stand_in;
+        if (flashc_fwd_sm90_supports(&a, fwd_entries[e].d)) path = FWD_SM90;
+    }
+    plan->path = path;
+    plan->kernel = fwd_path_names[path];
+    return FLASHC_STATUS_OK;
 }
 
-/* Which kernel the forward of p runs on, as a short static string (for `flashc info` and verbose output); NULL
- * when the CUDA backend does not take p (the reason is then recorded on ctx). */
-extern "C" const char *flashc_cuda_fwd_path(struct flashc_context *ctx, const flashc_problem *p) {
-    if (cuda_supported(ctx, p) != FLASHC_STATUS_OK || p->op != FLASHC_OP_FORWARD) return NULL;
-    flashc_fwd_args a;
-    const int e = fwd_args(ctx, p, NULL, &a);
-    /* A query without data (flashc_kernel_name) answers for 16-byte aligned tensors, the kind frameworks allocate;
-     * the base address is all the kernels' choice reads of the pointers. */
-    static const uint4 aligned_stand_in = {0, 0, 0, 0};
-    if (!a.q) a.q = &aligned_stand_in;
-    if (!a.k) a.k = &aligned_stand_in;
-    if (!a.v) a.v = &aligned_stand_in;
-    return fwd_path_names[fwd_choose(ctx, &a, e)];
+static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+    if (p->op == FLASHC_OP_FORWARD) return fwd_plan(ctx, p, plan);
+    const cuda_state *s = state_of(ctx);
+    const char *why = flashc_cuda_bwd_plan(p, s->bwd_sm90, s->bwd_simt, plan);
+    return why ? FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why) : FLASHC_STATUS_OK;
 }
 
-static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(cuda_supported(ctx, p));
+static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                                  void *workspace) {
     CUDA_TRY(ctx, cudaSetDevice(ctx->device));
     flashc_fwd_args a;
-    const int e = fwd_args(ctx, p, workspace, &a);
-    if (a.nsplit > 1 && !workspace) a.nsplit = 1; /* cannot happen through the front, which sizes it first */
+    fwd_args(ctx, p, plan->entry, plan->nsplit, workspace, &a);
     if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
 
-    const fwd_path path = fwd_choose(ctx, &a, e);
+    const fwd_path path = (fwd_path)plan->path;
     cuda_state *s = state_of(ctx);
     fc90_grid grid = {NULL, s->sm_count, s->l2_bytes};
-    if (path == FWD_SM90 && s->fc90_ctr) grid.ctr = s->fc90_ctr + 2 * (s->fc90_ctr_next++ % FC90_CTR_SLOTS);
+    if (path == FWD_SM90 && s->fc90_ctr) /* atomic: threads may share the context */
+        grid.ctr = s->fc90_ctr + 2 * (__atomic_fetch_add(&s->fc90_ctr_next, 1u, __ATOMIC_RELAXED) % FC90_CTR_SLOTS);
     if (s->log_fwd) {
         const int sm90 = path == FWD_SM90;
         fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s%s\n", a.B, a.Nq, a.Nk, a.H,
-                a.Hkv, a.D, fwd_path_names[path], sm90 ? ", ping-pong + intra-warpgroup overlap, " : "",
+                a.Hkv, a.D, plan->kernel, sm90 ? ", ping-pong + intra-warpgroup overlap, " : "",
                 sm90 ? flashc_fwd_sm90_grid_name(&a, &grid) : "");
     }
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
@@ -378,7 +390,7 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
         return FLASHC_STATUS_OK;
     }
-    cudaError_t err = fwd_entries[e].fn(&a, stream, 0, NULL, NULL);
+    cudaError_t err = fwd_entries[plan->entry].fn(&a, stream, 0, NULL, NULL);
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel launch");
     if (a.nsplit > 1) {
         err = flashc_fwd_sm80_combine(&a, stream);
@@ -387,23 +399,29 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     return FLASHC_STATUS_OK;
 }
 
-extern "C" const char *flashc_cuda_bwd_path(struct flashc_context *ctx, const flashc_problem *p) {
-    return flashc_cuda_bwd_path_name(p, state_of(ctx)->bwd_sm90);
-}
-
-static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    FLASHC_TRY(cuda_supported(ctx, p));
+static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                                   void *workspace) {
     CUDA_TRY(ctx, cudaSetDevice(ctx->device));
     if (state_of(ctx)->log_fwd)
         fprintf(stderr, "flashc: CUDA backward B %lld Nq %lld Nk %lld H %lld Hkv %lld D %lld on %s\n", (long long)p->B,
-                (long long)p->Nq, (long long)p->Nk, (long long)p->H, (long long)p->Hkv, (long long)p->D,
-                flashc_cuda_bwd_path_name(p, state_of(ctx)->bwd_sm90));
-    const cudaError_t err = flashc_cuda_bwd_launch(p, workspace, (cudaStream_t)ctx->stream, state_of(ctx)->bwd_sm90);
+                (long long)p->Nq, (long long)p->Nk, (long long)p->H, (long long)p->Hkv, (long long)p->D, plan->kernel);
+    const cudaError_t err = flashc_cuda_bwd_launch(p, plan, workspace, (cudaStream_t)ctx->stream);
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "backward kernel launch");
     return FLASHC_STATUS_OK;
 }
 
+/* The front reaches this backend only through this table (src/internal.h). */
 extern "C" const flashc_backend_ops flashc_cuda_ops = {
-    FLASHC_BACKEND_CUDA, cuda_init,           cuda_fini,           cuda_set_stream, cuda_supported,
-    cuda_workspace_size, cuda_workspace_alloc, cuda_workspace_free, cuda_forward,    cuda_backward,
+    .kind = FLASHC_BACKEND_CUDA,
+    .device_count = cuda_device_count,
+    .device_name = cuda_device_name,
+    .init = cuda_init,
+    .fini = cuda_fini,
+    .set_stream = cuda_set_stream,
+    .threads = NULL, /* one host thread queues the kernels */
+    .plan = cuda_plan,
+    .workspace_alloc = cuda_workspace_alloc,
+    .workspace_free = cuda_workspace_free,
+    .forward = cuda_forward,
+    .backward = cuda_backward,
 };

@@ -605,6 +605,10 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
         goto done;
     }
 
+    /* what runs, so that a test can assert the kernel it meant to exercise */
+    res->kernel_fwd = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &q_, &k_, &v_, &prm);
+    if (c->backward) res->kernel_bwd = flashc_kernel_name(ctx, FLASHC_OP_BACKWARD, &q_, &k_, &v_, &prm);
+
     /* half of the runs bring their own workspace, the others let the library allocate */
     int own_ws = (int)rand_below(&rng, 2);
     size_t ws_bytes = 0;

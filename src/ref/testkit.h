@@ -1,6 +1,7 @@
 /*
  * testkit.h - the fp64 oracle and the shared case table, used by tests/, `flashc check` and the GPU tests.
- * Built as the static library flashc_testkit; not part of the installed API.
+ * Built as the static library flashc_testkit; not part of the installed API. flashc_problem_build, which
+ * turns public arguments into the oracle's problem, comes with internal.h.
  */
 #ifndef FLASHC_TESTKIT_H
 #define FLASHC_TESTKIT_H
@@ -14,16 +15,6 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/*
- * Builds and validates a problem from the public arguments, exactly as flashc_forward / flashc_backward do
- * (implemented in src/flashc.c). ctx may be NULL (errors then go to the thread's slot).
- */
-flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
-                                   const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
-                                   const flashc_tensor *out, float *lse, const flashc_tensor *dout,
-                                   const flashc_tensor *dq, const flashc_tensor *dk, const flashc_tensor *dv,
-                                   flashc_problem *p);
 
 /*
  * The naive oracle: materializes S and P for each (sequence, head) and reads inputs through the problem's
@@ -76,6 +67,8 @@ typedef struct flashc_case_result {
     int nonfinite;            /* NaN/inf where a finite value was expected */
     flashc_status status;     /* status of the library call */
     char message[256];        /* why it failed, if it did */
+    const char *kernel_fwd;   /* flashc_kernel_name of the forward (and backward) the case ran; NULL if not run */
+    const char *kernel_bwd;
 } flashc_case_result;
 
 /* The shared case table: full = every row; otherwise a reduced table for quick runs (sanitizers, racecheck). */

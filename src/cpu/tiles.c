@@ -1,139 +1,16 @@
 /*
- * The CPU backend's vtable and shared pieces: feature detection, thread count, tile sizes, strided tile loads
- * and stores with dtype conversion, the score epilogue (softcap, ALiBi, masks) and varlen checks.
+ * What the CPU drivers (attn.c) build their loops from: tile sizes from the caches, strided tile loads and
+ * stores with dtype conversion, and the score epilogue (softcap, ALiBi, masks). Nothing here knows the backend
+ * table or the context.
  */
 #define _GNU_SOURCE /* sysconf cache sizes */
 #include "cpu.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#ifdef _OPENMP
-#  include <omp.h>
-#endif
 
-/* ---- features, threads, tiles -------------------------------------------------------------------------- */
-
-/*
- * Features come from cpuid itself rather than __builtin_cpu_supports: clang (14 at least) does not know the
- * "f16c" name, and the AVX states must also be enabled by the OS (XGETBV), which cpuid alone does not say.
- */
-#if defined(FLASHC_CPU_X86)
-#  include <cpuid.h>
-enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64 };
-static unsigned detect_x86(void) {
-    unsigned a, b, c, d, f = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    unsigned long long xcr0 = 0;
-    if (c >> 27 & 1) { /* OSXSAVE: XGETBV tells which register states the OS saves */
-        unsigned lo, hi;
-        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-        xcr0 = ((unsigned long long)hi << 32) | lo;
-    }
-    const int avx_os = (xcr0 & 6) == 6, avx512_os = (xcr0 & 0xe6) == 0xe6;
-    if (c >> 20 & 1) f |= CPU_SSE42;
-    if ((c >> 28 & 1) && avx_os) f |= CPU_AVX;
-    if ((c >> 12 & 1) && avx_os) f |= CPU_FMA;
-    if ((c >> 29 & 1) && avx_os) f |= CPU_F16C;
-    if (__get_cpuid_max(0, NULL) >= 7) {
-        unsigned a7, b7, c7, d7;
-        __cpuid_count(7, 0, a7, b7, c7, d7);
-        if ((b7 >> 5 & 1) && avx_os) f |= CPU_AVX2;
-        if ((b7 >> 16 & 1) && avx512_os) f |= CPU_AVX512F;
-        if ((b7 >> 30 & 1) && avx512_os) f |= CPU_AVX512BW;
-    }
-    return f;
-}
-#endif
-
-/* Everything detected once per process; pthread_once keeps concurrent first calls from racing. */
-static struct {
-    char features[128];
-    const flashc_cpu_kernels *kernels;
-    unsigned x86;
-} cpu_info;
-static pthread_once_t cpu_info_once = PTHREAD_ONCE_INIT;
-
-static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name) {
-    if (!strcmp(name, "generic")) return &flashc_cpu_kernels_generic;
-#if defined(FLASHC_CPU_X86)
-    const unsigned avx2 = CPU_AVX2 | CPU_FMA | CPU_F16C, avx512 = CPU_AVX512F | CPU_FMA | CPU_F16C;
-    if (!strcmp(name, "avx2") && (x86 & avx2) == avx2) return &flashc_cpu_kernels_avx2;
-    if (!strcmp(name, "avx512") && (x86 & avx512) == avx512) return &flashc_cpu_kernels_avx512;
-#endif
-    (void)x86;
-    return NULL;
-}
-
-static void cpu_info_init(void) {
-    char *buf = cpu_info.features;
-    buf[0] = '\0';
-#if defined(FLASHC_CPU_X86)
-    const unsigned f = detect_x86();
-    cpu_info.x86 = f;
-    static const struct { unsigned bit; const char *name; } names[] = {
-        {CPU_SSE42, "sse4.2"}, {CPU_AVX, "avx"}, {CPU_AVX2, "avx2"}, {CPU_FMA, "fma"}, {CPU_F16C, "f16c"},
-        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (f & names[i].bit) strcat(buf, names[i].name), strcat(buf, " ");
-#elif defined(__aarch64__)
-    strcat(buf, "neon ");
-#endif
-#ifdef _OPENMP
-    strcat(buf, "openmp ");
-#endif
-    size_t n = strlen(buf);
-    if (n) buf[n - 1] = '\0';
-    else strcpy(buf, "generic");
-
-    const flashc_cpu_kernels *k = NULL;
-    const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512, when this CPU runs it */
-    if (force) k = kernels_by_name(cpu_info.x86, force);
-    if (!k) k = kernels_by_name(cpu_info.x86, "avx512");
-    if (!k) k = kernels_by_name(cpu_info.x86, "avx2");
-    if (!k) k = &flashc_cpu_kernels_generic;
-    cpu_info.kernels = k;
-}
-
-const char *flashc_cpu_features(void) {
-    pthread_once(&cpu_info_once, cpu_info_init);
-    return cpu_info.features;
-}
-
-const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name) {
-    pthread_once(&cpu_info_once, cpu_info_init);
-    return kernels_by_name(cpu_info.x86, name);
-}
-
-const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
-    pthread_once(&cpu_info_once, cpu_info_init);
-    return cpu_info.kernels;
-}
-
-/* Never more than 4 threads per processor this process may run on (and FLASHC_MAX_THREADS): libgomp exits the
- * process when it cannot start the threads a parallel region asks for, so no user-given count reaches OpenMP
- * unbounded. A few per processor still lets tests run more threads than cores. */
-int flashc_cpu_thread_limit(void) {
-#ifdef _OPENMP
-    int procs = omp_get_num_procs(), lim = procs > 0 ? (procs < FLASHC_MAX_THREADS / 4 ? 4 * procs : FLASHC_MAX_THREADS) : 1;
-    const int tl = omp_get_thread_limit();
-    if (tl > 0 && tl < lim) lim = tl;
-    return lim;
-#else
-    return 1;
-#endif
-}
-
-int flashc_cpu_thread_count(const struct flashc_context *ctx) {
-#ifdef _OPENMP
-    const int n = ctx->threads > 0 ? ctx->threads : omp_get_max_threads(), lim = flashc_cpu_thread_limit();
-    return n < 1 ? 1 : n > lim ? lim : n;
-#else
-    (void)ctx;
-    return 1;
-#endif
-}
+/* ---- tiles --------------------------------------------------------------------------------------------- */
 
 static long cache_bytes(int name, long fallback) {
 #if defined(_SC_LEVEL2_CACHE_SIZE)
@@ -258,7 +135,7 @@ void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int 
     }
 }
 
-/* ---- masks ------------------------------------------------------------------------------------------------ */
+/* ---- masks --------------------------------------------------------------------------------------------- */
 
 int flashc_cpu_tile_visible(const flashc_problem *p, int64_t b, int64_t h, int64_t i0, int rows, int64_t j0,
                             int cols) {
@@ -336,68 +213,3 @@ void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, in
                 if (!mbase[((i0 + r) / p->bm_q) * p->bm_nkb + j / p->bm_k]) col[r] = neg_inf;
     }
 }
-
-flashc_status flashc_cpu_check_inputs(struct flashc_context *ctx, const flashc_problem *p) {
-    /* A non-finite slope is refused like a non-finite scale: it would turn every score of its head to NaN or
-     * infinity, which no caller means. (The CUDA backend cannot read device memory without a synchronizing
-     * copy, so there such a slope gives NaN.) */
-    if (p->alibi)
-        for (int64_t b = 0; b < (p->alibi_batch_stride ? p->B : 1); b++)
-            for (int64_t h = 0; h < p->H; h++) {
-                const float m = p->alibi[b * p->alibi_batch_stride + h];
-                if (!isfinite(m))
-                    return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                                      "alibi slope of batch %lld, head %lld is %g: slopes must be finite",
-                                      (long long)b, (long long)h, (double)m);
-            }
-    if (!p->varlen) return FLASHC_STATUS_OK;
-    if (p->cu_q[0] != 0 || p->cu_k[0] != 0)
-        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens must start at 0 (got %d, %d)",
-                          (int)p->cu_q[0], (int)p->cu_k[0]);
-    for (int64_t b = 0; b < p->B; b++) {
-        int64_t lq = (int64_t)p->cu_q[b + 1] - p->cu_q[b], lk = (int64_t)p->cu_k[b + 1] - p->cu_k[b];
-        if (lq < 0 || lk < 0)
-            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens decrease at sequence %lld",
-                              (long long)b);
-        if (lq > p->Nq || lk > p->Nk)
-            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                              "sequence %lld has lengths (%lld, %lld) above max_seqlen (%lld, %lld)", (long long)b,
-                              (long long)lq, (long long)lk, (long long)p->Nq, (long long)p->Nk);
-    }
-    if (p->cu_q[p->B] > p->total_q || p->cu_k[p->B] > p->total_k)
-        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                          "cu_seqlens end at (%d, %d), beyond the packed tensors' %lld query and %lld key rows",
-                          (int)p->cu_q[p->B], (int)p->cu_k[p->B], (long long)p->total_q, (long long)p->total_k);
-    return FLASHC_STATUS_OK;
-}
-
-/* ---- vtable ----------------------------------------------------------------------------------------------- */
-
-static size_t cpu_workspace_size(struct flashc_context *ctx, const flashc_problem *p) {
-    return p->op == FLASHC_OP_FORWARD ? flashc_cpu_forward_workspace(ctx, p) : flashc_cpu_backward_workspace(ctx, p);
-}
-
-static flashc_status cpu_workspace_alloc(struct flashc_context *ctx, size_t bytes, void **ptr) {
-    *ptr = NULL;
-    void *m = NULL;
-    size_t rounded = (bytes + 63) & ~(size_t)63;
-    if (rounded < bytes || !(m = aligned_alloc(64, rounded)))
-        return FLASHC_ERR(ctx, FLASHC_STATUS_OUT_OF_MEMORY, "could not allocate %zu bytes of workspace", bytes);
-    *ptr = m;
-    return FLASHC_STATUS_OK;
-}
-
-static void cpu_workspace_free(struct flashc_context *ctx, void *ptr) { free(ptr); }
-
-const flashc_backend_ops flashc_cpu_ops = {
-    FLASHC_BACKEND_CPU,
-    NULL, /* init */
-    NULL, /* fini */
-    NULL, /* set_stream: only NULL is accepted */
-    NULL, /* supported: every validated problem runs */
-    cpu_workspace_size,
-    cpu_workspace_alloc,
-    cpu_workspace_free,
-    flashc_cpu_forward,
-    flashc_cpu_backward,
-};

@@ -1,0 +1,254 @@
+/*
+ * The CPU backend: its table, what the CPU has (cpuid features, the microkernel set they allow, the model name,
+ * how many threads may run) and the checks of host-memory inputs before the drivers in attn.c run.
+ */
+#include "cpu.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#  include <omp.h>
+#endif
+
+/* ---- features and kernels ------------------------------------------------------------------------------ */
+
+/*
+ * Features come from cpuid itself rather than __builtin_cpu_supports: clang (14 at least) does not know the
+ * "f16c" name, and the AVX states must also be enabled by the OS (XGETBV), which cpuid alone does not say.
+ */
+#if defined(FLASHC_CPU_X86)
+#  include <cpuid.h>
+enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64 };
+static unsigned detect_x86(void) {
+    unsigned a, b, c, d, f = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    unsigned long long xcr0 = 0;
+    if (c >> 27 & 1) { /* OSXSAVE: XGETBV tells which register states the OS saves */
+        unsigned lo, hi;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        xcr0 = ((unsigned long long)hi << 32) | lo;
+    }
+    const int avx_os = (xcr0 & 6) == 6, avx512_os = (xcr0 & 0xe6) == 0xe6;
+    if (c >> 20 & 1) f |= CPU_SSE42;
+    if ((c >> 28 & 1) && avx_os) f |= CPU_AVX;
+    if ((c >> 12 & 1) && avx_os) f |= CPU_FMA;
+    if ((c >> 29 & 1) && avx_os) f |= CPU_F16C;
+    if (__get_cpuid_max(0, NULL) >= 7) {
+        unsigned a7, b7, c7, d7;
+        __cpuid_count(7, 0, a7, b7, c7, d7);
+        if ((b7 >> 5 & 1) && avx_os) f |= CPU_AVX2;
+        if ((b7 >> 16 & 1) && avx512_os) f |= CPU_AVX512F;
+        if ((b7 >> 30 & 1) && avx512_os) f |= CPU_AVX512BW;
+    }
+    return f;
+}
+#endif
+
+/* Everything detected once per process; pthread_once keeps concurrent first calls from racing. */
+static struct {
+    char features[128];
+    const flashc_cpu_kernels *kernels;
+    unsigned x86;
+} cpu_info;
+static pthread_once_t cpu_info_once = PTHREAD_ONCE_INIT;
+
+static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name) {
+    if (!strcmp(name, "generic")) return &flashc_cpu_kernels_generic;
+#if defined(FLASHC_CPU_X86)
+    const unsigned avx2 = CPU_AVX2 | CPU_FMA | CPU_F16C, avx512 = CPU_AVX512F | CPU_FMA | CPU_F16C;
+    if (!strcmp(name, "avx2") && (x86 & avx2) == avx2) return &flashc_cpu_kernels_avx2;
+    if (!strcmp(name, "avx512") && (x86 & avx512) == avx512) return &flashc_cpu_kernels_avx512;
+#endif
+    (void)x86;
+    return NULL;
+}
+
+static void cpu_info_init(void) {
+    char *buf = cpu_info.features;
+    buf[0] = '\0';
+#if defined(FLASHC_CPU_X86)
+    const unsigned f = detect_x86();
+    cpu_info.x86 = f;
+    static const struct { unsigned bit; const char *name; } names[] = {
+        {CPU_SSE42, "sse4.2"}, {CPU_AVX, "avx"}, {CPU_AVX2, "avx2"}, {CPU_FMA, "fma"}, {CPU_F16C, "f16c"},
+        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (f & names[i].bit) strcat(buf, names[i].name), strcat(buf, " ");
+#elif defined(__aarch64__)
+    strcat(buf, "neon ");
+#endif
+#ifdef _OPENMP
+    strcat(buf, "openmp ");
+#endif
+    size_t n = strlen(buf);
+    if (n) buf[n - 1] = '\0';
+    else strcpy(buf, "generic");
+
+    const flashc_cpu_kernels *k = NULL;
+    const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512, when this CPU runs it */
+    if (force) k = kernels_by_name(cpu_info.x86, force);
+    if (!k) k = kernels_by_name(cpu_info.x86, "avx512");
+    if (!k) k = kernels_by_name(cpu_info.x86, "avx2");
+    if (!k) k = &flashc_cpu_kernels_generic;
+    cpu_info.kernels = k;
+}
+
+const char *flashc_cpu_features(void) {
+    pthread_once(&cpu_info_once, cpu_info_init);
+    return cpu_info.features;
+}
+
+const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name) {
+    pthread_once(&cpu_info_once, cpu_info_init);
+    return kernels_by_name(cpu_info.x86, name);
+}
+
+const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
+    pthread_once(&cpu_info_once, cpu_info_init);
+    return cpu_info.kernels;
+}
+
+/* ---- threads ------------------------------------------------------------------------------------------- */
+
+/* Never more than 4 threads per processor this process may run on (and FLASHC_MAX_THREADS): libgomp exits the
+ * process when it cannot start the threads a parallel region asks for, so no user-given count reaches OpenMP
+ * unbounded. A few per processor still lets tests run more threads than cores. */
+static int thread_limit(void) {
+#ifdef _OPENMP
+    int procs = omp_get_num_procs(), lim = procs > 0 ? (procs < FLASHC_MAX_THREADS / 4 ? 4 * procs : FLASHC_MAX_THREADS) : 1;
+    const int tl = omp_get_thread_limit();
+    if (tl > 0 && tl < lim) lim = tl;
+    return lim;
+#else
+    return 1;
+#endif
+}
+
+/* The context holds the count asked for (0: OpenMP's default); the cap is applied here, where it is known. */
+static int cpu_threads(const struct flashc_context *ctx) {
+#ifdef _OPENMP
+    const int n = ctx->threads > 0 ? ctx->threads : omp_get_max_threads(), lim = thread_limit();
+    return n < 1 ? 1 : n > lim ? lim : n;
+#else
+    (void)ctx;
+    return 1;
+#endif
+}
+
+/* ---- the table ----------------------------------------------------------------------------------------- */
+
+/* What lives in host memory, which only a backend that reads it can check: cu_seqlens against the problem, and
+ * the ALiBi slopes. */
+static flashc_status check_inputs(struct flashc_context *ctx, const flashc_problem *p) {
+    /* A non-finite slope is refused like a non-finite scale: it would turn every score of its head to NaN or
+     * infinity, which no caller means. (The CUDA backend cannot read device memory without a synchronizing
+     * copy, so there such a slope gives NaN.) */
+    if (p->alibi)
+        for (int64_t b = 0; b < (p->alibi_batch_stride ? p->B : 1); b++)
+            for (int64_t h = 0; h < p->H; h++) {
+                const float m = p->alibi[b * p->alibi_batch_stride + h];
+                if (!isfinite(m))
+                    return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                      "alibi slope of batch %lld, head %lld is %g: slopes must be finite",
+                                      (long long)b, (long long)h, (double)m);
+            }
+    if (!p->varlen) return FLASHC_STATUS_OK;
+    if (p->cu_q[0] != 0 || p->cu_k[0] != 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens must start at 0 (got %d, %d)",
+                          (int)p->cu_q[0], (int)p->cu_k[0]);
+    for (int64_t b = 0; b < p->B; b++) {
+        int64_t lq = (int64_t)p->cu_q[b + 1] - p->cu_q[b], lk = (int64_t)p->cu_k[b + 1] - p->cu_k[b];
+        if (lq < 0 || lk < 0)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens decrease at sequence %lld",
+                              (long long)b);
+        if (lq > p->Nq || lk > p->Nk)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "sequence %lld has lengths (%lld, %lld) above max_seqlen (%lld, %lld)", (long long)b,
+                              (long long)lq, (long long)lk, (long long)p->Nq, (long long)p->Nk);
+    }
+    if (p->cu_q[p->B] > p->total_q || p->cu_k[p->B] > p->total_k)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "cu_seqlens end at (%d, %d), beyond the packed tensors' %lld query and %lld key rows",
+                          (int)p->cu_q[p->B], (int)p->cu_k[p->B], (long long)p->total_q, (long long)p->total_k);
+    return FLASHC_STATUS_OK;
+}
+
+static flashc_status cpu_init(struct flashc_context *ctx) {
+    if (ctx->device != 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "the cpu backend has only device 0, not %d", ctx->device);
+    return FLASHC_STATUS_OK;
+}
+
+static int cpu_device_count(void) { return 1; }
+
+/* The model name where the OS tells it, else "cpu". */
+static flashc_status cpu_device_name(int device, char *buf, size_t len) {
+    if (device != 0) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "cpu device %d does not exist", device);
+    snprintf(buf, len, "cpu");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f) {
+        char line[256];
+        while (fgets(line, sizeof line, f)) {
+            char *colon = strchr(line, ':');
+            if (strncmp(line, "model name", 10) == 0 && colon) {
+                colon += strspn(colon + 1, " \t") + 1;
+                colon[strcspn(colon, "\n")] = '\0';
+                snprintf(buf, len, "%s", colon);
+                break;
+            }
+        }
+        fclose(f);
+    }
+    return FLASHC_STATUS_OK;
+}
+
+/* Every validated problem runs on the CPU; the plan fixes the thread count the workspace is sized for. */
+static flashc_status cpu_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+    plan->kernel = "CPU tiles (SIMD microkernels)";
+    plan->threads = cpu_threads(ctx);
+    plan->workspace = p->op == FLASHC_OP_FORWARD ? flashc_cpu_forward_workspace(p, plan->threads)
+                                                 : flashc_cpu_backward_workspace(p, plan->threads);
+    return FLASHC_STATUS_OK;
+}
+
+static flashc_status cpu_workspace_alloc(struct flashc_context *ctx, size_t bytes, void **ptr) {
+    *ptr = NULL;
+    void *m = NULL;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    if (rounded < bytes || !(m = aligned_alloc(64, rounded)))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_OUT_OF_MEMORY, "could not allocate %zu bytes of workspace", bytes);
+    *ptr = m;
+    return FLASHC_STATUS_OK;
+}
+
+static void cpu_workspace_free(struct flashc_context *ctx, void *ptr) { free(ptr); }
+
+static flashc_status cpu_forward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                                 void *workspace) {
+    FLASHC_TRY(check_inputs(ctx, p));
+    flashc_cpu_forward(p, flashc_cpu_select_kernels(), plan->threads, workspace);
+    return FLASHC_STATUS_OK;
+}
+
+static flashc_status cpu_backward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                                  void *workspace) {
+    FLASHC_TRY(check_inputs(ctx, p));
+    flashc_cpu_backward(p, flashc_cpu_select_kernels(), plan->threads, workspace);
+    return FLASHC_STATUS_OK;
+}
+
+/* No set_stream: only the NULL stream is accepted. */
+const flashc_backend_ops flashc_cpu_ops = {
+    .kind = FLASHC_BACKEND_CPU,
+    .device_count = cpu_device_count,
+    .device_name = cpu_device_name,
+    .init = cpu_init,
+    .threads = cpu_threads,
+    .plan = cpu_plan,
+    .workspace_alloc = cpu_workspace_alloc,
+    .workspace_free = cpu_workspace_free,
+    .forward = cpu_forward,
+    .backward = cpu_backward,
+};
