@@ -124,7 +124,9 @@ static const char *emu_bwd_unsupported(const flashc_problem *p) {
 /* The baseline's workspace: D_i, one fp32 per (head, query row). */
 static size_t emu_bwd_workspace(const flashc_problem *p) { return (size_t)fc_bwd_rows(p) * p->H * sizeof(float); }
 
-static flashc_status emu_backward(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
+static flashc_status emu_backward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+                                  void *workspace) {
+    (void)plan;
     const char *why = emu_bwd_unsupported(p);
     if (why) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why);
     const size_t ws = emu_bwd_workspace(p);
@@ -144,8 +146,9 @@ static flashc_status emu_backward(struct flashc_context *ctx, const flashc_probl
 }
 
 /* A forward on bf16-rounded copies of fp32 q, k, v, as the CUDA forward computes them; 16-bit inputs unchanged. */
-static flashc_status emu_forward_bf16_operands(struct flashc_context *ctx, const flashc_problem *p, void *workspace) {
-    if (p->dtype != FLASHC_DTYPE_F32) return flashc_cpu_ops.forward(ctx, p, workspace);
+static flashc_status emu_forward_bf16_operands(struct flashc_context *ctx, const flashc_problem *p,
+                                               const flashc_plan *plan, void *workspace) {
+    if (p->dtype != FLASHC_DTYPE_F32) return flashc_cpu_ops.forward(ctx, p, plan, workspace);
     flashc_problem r = *p;
     flashc_tensor *ts[3] = {&r.q, &r.k, &r.v};
     float *bufs[3] = {NULL, NULL, NULL};
@@ -169,21 +172,19 @@ static flashc_status emu_forward_bf16_operands(struct flashc_context *ctx, const
                     }
         *x = flashc_tensor_contiguous(bufs[t], FLASHC_DTYPE_F32, n[0], n[1], n[2], n[3]);
     }
-    if (st == FLASHC_STATUS_OK) st = flashc_cpu_ops.forward(ctx, &r, workspace);
+    if (st == FLASHC_STATUS_OK) st = flashc_cpu_ops.forward(ctx, &r, plan, workspace);
     for (int t = 0; t < 3; t++) free(bufs[t]);
     return st;
 }
 
-static flashc_status emu_supported(struct flashc_context *ctx, const flashc_problem *p) {
-    if (p->op == FLASHC_OP_BACKWARD) {
-        const char *why = emu_bwd_unsupported(p);
-        return why ? FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why) : FLASHC_STATUS_OK;
-    }
-    return flashc_cpu_ops.supported ? flashc_cpu_ops.supported(ctx, p) : FLASHC_STATUS_OK;
-}
-
-static size_t emu_workspace_size(struct flashc_context *ctx, const flashc_problem *p) {
-    return p->op == FLASHC_OP_BACKWARD ? emu_bwd_workspace(p) : flashc_cpu_ops.workspace_size(ctx, p);
+/* The emulated backend's plan: the CPU forward's, and the CUDA-core backward's support and workspace. */
+static flashc_status emu_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+    if (p->op == FLASHC_OP_FORWARD) return flashc_cpu_ops.plan(ctx, p, plan);
+    const char *why = emu_bwd_unsupported(p);
+    if (why) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why);
+    plan->kernel = "CUDA cores (emulated on the CPU)";
+    plan->workspace = emu_bwd_workspace(p);
+    return FLASHC_STATUS_OK;
 }
 
 int main(int argc, char **argv) {
@@ -201,8 +202,7 @@ int main(int argc, char **argv) {
     }
     static flashc_backend_ops ops;
     ops = flashc_cpu_ops;
-    ops.supported = emu_supported;
-    ops.workspace_size = emu_workspace_size;
+    ops.plan = emu_plan;
     ops.backward = emu_backward;
     g_gpu_numerics = gpu_numerics;
     if (gpu_numerics) {
