@@ -120,8 +120,12 @@ const char *flashc_cuda_bwd_plan(const flashc_problem *p, int sm90, int simt_onl
         plan->entry = bwd_entry_index(p->D);
         plan->path = FC_BWD_SM80;
         if (sm90) { /* the Hopper dK/dV kernel, where it runs and takes p */
+            /* A query (flashc_supported, flashc_kernel_name) has no dout: it answers for dout laid out like q, as
+             * frameworks give it. */
+            flashc_problem like = *p;
+            if (!p->dout.data) like.dout = p->q;
             flashc_bwd_args a;
-            make_args(p, fc_btile_for(bwd_entries[plan->entry].d), NULL, NULL, &a);
+            make_args(&like, fc_btile_for(bwd_entries[plan->entry].d), NULL, NULL, &a);
             if (flashc_bwd_sm90_supports(&a)) plan->path = p->deterministic ? FC_BWD_SM90_DET : FC_BWD_SM90;
         }
     }
