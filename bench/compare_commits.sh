@@ -35,8 +35,8 @@ run() { # run TREE NAME: that tree's benchmarks on its own library
   local tree=$1 name=$2
   (cd "$tree" && python3 bench/compare_torch.py --lib build-gpu/libflashc.so $ARGS --no-peers --no-memory \
     >"$LOG/fwd_$name.txt" 2>&1 &&
-    python3 bench/compare_torch_bwd.py --lib build-gpu/libflashc.so $ARGS >"$LOG/bwd_$name.txt" 2>&1) ||
-    { echo "== $name failed"; tail -20 "$LOG/fwd_$name.txt" "$LOG/bwd_$name.txt"; exit 1; }
+    FLASHC_LIBRARY=$tree/build-gpu/libflashc.so python3 bench/compare_torch_bwd.py $ARGS >"$LOG/bwd_$name.txt" 2>&1) ||
+    { echo "== $name failed"; tail -n 20 "$LOG/fwd_$name.txt" "$LOG/bwd_$name.txt"; exit 1; }
 }
 run "$PWD" new1
 run "$BASE" base

@@ -182,8 +182,8 @@ int main(int argc, char **argv) {
     const int n_sm90 = tally_count(&kernels, "sm90 (wgmma, TMA, warp-specialized)"),
               n_det = tally_count(&kernels, "sm90 (wgmma, TMA, warp-specialized) dK/dV"),
               n_mma = tally_count(&kernels, "tensor cores (mma.sync)"), n_simt = tally_count(&kernels, "CUDA cores");
-    const int cover = n_mma > 0 && (!hopper || (n_sm90 > n_det && n_det > 0)) &&
-                      (!no90 || n_sm90 == 0);
+    /* (The reduced table of --quick, for the sanitizers, is too small to promise every path.) */
+    const int cover = (quick || (n_mma > 0 && (!hopper || (n_sm90 > n_det && n_det > 0)))) && (!no90 || n_sm90 == 0);
     printf("%s table kernels: %d sm90 (%d deterministic), %d mma.sync, %d CUDA cores\n", cover ? "ok  " : "FAIL",
            n_sm90, n_det, n_mma, n_simt);
     if (!cover) failures++;

@@ -253,7 +253,8 @@ int main(int argc, char **argv) {
     /* The table covers both generations on a Hopper GPU: plain and causal rows on the Hopper kernel, the features
      * it lacks (softcap, ALiBi, windows, block masks, varlen) on mma.sync. */
     const int n_sm80 = tally_count(&kernels, "sm80"), n_sm90 = tally_count(&kernels, "sm90");
-    const int cover = n_sm80 > 0 && (!hopper || n_sm90 > 0) && n_sm80 + n_sm90 == tally_total(&kernels);
+    /* (The reduced table of --quick, for the sanitizers, is too small to promise both.) */
+    const int cover = n_sm80 + n_sm90 == tally_total(&kernels) && (quick || (n_sm80 > 0 && (!hopper || n_sm90 > 0)));
     printf("%s table kernels: %d sm80, %d sm90 of %d cases\n", cover ? "ok  " : "FAIL", n_sm80, n_sm90,
            tally_total(&kernels));
     if (!cover) failures++;
