@@ -252,7 +252,9 @@ def set_num_threads(n):
     n = int(n)
     if n < 0:
         raise ValueError("set_num_threads: n must be >= 0, got %d" % n)
-    _num_threads = n
+    # The C call takes an int: larger counts would wrap (2**32 + 3 became 3); the library caps any count at what the
+    # machine can run anyway.
+    _num_threads = min(n, 2**31 - 1)
 
 
 def get_num_threads():

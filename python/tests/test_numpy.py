@@ -192,6 +192,20 @@ def test_threads_do_not_change_results(rng):
     np.testing.assert_allclose(one, base, rtol=1e-6, atol=1e-6)
 
 
+def test_huge_thread_counts_are_capped_not_wrapped(rng):
+    """2**32 + 3 threads once reached the C int as 3, and 40000 made OpenMP end the process: both now run, capped."""
+    q, k, v, _ = make_inputs(rng, (1, 40, 2, 16), (1, 40, 2, 16), np.float32)
+    base, _ = flashc.attention(q, k, v)
+    try:
+        for n in (40000, 2**32 + 3, 2**40):
+            flashc.set_num_threads(n)
+            assert flashc.get_num_threads() == 2**31 - 1 or flashc.get_num_threads() == n < 2**31
+            out, _ = flashc.attention(q, k, v)
+            np.testing.assert_allclose(out, base, rtol=1e-6, atol=1e-6)
+    finally:
+        flashc.set_num_threads(0)
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------------
 def _qkv(h=4, hkv=4, d=32, dtype=np.float32, n=8):
     rng = np.random.default_rng(0)
