@@ -114,7 +114,7 @@ static int run_grid(const launch *l) {
 static int64_t g_launches;
 static int g_gpu_numerics;
 
-/* What the CUDA backward refuses before it picks a path (bwd_sm80.cu), then the baseline's own limits. */
+/* What the CUDA backward refuses before it picks a path (bwd.cu), then the baseline's own limits. */
 static const char *emu_bwd_unsupported(const flashc_problem *p) {
     if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
     if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";

@@ -8,7 +8,8 @@
  *   - NaN and overflow semantics, the same on every CPU kernel set (the test runs itself once per set this CPU
  *     has, with FLASHC_CPU_KERNELS, and checks which kernels ran);
  *   - non-finite ALiBi slopes;
- *   - outputs overlapping themselves, the small input arrays (cu_seqlens, slopes, block mask) or the workspace.
+ *   - outputs overlapping themselves, the small input arrays (cu_seqlens, slopes, block mask) or the workspace;
+ *   - inputs read through negative strides (the microkernels' address arithmetic).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu/cpu.h"
@@ -401,6 +402,43 @@ static void test_aliasing(flashc_context_t ctx) {
     prob_free(&p);
 }
 
+/* ---- negative strides ------------------------------------------------------------------------------------------ */
+
+/* Inputs read in place through negative row strides: the microkernels formed A and B addresses with unsigned
+ * products (size_t)i * stride, pointer overflow that clang's UBSan reported under libFuzzer (the results were
+ * right only because the wrap-around cancels). Same numbers as the positive-stride run, to rounding. */
+static void test_negative_strides(flashc_context_t ctx, const char *kernels) {
+    prob p;
+    prob_init(&p, 1, 70, 90, 2, 1, 32);
+    const size_t nk = (size_t)(p.Nk * p.Hkv * p.D), rowk = (size_t)(p.Hkv * p.D);
+    float *kr = malloc(nk * 4), *vr = malloc(nk * 4);
+    for (int64_t j = 0; j < p.Nk; j++) { /* rows stored last to first */
+        memcpy(kr + (size_t)(p.Nk - 1 - j) * rowk, p.k + (size_t)j * rowk, rowk * 4);
+        memcpy(vr + (size_t)(p.Nk - 1 - j) * rowk, p.v + (size_t)j * rowk, rowk * 4);
+    }
+    flashc_params prm = flashc_params_default();
+    CHECK(fwd(ctx, &p, &prm) == FLASHC_STATUS_OK && bwd(ctx, &p, &prm) == FLASHC_STATUS_OK, "[%s] baseline: %s",
+          kernels, flashc_context_last_error(ctx));
+    const size_t no = (size_t)(p.Nq * p.H * p.D);
+    float *ref_o = malloc(no * 4), *ref_dk = malloc(nk * 4);
+    memcpy(ref_o, p.out, no * 4), memcpy(ref_dk, p.dk, nk * 4);
+    flashc_tensor tk = p.tk, tv = p.tv;
+    tk.data = kr + (size_t)(p.Nk - 1) * rowk, tv.data = vr + (size_t)(p.Nk - 1) * rowk;
+    tk.stride[1] = tv.stride[1] = -(int64_t)rowk;
+    CHECK(flashc_forward(ctx, &p.tq, &tk, &tv, &prm, &p.to, p.lse, NULL, 0) == FLASHC_STATUS_OK, "[%s] forward: %s",
+          kernels, flashc_context_last_error(ctx));
+    CHECK(flashc_backward(ctx, &p.tq, &tk, &tv, &p.to, &p.tdo, p.lse, &prm, &p.tdq, &p.tdk, &p.tdv, NULL, 0) ==
+              FLASHC_STATUS_OK,
+          "[%s] backward: %s", kernels, flashc_context_last_error(ctx));
+    double eo = 0, ro = 0, ek = 0, rk = 0;
+    for (size_t i = 0; i < no; i++) eo += (p.out[i] - ref_o[i]) * (double)(p.out[i] - ref_o[i]), ro += ref_o[i] * (double)ref_o[i];
+    for (size_t i = 0; i < nk; i++) ek += (p.dk[i] - ref_dk[i]) * (double)(p.dk[i] - ref_dk[i]), rk += ref_dk[i] * (double)ref_dk[i];
+    CHECK(sqrt(eo / ro) < 1e-5 && sqrt(ek / rk) < 1e-5, "[%s] negative key strides: out %.3g, dk %.3g relative",
+          kernels, sqrt(eo / ro), sqrt(ek / rk));
+    free(kr), free(vr), free(ref_o), free(ref_dk);
+    prob_free(&p);
+}
+
 /* ---- driver -------------------------------------------------------------------------------------------------- */
 
 static int run_all(const char *kernels) {
@@ -412,6 +450,7 @@ static int run_all(const char *kernels) {
     const char *ran = flashc_cpu_select_kernels()->name;
     CHECK(strncmp(ran, kernels, strlen(kernels)) == 0, "FLASHC_CPU_KERNELS=%s ran %s", kernels, ran);
     test_nan(ctx, ran);
+    test_negative_strides(ctx, ran);
     if (!strcmp(kernels, "generic")) { /* the front's checks: once is enough */
         test_workspace_overflow(ctx);
         test_huge_block_and_window(ctx);

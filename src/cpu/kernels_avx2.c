@@ -89,8 +89,8 @@ static void gemm_avx2(int m, int n, int k, const float *a, int64_t rs_a, int64_t
         float *cj = c + j0;
         int i0 = 0;
         for (; i0 + 6 <= m; i0 += 6)
-            ukr_6x16(6, nr, k, a + (size_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, accumulate);
-        const float *ai = a + (size_t)i0 * rs_a;
+            ukr_6x16(6, nr, k, a + (int64_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, accumulate);
+        const float *ai = a + (int64_t)i0 * rs_a;
         float *ci = cj + (size_t)i0 * ldc;
         switch (m - i0) {
         case 5: ukr_6x16(5, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;

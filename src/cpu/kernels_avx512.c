@@ -78,8 +78,8 @@ static void gemm_avx512(int m, int n, int k, const float *a, int64_t rs_a, int64
         float *cj = c + j0;
         int i0 = 0;
         for (; i0 + 12 <= m; i0 += 12)
-            ukr_12x32(12, nr, k, a + (size_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, accumulate);
-        const float *ai = a + (size_t)i0 * rs_a;
+            ukr_12x32(12, nr, k, a + (int64_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, accumulate);
+        const float *ai = a + (int64_t)i0 * rs_a;
         float *ci = cj + (size_t)i0 * ldc;
         switch (m - i0) {
         case 11: ukr_12x32(11, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, accumulate); break;

@@ -11,10 +11,10 @@ static void gemm_generic(int m, int n, int k, const float *a, int64_t rs_a, int6
     for (int i = 0; i < m; i++) {
         float *restrict ci = c + (size_t)i * ldc;
         if (!accumulate) memset(ci, 0, sizeof(float) * (size_t)n);
-        const float *ai = a + (size_t)i * rs_a;
+        const float *ai = a + (int64_t)i * rs_a;
         for (int p = 0; p < k; p++) {
-            const float aip = ai[(size_t)p * cs_a];
-            const float *restrict bp = b + (size_t)p * ldb;
+            const float aip = ai[(int64_t)p * cs_a];
+            const float *restrict bp = b + (int64_t)p * ldb;
             for (int j = 0; j < n; j++) ci[j] += aip * bp[j];
         }
     }

@@ -1,5 +1,5 @@
 /*
- * bwd.h - the CUDA backward as the host side (cuda.cu) sees it: bwd_sm80.cu picks the tensor-core kernels
+ * bwd.h - the CUDA backward as the host side (cuda.cu) sees it: bwd.cu picks the tensor-core kernels
  * (bwd_sm80.cuh) or the CUDA-core baseline (bwd_simt.cu). C++ (nvcc) only; not installed.
  *
  * Shapes follow flashc.h. The problem must be a validated backward problem (flashc_problem_build) whose

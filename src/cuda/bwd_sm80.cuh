@@ -3,14 +3,14 @@
  * sm_90a). Included once per head dim by the translation units that sources.cmake generates.
  *
  * Algorithm: FlashAttention-2 backward (Dao 2023, Algorithm 2). P is recomputed from q, k and the forward's lse,
- * never stored; D_i = rowsum(dO o O) comes from bwd_sm80.cu's preprocess kernel.
+ * never stored; D_i = rowsum(dO o O) comes from bwd.cu's preprocess kernel.
  *   fc_bwd_kv_kernel: one block per (key tile, kv head, sequence) keeps K_j, V_j in shared memory and dK_j, dV_j
  *     in registers while it walks the query tiles (of every query head of its GQA group) that the band and the
  *     block mask let see its keys. Its warps own key rows, so the products are taken transposed:
  *     S^T = K Q^T, dP^T = V dO^T, P^T = 2^(S^T - lse), dS^T = P^T o (dP^T - D), dV += P^T dO, dK += dS^T Q;
  *     the S^T / dP^T accumulators are, packed, exactly the A operand of the next product (as P is in the
  *     forward's O += P V), so neither P nor dS leaves registers for dK and dV. With a->dq_acc set, dS^T also goes
- *     to shared memory and the block adds dS K into the fp32 dQ sums with atomics (bwd_sm80.cu converts them).
+ *     to shared memory and the block adds dS K into the fp32 dQ sums with atomics (bwd.cu converts them).
  *   fc_bwd_q_kernel (deterministic mode): one block per (query tile, head, sequence) walks its visible key tiles
  *     and accumulates dQ += dS K in registers: S and dP are recomputed once more (7 tile products instead of 5)
  *     so that every dq element has one writer and a fixed order.
@@ -27,6 +27,7 @@
 
 #include "bwd_sm80.h"
 #include "fwd_sm80.cuh" /* the mma.sync / ldmatrix / cp.async helpers and fc_load_tile */
+#include "score.cuh"     /* fc_bwd_elem, fc_mask_vote, FC_LOG2E */
 
 /* cp.async.ca.shared.global, 4 bytes; zero-filled when src_bytes is 0. */
 static __device__ __forceinline__ void fc_cp_async4(uint32_t dst, const void *src, int src_bytes) {
@@ -47,23 +48,6 @@ static __device__ __forceinline__ void fc_red_add2(float *dst, float x, float y)
 template <int R, int NT>
 static __device__ __forceinline__ void fc_load_rowvec(float *s, const float *g, int nrows, int tid) {
     for (int r = tid; r < R; r += NT) fc_cp_async4(fc_smem_addr(s + r), r < nrows ? g + r : g, r < nrows ? 4 : 0);
-}
-
-/* One element of P and dS from its score s and dP (in place): p = 2^(x - lse2) with x the forward's base-2
- * score, ds = p (dp - D_i) (times d softcap / dx). vis false: p = ds = 0. */
-static __device__ __forceinline__ void fc_bwd_elem(float &s, float &dp, float lse2, float dvec, float score_mul,
-                                                   float softcap2, float alibi, bool vis) {
-    float x, dcap = 1.f;
-    if (softcap2 != 0.f) {
-        const float th = fc_tanh(s * score_mul);
-        x = softcap2 * th;
-        dcap = 1.f - th * th;
-    } else {
-        x = s * score_mul;
-    }
-    const float p = vis ? fc_exp2(x - alibi - lse2) : 0.f;
-    s = p;
-    dp = p * (dp - dvec) * dcap;
 }
 
 /* s = A1 B1^T and dp = A2 B2^T over the head dim (KD k16 steps): A rows (MT m16 tiles, this warp's) and B rows

@@ -1,5 +1,5 @@
 /*
- * bwd_sm80.h - what the backward's host side (bwd_sm80.cu) and its tensor-core kernels (bwd_sm80.cuh) share:
+ * bwd_sm80.h - what the backward's host side (bwd.cu) and its tensor-core kernels (bwd_sm80.cuh) share:
  * the kernel arguments, the one table of tile sizes per head dim, and the per-head-dim entry points.
  * C++ (nvcc) only; not installed.
  */

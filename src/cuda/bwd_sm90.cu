@@ -1,7 +1,7 @@
 /*
  * bwd_sm90.cu - the attention backward's dK/dV kernel on Hopper (sm_90a): wgmma products, TMA loads completing
  * on mbarriers, a producer warpgroup and two consumer warpgroups. The preprocess kernel (D_i, cleared dQ sums),
- * the dQ conversion and the deterministic dQ kernel are the Ampere-class path's (bwd_sm80.cu); this kernel takes
+ * the dQ conversion and the deterministic dQ kernel are the Ampere-class path's (bwd.cu); this kernel takes
  * the place of its dK/dV kernel for the problems flashc_bwd_sm90_supports accepts.
  *
  * Algorithm: FlashAttention-2's backward (Dao 2023, Algorithm 2) per key tile, with the Hopper structure of
@@ -42,7 +42,7 @@
  * kernel (fc_bwd_elem), so that P is the forward's. Rows past the end of the queries (zero-filled by TMA) get
  * lse2 = +inf and D = 0, so P = dS = 0 there. Block masks and varlen stay on the mma.sync kernel.
  */
-#include "bwd_sm80.cuh" /* fc_bwd_store2; fwd_sm80.cuh's fc_exp2, fc_pack2 */
+#include "bwd_sm80.cuh" /* fc_bwd_store2; fc_bwd_elem, fc_exp2, fc_pack2 of score.cuh / common.cuh */
 #include "bwd_sm90.h"
 #include "sm90.cuh"
 

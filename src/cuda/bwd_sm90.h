@@ -1,6 +1,6 @@
 /*
  * bwd_sm90.h - the Hopper backward (bwd_sm90.cu: wgmma, TMA, mbarriers, warp specialization) as the backward's
- * host side (bwd_sm80.cu) sees it: its tile table, whether it runs on this GPU, whether it takes a problem, and
+ * host side (bwd.cu) sees it: its tile table, whether it runs on this GPU, whether it takes a problem, and
  * its launch. It computes dK and dV (and, given a->dq_acc, the fp32 dQ sums) from the same flashc_bwd_args as
  * the Ampere-class dK/dV kernel, after the same preprocess kernel (D_i, zeroed dQ sums) and before the same dQ
  * conversion or deterministic dQ kernel. C++ (nvcc) only; not installed.

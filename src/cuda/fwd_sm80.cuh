@@ -18,7 +18,7 @@
  * Masks: key tiles outside the causal / sliding-window band of the whole query tile are never visited; tiles
  * whose every block-mask byte is 0 are never loaded; tiles cut by a band edge, the end of the keys, or a
  * partly-zero block mask are masked element by element. Split-KV (flash-decoding) gives each split a range of
- * key tiles and writes fp32 partials that fc_fwd_combine (fwd_sm80.cu) merges.
+ * key tiles and writes fp32 partials that fc_fwd_combine (fwd_combine.cu) merges.
  *
  * Precision: fp32 accumulation everywhere; Q, K, V and P enter the tensor cores as f16 or bf16. fp32 inputs are
  * rounded to bf16 on load (bf16 keeps fp32's range, so no input overflows) and the output is written in fp32:
@@ -28,35 +28,14 @@
 #ifndef FLASHC_CUDA_FWD_SM80_CUH
 #define FLASHC_CUDA_FWD_SM80_CUH
 
+#include "common.cuh"
 #include "fwd_sm80.h"
+#include "score.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
-
-#define FC_LOG2E 1.4426950408889634f
-#define FC_LN2 0.6931471805599453f
-
-/* cudaFuncSetAttribute(Kernel, MaxDynamicSharedMemorySize, bytes) once per kernel and device: a call costs about
- * 2 us of host time, and before a launch at a small shape that is time the GPU waits (the backward asked it 15
- * times per call). Kernel is the kernel's address, so that every kernel keeps its own record. */
-template <auto Kernel>
-static cudaError_t fc_smem_optin(int bytes) {
-    static int done[64]; /* per device: the bytes already set, 0 before */
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    const bool known = dev >= 0 && dev < 64;
-    if (known && __atomic_load_n(&done[dev], __ATOMIC_ACQUIRE) == bytes) return cudaSuccess;
-    e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e == cudaSuccess && known) __atomic_store_n(&done[dev], bytes, __ATOMIC_RELEASE);
-    return e;
-}
-
-static __device__ __forceinline__ uint32_t fc_smem_addr(const void *p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
 
 /* cp.async.cg.shared.global, 16 bytes global -> shared (L1 bypassed); bytes past src_bytes are zero-filled. */
 static __device__ __forceinline__ void fc_cp_async16(uint32_t dst, const void *src, int src_bytes) {
@@ -104,37 +83,6 @@ static __device__ __forceinline__ void fc_mma(float c[4], const uint32_t a[4], u
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
-}
-
-/* ex2.approx.ftz.f32: 2^x with ~2 ulp relative error; 2^-inf = +0, which the masked scores rely on. */
-static __device__ __forceinline__ float fc_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/* tanh(x) = 1 - 2 / (e^2x + 1): absolute error ~1e-7 over the whole range (tends to +-1 at +-inf, no NaN),
- * which is what the softcapped score needs, at a fraction of tanhf's registers and instructions. */
-static __device__ __forceinline__ float fc_tanh(float x) {
-    return 1.f - __fdividef(2.f, fc_exp2(x * (2.f * FC_LOG2E)) + 1.f);
-}
-
-/* Two floats to a packed pair of the operand type, round to nearest even; lo goes to the low half (lower k). */
-template <int BF>
-static __device__ __forceinline__ uint32_t fc_pack2(float lo, float hi) {
-    uint32_t u;
-    if (BF) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-        u = *(const uint32_t *)&v;
-    } else {
-        __half2 v = __floats2half2_rn(lo, hi);
-        u = *(const uint32_t *)&v;
-    }
-    return u;
-}
-template <int BF>
-static __device__ __forceinline__ uint16_t fc_round16(float x) {
-    return BF ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
 
 /* acc (MT x 2 NC n8 tiles) += A B, where A is the MT m16 x K fragment set packed from the fp32 accumulators x
@@ -238,48 +186,6 @@ static __device__ __forceinline__ void fc_load_tile(uint16_t *s, const char *g, 
 }
 
 /*
- * Whether the block mask bmrow (rows of bm_nkb bytes, one per bm_q x bm_k block) lets any of rows [i0, i1] see
- * any of keys [j0, j1], and *partial: whether some of its bytes over that rectangle are 0 (then the tile is masked
- * element by element). Every thread of the block calls it (the votes are barriers); the answer is uniform.
- */
-template <int NT>
-static __device__ int fc_mask_vote(const uint8_t *bmrow, int bm_q, int bm_k, int bm_nkb, int i0, int i1, int j0,
-                                   int j1, int tid, int *partial) {
-    const int qb0 = i0 / bm_q, kb0 = j0 / bm_k;
-    const int nqb = i1 / bm_q - qb0 + 1, nkb = j1 / bm_k - kb0 + 1;
-    int on = 0, off = 0;
-    for (int e = tid; e < nqb * nkb; e += NT) {
-        const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * bm_nkb + kb0 + e % nkb];
-        on |= v != 0;
-        off |= v == 0;
-    }
-    on = __syncthreads_or(on);
-    *partial = __syncthreads_or(off);
-    return on;
-}
-
-/*
- * The next key tile >= cand (and < te) that the block-sparse mask does not rule out entirely, and whether the
- * mask cuts it (*partial: some mask block it overlaps is 0). Without a mask every tile is visited. The whole
- * block takes part (the votes are barriers), so the answer is uniform.
- */
-template <int BC, int NT>
-static __device__ int fc_next_tile(const flashc_fwd_args &a, const uint8_t *bmrow, int cand, int te, int m0,
-                                   int mlast, int nk, int tid, int *partial) {
-    *partial = 0;
-    if (!bmrow) return cand;
-    for (; cand < te; ++cand) {
-        int off;
-        const int n0 = cand * BC, nlast = min(n0 + BC, nk) - 1;
-        if (fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, m0, mlast, n0, nlast, tid, &off)) {
-            *partial = off;
-            return cand;
-        }
-    }
-    return te;
-}
-
-/*
  * Grid: one block per (query tile, split, head, sequence), flattened into x with the query tile fastest (the
  * blocks of one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows
  * start first). Block: nw warps; warp w owns query rows [w * 16 mt, (w + 1) * 16 mt) of the tile.
@@ -324,15 +230,9 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
     const int bb = a.varlen ? 0 : b;
     const int diag = nk - nq; /* query row i's diagonal key is i + diag (bottom-right alignment) */
 
-    /* Keys any row of this tile may see under the causal / window band; then this split's share of them. */
-    int lo = 0, hi = nk;
-    if (a.win_left >= 0) lo = max(lo, m0 + diag - a.win_left);
-    if (a.win_right >= 0) hi = min(hi, mlast + diag + a.win_right + 1);
-    int tb = 0, te = 0;
-    if (lo < hi) {
-        tb = lo / BC;
-        te = (hi + BC - 1) / BC;
-    }
+    /* Key tiles any row of this tile may see under the causal / window band; then this split's share of them. */
+    int tb, te;
+    fc_key_tiles(a, m0, mlast, diag, nk, BC, &tb, &te);
     if (a.nsplit > 1) {
         const int per = (te - tb + a.nsplit - 1) / a.nsplit;
         tb = min(tb + split * per, te);
@@ -342,18 +242,14 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
     const int esz = a.in_mode == FC_IN_F32 ? 4 : 2;
     const char *gq = (const char *)a.q + ((int64_t)bb * a.q_sb + (q0 + m0) * a.q_sn + (int64_t)h * a.q_sh) * esz;
     const int k0i = (int)k0; /* cu_seqlens are int32 */
-    const uint8_t *bmrow = NULL;
-    if (a.bm) {
-        const int mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
-        bmrow = a.bm + ((int64_t)mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
-    }
+    const uint8_t *bmrow = a.bm ? fc_bm_base(a, b, h) : NULL;
 
     /* K/V ring: slot s holds tile s_tile[s] (-1: none left); written by thread 0 when the load is issued and
      * read by everyone after the barrier that also publishes the data. */
     int cand = tb;
     auto issue_next = [&](int slot) {
         int part;
-        const int t = fc_next_tile<BC, NT>(a, bmrow, cand, te, m0, mlast, nk, tid, &part);
+        const int t = fc_next_key_tile<BC, NT>(a, bmrow, cand, te, m0, mlast, nk, tid, &part);
         if (tid == 0) {
             s_tile[slot] = t < te ? t : -1;
             s_part[slot] = part;
@@ -398,8 +294,8 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
         row_m[mt][0] = row_m[mt][1] = -INFINITY;
         row_l[mt][0] = row_l[mt][1] = 0.f;
     }
-    const bool score_plain = a.softcap2 == 0.f && !a.alibi && a.score_mul > 0.f;
-    const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+    const bool score_plain = fc_score_plain(a) && a.score_mul > 0.f;
+    const float slope2 = fc_alibi_slope2(a, b, h);
 
     for (int it = 0;; ++it) {
         fc_cp_async_wait<ST - 2>();
@@ -463,16 +359,9 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    const int i = m0 + wr0 + mt * 16 + g + hf * 8;
-                    int jlo = 0, jhi = nk - 1;
-                    if (a.win_left >= 0) jlo = max(jlo, i + diag - a.win_left);
-                    if (a.win_right >= 0) jhi = min(jhi, i + diag + a.win_right);
-                    const int clo = jlo - n0 - tig * 2, chi = jhi - n0 - tig * 2; /* in units of nt * 8 + e */
-#pragma unroll
-                    for (int nt = 0; nt < NKT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            if (nt * 8 + e < clo || nt * 8 + e > chi) s[mt][nt][2 * hf + e] = -INFINITY;
+                    int jlo, jhi;
+                    fc_row_keys(a, m0 + wr0 + mt * 16 + g + hf * 8, diag, nk, jlo, jhi);
+                    fc_mask_row<true>(s[mt], hf, jlo, jhi, n0, tig);
                 }
         } else if (!raw) {
 #pragma unroll
@@ -481,22 +370,21 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
                 for (int hf = 0; hf < 2; ++hf) {
                     /* Row i keeps keys jlo..jhi of the band; the block mask, when it cuts the tile, per key. */
                     const int i = m0 + wr0 + mt * 16 + g + hf * 8;
-                    int jlo = 0, jhi = nk - 1;
-                    if (a.win_left >= 0) jlo = max(jlo, i + diag - a.win_left);
-                    if (a.win_right >= 0) jhi = min(jhi, i + diag + a.win_right);
-                    const uint8_t *bmr = part && i < nq ? bmrow + (int64_t)(i / a.bm_q) * a.bm_nkb : NULL;
+                    int jlo, jhi;
+                    fc_row_keys(a, i, diag, nk, jlo, jhi);
+                    const uint8_t *bmr = part && i < nq ? fc_bm_row(a, bmrow, i) : NULL;
                     const int jd = i + diag - n0 - tig * 2; /* i + diag - j at nt = 0, e = 0 */
 #pragma unroll
                     for (int nt = 0; nt < NKT; ++nt)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int j = n0 + nt * 8 + tig * 2 + e;
-                            float x = s[mt][nt][2 * hf + e] * a.score_mul;
-                            if (a.softcap2 != 0.f) x = a.softcap2 * fc_tanh(x);
-                            if (a.alibi) x -= slope2 * fabsf((float)(jd - nt * 8 - e));
+                            float dcap;
+                            float x = fc_score(a, s[mt][nt][2 * hf + e], dcap);
+                            if (a.alibi) x -= fc_alibi(slope2, jd - nt * 8 - e);
                             if (need_mask) {
                                 bool vis = j >= jlo && j <= jhi;
-                                if (part) vis = vis && bmr && bmr[j / a.bm_k] != 0;
+                                if (part) vis = vis && bmr && fc_bm_keeps(a, bmr, j);
                                 if (!vis) x = -INFINITY;
                             }
                             s[mt][nt][2 * hf + e] = x;
@@ -504,31 +392,13 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
                 }
         }
 
-        /* Online softmax; the four lanes of a quad share a row. A row that has seen no key yet keeps
-         * m = -inf, and exponents are then taken against 0 so that no inf - inf appears. */
+        /* Online softmax (fc_softmax_row); the four lanes of a quad share a row. */
         float alpha[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < NKT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hf], s[mt][nt][2 * hf + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                mx = fmaxf(row_m[mt][hf], mx * smul);
-                const float mu = mx == -INFINITY ? 0.f : mx;
-                alpha[mt][hf] = fc_exp2(row_m[mt][hf] - mu);
-                row_m[mt][hf] = mx;
-                float rs = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NKT; ++nt) {
-                    s[mt][nt][2 * hf] = fc_exp2(fmaf(s[mt][nt][2 * hf], smul, -mu));
-                    s[mt][nt][2 * hf + 1] = fc_exp2(fmaf(s[mt][nt][2 * hf + 1], smul, -mu));
-                    rs += s[mt][nt][2 * hf] + s[mt][nt][2 * hf + 1];
-                }
-                row_l[mt][hf] = row_l[mt][hf] * alpha[mt][hf] + rs; /* quad-partial; summed at the end */
-            }
+            for (int hf = 0; hf < 2; ++hf)
+                alpha[mt][hf] = fc_softmax_row<true>(s[mt], hf, row_m[mt][hf], row_l[mt][hf], smul);
         /* Once the row maxima settle (most tiles of a long row), no row of the warp moves: skip the rescale. */
         bool moved = false;
 #pragma unroll

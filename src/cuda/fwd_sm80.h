@@ -142,7 +142,7 @@ FC_FWD_ENTRY(160);
 FC_FWD_ENTRY(192);
 FC_FWD_ENTRY(256);
 
-/* Split-KV combine (fwd_sm80.cu): merges a->nsplit partials into out and lse. */
+/* Split-KV combine (fwd_combine.cu): merges a->nsplit partials into out and lse. */
 cudaError_t flashc_fwd_sm80_combine(const flashc_fwd_args *a, cudaStream_t stream);
 
 #endif /* FLASHC_CUDA_FWD_SM80_H */

@@ -49,9 +49,10 @@
  * diagonal or by the end of the keys are masked per element to -inf before the softmax (TMA zero-fills rows
  * past the end of the keys and of the queries; rows past Nq are computed and not written).
  */
-#include "fwd_sm80.cuh"
+#include "common.cuh"
 #include "fwd_sm90.h"
-#include "sm90.cuh" /* mbarriers, TMA, setmaxnreg, wgmma */
+#include "score.cuh" /* the score / mask step and tile ranges every kernel shares */
+#include "sm90.cuh"  /* mbarriers, TMA, setmaxnreg, wgmma */
 
 #include <stdint.h>
 
@@ -130,57 +131,29 @@ static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D)
     fc90_wgmma_commit();
 }
 
-/* Keys past the end, or past row i's diagonal + win_right, to -inf; i0 is the thread's first row (the second is
- * i0 + 8), n0 the tile's first key. */
+/* Keys past the end, or past row i's diagonal + win_right, to -inf (fc_row_keys, fc_mask_row; the kernel takes no
+ * left window); i0 is the thread's first row (the second is i0 + 8), n0 the tile's first key. */
 template <int BC>
-static __device__ __forceinline__ void fc90_mask(float (&s)[BC / 2], int i0, int n0, int nk, int diag, int win_right,
-                                                 int tig) {
+static __device__ __forceinline__ void fc90_mask(const flashc_fwd_args &a, float (&s)[BC / 2], int i0, int n0, int nk,
+                                                 int diag, int tig) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        const int i = i0 + 8 * hf;
-        const int jhi = win_right >= 0 ? min(nk - 1, i + diag + win_right) : nk - 1;
-        const int lim = jhi - n0 - 2 * tig; /* the last kept column, counted as 8 j + e */
-#pragma unroll
-        for (int j = 0; j < BC / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (8 * j + e > lim) s[4 * j + 2 * hf + e] = -INFINITY;
+        int jlo, jhi;
+        fc_row_keys<false>(a, i0 + 8 * hf, diag, nk, jlo, jhi);
+        fc_mask_row<false>(s, hf, jlo, jhi, n0, tig);
     }
 }
 
 /*
- * Online softmax step in base 2 on raw scores s (the scale, times log2 e, folds into the exponent's FFMA:
- * max(c s) = c max(s) for c > 0): the row max m moves, the row sum l is rescaled by alpha = 2^(m_old - m_new),
- * and s becomes P = 2^(c s - m). O is left alone: it must be scaled by alpha before the next P V adds to it,
- * which the consumers do only once the P V product in flight has completed. The four lanes of a quad
- * share a row. A row that has seen no key keeps m = -inf and takes exponents against 0, so that no inf - inf
- * appears; l stays thread-partial until the end.
+ * Online softmax step (fc_softmax_row) on raw scores s, the scale folded into the exponent's FFMA (smul =
+ * score_mul): s becomes P, the row sums are rescaled by alpha. O is left alone: it must be scaled by alpha before
+ * the next P V adds to it, which the consumers do only once the P V product in flight has completed.
  */
 template <int BC>
 static __device__ __forceinline__ void fc90_online_p(float (&s)[BC / 2], float (&row_m)[2], float (&row_l)[2],
                                                      float (&alpha)[2], float smul) {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < BC / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_m[hf], mx * smul);
-        const float mu = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hf] = fc_exp2(row_m[hf] - mu);
-        row_m[hf] = m_new;
-        float rs = 0.f;
-#pragma unroll
-        for (int j = 0; j < BC / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float &x = s[4 * j + 2 * hf + e];
-                x = fc_exp2(fmaf(x, smul, -mu));
-                rs += x;
-            }
-        row_l[hf] = row_l[hf] * alpha[hf] + rs;
-    }
+    for (int hf = 0; hf < 2; ++hf) alpha[hf] = fc_softmax_row<false>(s, hf, row_m[hf], row_l[hf], smul);
 }
 
 /* o *= alpha, row by row (alpha[0] for the thread's first row, alpha[1] for the row 8 below). */
@@ -219,12 +192,12 @@ static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_s
 }
 
 /* Keys past the end, or past the band edge, to -inf when either cuts the tile of keys from n0 for this warpgroup
- * (first_diag: the band's last key for the warpgroup's first row). */
+ * (first_diag: the band's last key for the warpgroup's first row). The per-tile test stays written out here
+ * (through a shared per-tile function the generated code changed). */
 template <int BC>
-static __device__ __forceinline__ void fc90_mask_tile(float (&s)[BC / 2], int i0, int n0, int nk, int diag,
-                                                      int win_right, int first_diag, int tig) {
-    if (n0 + BC > nk || (win_right >= 0 && n0 + BC - 1 > first_diag))
-        fc90_mask<BC>(s, i0, n0, nk, diag, win_right, tig);
+static __device__ __forceinline__ void fc90_mask_tile(const flashc_fwd_args &a, float (&s)[BC / 2], int i0, int n0,
+                                                      int nk, int diag, int win_right, int first_diag, int tig) {
+    if (n0 + BC > nk || (win_right >= 0 && n0 + BC - 1 > first_diag)) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
 }
 
 /* The ping-pong's turn (FA3 section 3.1), a round robin over the NC consumers: consumer cw waits for its turn
@@ -257,7 +230,8 @@ static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk,
     b = (int)(hb / H);
 }
 
-/* Key tiles any row of query tile mblk sees: all, or up to the last row's diagonal + win_right. */
+/* Key tiles any row of query tile mblk sees: all, or up to the last row's diagonal + win_right. Written out
+ * (score.h's fc_key_tiles<false> is the same range, but through it the generated code changes). */
 template <int BR, int BC>
 static __device__ __forceinline__ int fc90_key_tiles(const flashc_fwd_args &a, int mblk) {
     const int mlast = min(mblk * BR + BR, a.Nq) - 1;
@@ -425,7 +399,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
             fc90_pin(s);
             fc90_bar_arrive(bar_kempty + 8 * k0);
             if (PERSIST && ntiles == 1) fc90_bar_arrive(bar_qempty);
-            fc90_mask_tile<BC>(s, m0 + row0, 0, nk, diag, a.win_right, first_diag, tig);
+            fc90_mask_tile<BC>(a, s, m0 + row0, 0, nk, diag, a.win_right, first_diag, tig);
             fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
             fc90_pack_p<BC, BF>(pa, s);
 
@@ -446,7 +420,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
                 fc90_pin(s);
                 fc90_bar_arrive(bar_kempty + 8 * ks);
                 if (PERSIST && it == ntiles - 1) fc90_bar_arrive(bar_qempty);
-                fc90_mask_tile<BC>(s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
+                fc90_mask_tile<BC>(a, s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
                 fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
                 fc90_block_end(s, row_l[0]);
                 fc90_wgmma_wait<0>();
@@ -604,7 +578,7 @@ int flashc_fwd_sm90_available(int device) {
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->varlen || a->nsplit != 1) return 0;
-    if (a->softcap2 != 0.f || a->alibi || a->bm) return 0;
+    if (!fc_score_plain(*a) || a->bm) return 0;
     if (!(a->score_mul > 0.f)) return 0; /* the scale folds into the exponent, which needs it positive */
     if (a->win_left >= 0 || a->win_right > 0) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;

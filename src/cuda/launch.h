@@ -1,11 +1,12 @@
 /*
- * launch.h - what the forward's (cuda.cu) and the backward's (bwd_sm80.cu) host sides both derive from a validated
+ * launch.h - what the forward's (cuda.cu) and the backward's (bwd.cu) host sides both derive from a validated
  * problem when they fill their kernel arguments. Host C++ only; not installed.
  */
 #ifndef FLASHC_CUDA_LAUNCH_H
 #define FLASHC_CUDA_LAUNCH_H
 
 #include "../internal.h"
+#include "score.h" /* FC_LOG2E */
 
 #include <stdint.h>
 
@@ -26,12 +27,11 @@ static inline int fc_clamp_window(int64_t w, int64_t limit) { return w < 0 ? -1 
  * into score_mul), the band, ALiBi and the block mask with its block sizes clamped to the lengths. */
 template <typename Args>
 static inline void fc_set_scores_and_masks(const flashc_problem *p, Args *a) {
-    const float log2e = 1.4426950408889634f;
     if (p->softcap > 0) {
         a->score_mul = p->scale / p->softcap;
-        a->softcap2 = p->softcap * log2e;
+        a->softcap2 = p->softcap * FC_LOG2E;
     } else {
-        a->score_mul = p->scale * log2e;
+        a->score_mul = p->scale * FC_LOG2E;
         a->softcap2 = 0.f;
     }
     a->win_left = fc_clamp_window(p->win_left, p->Nq + p->Nk);

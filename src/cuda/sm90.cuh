@@ -8,7 +8,7 @@
 #ifndef FLASHC_CUDA_SM90_CUH
 #define FLASHC_CUDA_SM90_CUH
 
-#include "fwd_sm80.cuh" /* fc_pack2 */
+#include "common.cuh" /* fc_pack2 */
 
 #include <cuda.h>         /* CUtensorMap and its enums: types only, the driver function is looked up at run time */
 #include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */

@@ -25,8 +25,8 @@ if(FLASHC_CUDA_TILES_FILE)
   list(APPEND FLASHC_CUDA_OPTIONS "-DFLASHC_CUDA_TILES_FILE=\"${FLASHC_CUDA_TILES_FILE}\"")
 endif()
 
-set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm80.cu
-    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm80.cu)
+set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_combine.cu
+    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd.cu)
 list(APPEND FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm90.cu  # Hopper forward: d 64, 96, 128, 192, 256
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu) # Hopper backward (dK, dV, dQ by TMA reductions): d 64, 128, 256
 set(FLASHC_CUDA_DEFS "")
@@ -45,6 +45,6 @@ foreach(d ${FLASHC_CUDA_HEAD_DIMS})
   list(APPEND FLASHC_CUDA_DEFS FLASHC_FWD_D${d})
 endforeach()
 
-set_source_files_properties(${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm80.cu
+set_source_files_properties(${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd.cu
     PROPERTIES COMPILE_DEFINITIONS "${FLASHC_CUDA_DEFS}")
 set_source_files_properties(${FLASHC_CUDA_SOURCES} PROPERTIES COMPILE_OPTIONS "${FLASHC_CUDA_OPTIONS}")

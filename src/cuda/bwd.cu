@@ -1,5 +1,5 @@
 /*
- * bwd_sm80.cu - the CUDA backward's host side: which path runs a problem (the tensor-core kernels of
+ * bwd.cu - the CUDA backward's host side: which path runs a problem (the tensor-core kernels of
  * bwd_sm80.cuh, or the CUDA-core baseline of bwd_simt.cu for what they do not take), the workspace, and the
  * small kernels around the main ones: D_i = rowsum(dO o O) (which also clears the fp32 dQ sums) before, and the
  * conversion of those sums into dq after.

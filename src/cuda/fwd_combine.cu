@@ -1,5 +1,5 @@
 /*
- * fwd_sm80.cu - the split-KV combine of the forward (flash-decoding). When B * H * query tiles cannot fill the
+ * fwd_combine.cu - the split-KV combine of the forward (flash-decoding). When B * H * query tiles cannot fill the
  * GPU, each (query tile, head, sequence) is split into nsplit ranges of key tiles; every split writes its
  * normalized partial O_s and lse_s (fp32, workspace), and this kernel merges them exactly:
  *   lse = ln sum_s exp(lse_s),  O = sum_s exp(lse_s - lse) O_s.

@@ -1,0 +1,219 @@
+/*
+ * score.cuh - the score and mask step that every tensor-core kernel calls (fwd_sm80.cuh, bwd_sm80.cuh,
+ * fwd_sm90.cu, bwd_sm90.cu), so that a mask or a score modifier is written once: the score of an element in base 2
+ * (scale, softcap, ALiBi), which keys a row keeps (the causal / sliding-window band, the end of the sequence, the
+ * block mask), the online-softmax row update of the forward, and which key tiles a query tile visits under the
+ * block mask (the band's tile ranges are score.h's). The host side of the same step, filling score_mul, softcap2,
+ * the window and the block mask fields, is fc_set_scores_and_masks in launch.h. C++ (nvcc) only.
+ *
+ * Accumulator layout: mma.sync m16n8 and wgmma m64nN give a thread the same fragment of each 8-column block:
+ * rows g and g + 8 (hf = 0, 1) of its m16 slice, columns 2 tig and 2 tig + 1 (e = 0, 1), where g = lane / 4 and
+ * tig = lane % 4. A fragment of nt n8 blocks is float[nt][4] (mma.sync) or float[4 nt] (wgmma); element e of
+ * row hf of block j is fc_frag(x, j, 2 hf + e) in both.
+ *
+ * Args is flashc_fwd_args or flashc_bwd_args, which name the score and mask fields alike (launch.h fills both).
+ * Who calls what, so far: the mma.sync forward all of it; the wgmma forward fc_row_keys, fc_mask_row,
+ * fc_softmax_row and (host) fc_score_plain; the mma.sync backward fc_bwd_elem and fc_mask_vote, and the wgmma
+ * backward fc_bwd_elem. The backward kernels still spell out their tile ranges, per-tile cut tests, band tests
+ * and block-mask offsets: written through these functions, their generated code changed (registers, and a
+ * spill in the wgmma backward at d 64), so they stay as tuned until that is resolved; a new mask must be added
+ * there by hand as well. A score modifier goes into fc_score and fc_bwd_elem, and into fc_score_plain if it
+ * leaves the raw fast paths (the wgmma forward then falls back to the mma.sync one).
+ */
+#ifndef FLASHC_CUDA_SCORE_CUH
+#define FLASHC_CUDA_SCORE_CUH
+
+#include "common.cuh" /* fc_exp2, fc_tanh */
+#include "score.h"
+
+#include <math.h>
+#include <stdint.h>
+
+/* ---- fragments --------------------------------------------------------------------------------------------- */
+
+/* Element k (2 hf + e) of n8 block j of a thread's accumulator fragment, in either layout. */
+template <int N>
+static __device__ __forceinline__ float &fc_frag(float (&x)[N][4], int j, int k) {
+    return x[j][k];
+}
+template <int N>
+static __device__ __forceinline__ float &fc_frag(float (&x)[N], int j, int k) {
+    return x[4 * j + k];
+}
+/* n8 blocks of a fragment type: fc_frag_n<Frag>::value. */
+template <typename Frag>
+struct fc_frag_n;
+template <int N>
+struct fc_frag_n<float[N][4]> {
+    static constexpr int value = N;
+};
+template <int N>
+struct fc_frag_n<float[N]> {
+    static constexpr int value = N / 4;
+};
+
+/* ---- scores ------------------------------------------------------------------------------------------------ */
+
+/* Whether a problem's scores are the plain scaled dot products (no softcap, no ALiBi): the kernels' raw fast
+ * paths then fold score_mul into the exponent's FFMA and only mask. A score modifier that needs the element
+ * formula turns this off. Host and device (fwd_sm90.cu's supports() reads it). */
+template <typename Args>
+FC_HD bool fc_score_plain(const Args &a) {
+    return a.softcap2 == 0.f && !a.alibi;
+}
+
+/* The base-2 score of the raw product s (q k): s score_mul, or softcap2 tanh(s score_mul) under softcap, with
+ * *dcap the softcap's derivative d(c tanh(x / c)) / dx (1 without softcap) for the backward's dS. ALiBi is
+ * subtracted by the caller (fc_alibi), which knows the row's distances. */
+template <typename Args>
+static __device__ __forceinline__ float fc_score(const Args &a, float s, float &dcap) {
+    float x = s * a.score_mul;
+    dcap = 1.f;
+    if (a.softcap2 != 0.f) {
+        const float cap = a.softcap2; /* read before the tanh, as the kernels did */
+        const float th = fc_tanh(x);
+        x = cap * th;
+        dcap = 1.f - th * th;
+    }
+    return x;
+}
+
+/* ALiBi's slope of (sequence b, head h) in base 2 (0 without ALiBi), and its bias slope2 |i + diag - j| for the
+ * element at distance dist = i + diag - j from row i's diagonal. */
+template <typename Args>
+static __device__ __forceinline__ float fc_alibi_slope2(const Args &a, int b, int h) {
+    return a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+}
+static __device__ __forceinline__ float fc_alibi(float slope2, int dist) {
+    return slope2 * fabsf((float)dist);
+}
+
+/* The backward's element (in place): s (raw q k) becomes P = 2^(x - alibi - lse2), x the forward's base-2 score
+ * (as fc_score forms it), and dp becomes dS = P (dP - D_i) (times the softcap's derivative). vis false: P = dS
+ * = 0. It takes score_mul and softcap2 by value, read by the caller: the backward kernels' code as it was tuned
+ * (through fc_score the parameter loads move and the code changes). */
+static __device__ __forceinline__ void fc_bwd_elem(float &s, float &dp, float lse2, float dvec, float score_mul,
+                                                   float softcap2, float alibi, bool vis) {
+    float x, dcap = 1.f;
+    if (softcap2 != 0.f) {
+        const float th = fc_tanh(s * score_mul);
+        x = softcap2 * th;
+        dcap = 1.f - th * th;
+    } else {
+        x = s * score_mul;
+    }
+    const float p = vis ? fc_exp2(x - alibi - lse2) : 0.f;
+    s = p;
+    dp = p * (dp - dvec) * dcap;
+}
+
+/* ---- masks per element ------------------------------------------------------------------------------------- */
+
+/* Keys [jlo, jhi] that row i keeps among the sequence's nk: the band's, row i's diagonal key being i + diag
+ * (diag = nk - nq, bottom-right aligned), each side -1 for unbounded. Computed once per row. LEFT false: the
+ * kernel takes no left window. */
+template <bool LEFT = true, typename Args>
+static __device__ __forceinline__ void fc_row_keys(const Args &a, int i, int diag, int nk, int &jlo, int &jhi) {
+    jlo = 0, jhi = nk - 1;
+    if (LEFT && a.win_left >= 0) jlo = max(jlo, i + diag - a.win_left);
+    if (a.win_right >= 0) jhi = min(jhi, i + diag + a.win_right);
+}
+
+/* The raw fast paths' mask: row hf of fragment x (keys n0 + 8 j + 2 tig + e) outside [jlo, jhi] to -inf. LEFT
+ * false: the kernel takes no left edge (jlo is 0 and n0 >= 0), only the right end is tested. */
+template <bool LEFT, typename Frag>
+static __device__ __forceinline__ void fc_mask_row(Frag &x, int hf, int jlo, int jhi, int n0, int tig) {
+    const int clo = jlo - n0 - tig * 2, chi = jhi - n0 - tig * 2; /* in units of 8 j + e */
+#pragma unroll
+    for (int j = 0; j < fc_frag_n<Frag>::value; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            if ((LEFT && j * 8 + e < clo) || j * 8 + e > chi) fc_frag(x, j, 2 * hf + e) = -INFINITY;
+}
+
+/* ---- the forward's online softmax -------------------------------------------------------------------------- */
+
+/*
+ * One row (hf) of fragment x in base 2, FlashAttention-2's online softmax: the row max m moves (scores x smul:
+ * smul is score_mul on the raw path, where max(c s) = c max(s) for c > 0, else 1), x becomes P = 2^(x smul - m),
+ * the row sum l is rescaled by the returned alpha = 2^(m_old - m_new) and gains P's sum. The four lanes of a quad
+ * share a row; l stays thread-partial until the end. A row that has seen no key keeps m = -inf and takes
+ * exponents against 0, so that no inf - inf appears. PAIRS: P's sum taken in pairs of a block (mma.sync kernel)
+ * or element by element (wgmma kernel) - the two orders each kernel was measured and tested with.
+ */
+template <bool PAIRS, typename Frag>
+static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &row_m, float &row_l, float smul) {
+    constexpr int NB = fc_frag_n<Frag>::value;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) mx = fmaxf(mx, fmaxf(fc_frag(x, j, 2 * hf), fc_frag(x, j, 2 * hf + 1)));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_m, mx * smul);
+    const float mu = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = fc_exp2(row_m - mu);
+    row_m = m_new;
+    float rs = 0.f;
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+        float &x0 = fc_frag(x, j, 2 * hf), &x1 = fc_frag(x, j, 2 * hf + 1);
+        if (PAIRS) {
+            x0 = fc_exp2(fmaf(x0, smul, -mu));
+            x1 = fc_exp2(fmaf(x1, smul, -mu));
+            rs += x0 + x1;
+        } else {
+            x0 = fc_exp2(fmaf(x0, smul, -mu));
+            rs += x0;
+            x1 = fc_exp2(fmaf(x1, smul, -mu));
+            rs += x1;
+        }
+    }
+    row_l = row_l * alpha + rs;
+    return alpha;
+}
+
+/* ---- tiles under the block mask ---------------------------------------------------------------------------- */
+
+/*
+ * Whether the block mask bmrow (fc_bm_base) lets any of rows [i0, i1] see any of keys [j0, j1], and *partial:
+ * whether some of its bytes over that rectangle are 0 (then the tile is masked element by element). Every thread
+ * of the block calls it (the votes are barriers); the answer is uniform.
+ */
+template <int NT>
+static __device__ int fc_mask_vote(const uint8_t *bmrow, int bm_q, int bm_k, int bm_nkb, int i0, int i1, int j0,
+                                   int j1, int tid, int *partial) {
+    const int qb0 = i0 / bm_q, kb0 = j0 / bm_k;
+    const int nqb = i1 / bm_q - qb0 + 1, nkb = j1 / bm_k - kb0 + 1;
+    int on = 0, off = 0;
+    for (int e = tid; e < nqb * nkb; e += NT) {
+        const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * bm_nkb + kb0 + e % nkb];
+        on |= v != 0;
+        off |= v == 0;
+    }
+    on = __syncthreads_or(on);
+    *partial = __syncthreads_or(off);
+    return on;
+}
+
+/*
+ * The next key tile >= cand (and < te) of bc keys that the block mask bmrow does not rule out entirely for rows
+ * [i0, i1], and whether the mask cuts it (*partial). Without a mask (bmrow NULL) every tile of the band's range
+ * (fc_key_tiles) is visited. The whole block takes part (the votes are barriers), so the answer is uniform.
+ */
+template <int BC, int NT, typename Args>
+static __device__ int fc_next_key_tile(const Args &a, const uint8_t *bmrow, int cand, int te, int i0, int i1, int nk,
+                                       int tid, int *partial) {
+    *partial = 0;
+    if (!bmrow) return cand;
+    for (; cand < te; ++cand) {
+        int off;
+        const int n0 = cand * BC, nlast = min(n0 + BC, nk) - 1;
+        if (fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, i0, i1, n0, nlast, tid, &off)) {
+            *partial = off;
+            return cand;
+        }
+    }
+    return te;
+}
+
+#endif /* FLASHC_CUDA_SCORE_CUH */
