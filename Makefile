@@ -25,10 +25,13 @@ test-gpu: build
 	cd $(BUILD) && ctest --output-on-failure -L gpu
 
 # The CPU test suite under AddressSanitizer and UBSan, then the seeded API and .npy fuzz drivers
-# (tests/fuzz_api.c, tests/fuzz_npy.c) for FUZZ_SECONDS each on seed FUZZ_SEED (ctest ran them on seed 1 for 10 s);
-# a driver not built yet is skipped. A failure prints the seed: `make asan FUZZ_SEED=<it>` reproduces the run.
+# (tests/fuzz_api.c, tests/fuzz_npy.c) on seed FUZZ_SEED for a fixed number of cases per kernel set (FUZZ_API_RUNS,
+# FUZZ_NPY_RUNS: the same cases on any machine; about a minute each here), FUZZ_SECONDS at most (ctest ran seed 1);
+# a driver not built yet is skipped. A failure prints the seed and case: `make asan FUZZ_SEED=<it>` reruns it.
 FUZZ_SEED ?= 2
-FUZZ_SECONDS ?= 60
+FUZZ_API_RUNS ?= 2500
+FUZZ_NPY_RUNS ?= 150000
+FUZZ_SECONDS ?= 600
 ASAN_ENV = ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 asan:
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DFLASHC_SANITIZE=ON -DFLASHC_CUDA=off
@@ -37,8 +40,9 @@ asan:
 	@failed=; for fz in fuzz_api fuzz_npy; do \
 	  exe=$(BUILD)-asan/tests/$$fz; \
 	  if test -x $$exe; then \
-	    echo "== asan: $$exe --seed $(FUZZ_SEED) --seconds $(FUZZ_SECONDS)"; \
-	    $(ASAN_ENV) $$exe --seed $(FUZZ_SEED) --seconds $(FUZZ_SECONDS) || failed="$$failed $$fz"; \
+	    runs=$$(test $$fz = fuzz_api && echo $(FUZZ_API_RUNS) || echo $(FUZZ_NPY_RUNS)); \
+	    echo "== asan: $$exe --seed $(FUZZ_SEED) --runs $$runs --seconds $(FUZZ_SECONDS)"; \
+	    $(ASAN_ENV) $$exe --seed $(FUZZ_SEED) --runs $$runs --seconds $(FUZZ_SECONDS) || failed="$$failed $$fz"; \
 	  else echo "asan: $$exe not built (tests/$$fz.c missing), skipped"; fi; \
 	done; \
 	if test -n "$$failed"; then echo "asan: failed:$$failed (seed $(FUZZ_SEED))"; exit 1; fi
