@@ -202,12 +202,7 @@ static void f_float(reader *r, float *v, float def) {
 /* Contents: pool bytes while there are any, then a PRNG. */
 static uint64_t g_rng;
 static reader g_pool;
-static uint64_t rng(void) {
-    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+static uint64_t rng(void) { return flashc_rand_u64(&g_rng); }
 static uint8_t pool_u8(void) { return g_pool.i < g_pool.n ? g_pool.p[g_pool.i++] : (uint8_t)rng(); }
 static uint32_t pool_u32(void) {
     uint32_t v = 0;

@@ -56,6 +56,8 @@ static void *fz_realloc(void *p, size_t n) {
 #  define FZ_PIECE ((size_t)0)
 #endif
 
+#include "ref/testkit.h" /* flashc_rand_u64 */
+
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -85,12 +87,7 @@ static void fail(const char *what, const char *detail) {
 }
 
 static uint64_t gstate;
-static uint64_t G(void) {
-    uint64_t z = (gstate += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+static uint64_t G(void) { return flashc_rand_u64(&gstate); }
 static size_t below(size_t n) { return n <= 1 ? 0 : (size_t)(G() % n); }
 static int chance(int pct) { return (int)below(100) < pct; }
 
