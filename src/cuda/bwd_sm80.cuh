@@ -162,9 +162,8 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
     const int group = a.H / a.Hkv;
 
     /* Query tiles whose rows can see these keys under the band. */
-    int ilo = 0, ihi = nq - 1;
-    if (a.win_right >= 0) ilo = max(ilo, j0 - diag - a.win_right);
-    if (a.win_left >= 0) ihi = min(ihi, jlast - diag + a.win_left);
+    int ilo, ihi;
+    fc_query_rows(a, j0, jlast, diag, nq, &ilo, &ihi);
     const int qtb = ilo / BQ, nqt = ilo <= ihi ? ihi / BQ - qtb + 1 : 0;
     const int items = nqt * group; /* (head of the group, query tile), the tile fastest */
 
@@ -183,10 +182,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
         for (; c < items; ++c) {
             if (!a.bm) break;
             const int h = hk * group + c / nqt, i0 = (qtb + c % nqt) * BQ;
-            const int mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
-            const uint8_t *bmrow = a.bm + ((int64_t)mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
-            if (fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, i0, min(i0 + BQ, nq) - 1, j0, jlast, tid, &part))
-                break;
+            if (fc_mask_vote<NT>(a, fc_bm_base(a, b, h), i0, min(i0 + BQ, nq) - 1, j0, jlast, tid, &part)) break;
         }
         if (tid == 0) {
             s_item[slot] = c < items ? c : -1;
@@ -239,17 +235,11 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
         fc_bwd_scores<BF, MT, KQ, KD>(s, dp, sKa, sVa, sQb + slot * BQ * ROWB, sGb + slot * BQ * ROWB, ROWB);
 
         /* P^T and dS^T: rows are keys j, columns queries i. */
-        const bool need_mask = part || i0 + BQ > nq || j0 + BK > nk ||
-                               (a.win_left >= 0 && j0 < i0 + BQ - 1 + diag - a.win_left) ||
-                               (a.win_right >= 0 && j0 + BK - 1 > i0 + diag + a.win_right);
-        const uint8_t *bmrow = NULL;
-        if (part) {
-            const int mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
-            bmrow = a.bm + ((int64_t)mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
-        }
-        const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+        const bool need_mask = part || i0 + BQ > nq || fc_band_cuts(a, i0, i0 + BQ - 1, j0, j0 + BK - 1, diag, nk);
+        const uint8_t *bmrow = part ? fc_bm_base(a, b, h) : NULL;
+        const float slope2 = fc_alibi_slope2(a, b, h);
         const float *lrow = sL + slot * BQ, *drow = sDv + slot * BQ;
-        if (!need_mask && a.softcap2 == 0.f && !a.alibi) {
+        if (!need_mask && fc_score_plain(a)) {
             /* Inside the band, no softcap or ALiBi: P = 2^(s c - lse2) by one FFMA and the exponent. */
 #pragma unroll
             for (int nt = 0; nt < BQ / 8; ++nt) {
@@ -279,13 +269,12 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
                             const int j = j0 + wk0 + mt * 16 + g + hf * 8;
                             bool vis = true;
                             if (need_mask) {
-                                vis = i < nq && j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) &&
-                                      (a.win_right < 0 || j <= i + diag + a.win_right);
-                                if (part && vis) vis = bmrow[(int64_t)(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
+                                vis = i < nq && fc_keeps(a, i, j, diag, nk);
+                                if (part && vis) vis = fc_bm_keeps(a, fc_bm_row(a, bmrow, i), j);
                             }
-                            const float al = a.alibi ? slope2 * fabsf((float)(i + diag - j)) : 0.f;
-                            fc_bwd_elem(s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2, dvec, a.score_mul,
-                                        a.softcap2, al, vis);
+                            const float al = a.alibi ? fc_alibi(slope2, i + diag - j) : 0.f;
+                            fc_bwd_elem<fc_fast_math>(a, s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2, dvec,
+                                                      al, vis);
                         }
                 }
         }
@@ -410,19 +399,9 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
     const int ilast = min(i0 + BR, nq) - 1;
     const int hk = h / (a.H / a.Hkv);
 
-    int lo = 0, hi = nk;
-    if (a.win_left >= 0) lo = max(lo, i0 + diag - a.win_left);
-    if (a.win_right >= 0) hi = min(hi, ilast + diag + a.win_right + 1);
-    int tb = 0, te = 0;
-    if (lo < hi) {
-        tb = lo / BC;
-        te = (hi + BC - 1) / BC;
-    }
-    const uint8_t *bmrow = NULL;
-    if (a.bm) {
-        const int mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
-        bmrow = a.bm + ((int64_t)mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
-    }
+    int tb, te;
+    fc_key_tiles(a, i0, ilast, diag, nk, BC, &tb, &te);
+    const uint8_t *bmrow = a.bm ? fc_bm_base(a, b, h) : NULL;
 
     const int esz = a.in_mode == FC_IN_F32 ? 4 : 2;
     {
@@ -436,8 +415,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
     auto issue_next = [&](int slot) {
         int part = 0, t = cand;
         for (; t < te; ++t)
-            if (!bmrow || fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, i0, ilast, t * BC, min(t * BC + BC, nk) - 1,
-                                           tid, &part))
+            if (!bmrow || fc_mask_vote<NT>(a, bmrow, i0, ilast, t * BC, min(t * BC + BC, nk) - 1, tid, &part))
                 break;
         if (tid == 0) {
             s_tile[slot] = t < te ? t : -1;
@@ -474,7 +452,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
             lse2[mt][hf] = i < nq ? a.lse[r0 + i] * FC_LOG2E : INFINITY;
             dvr[mt][hf] = i < nq ? a.dvec[r0 + i] : 0.f;
         }
-    const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+    const float slope2 = fc_alibi_slope2(a, b, h);
 
     float dq[MT][D / 8][4];
 #pragma unroll
@@ -497,9 +475,8 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
         float s[MT][BC / 8][4], dp[MT][BC / 8][4];
         fc_bwd_scores<BF, MT, KC, KD>(s, dp, sQa, sGa, sKb + slot * BC * ROWB, sVb + slot * BC * ROWB, ROWB);
 
-        const bool need_mask = part || j0 + BC > nk || (a.win_left >= 0 && j0 < ilast + diag - a.win_left) ||
-                               (a.win_right >= 0 && j0 + BC - 1 > i0 + diag + a.win_right);
-        if (!need_mask && a.softcap2 == 0.f && !a.alibi) {
+        const bool need_mask = part || fc_band_cuts(a, i0, ilast, j0, j0 + BC - 1, diag, nk);
+        if (!need_mask && fc_score_plain(a)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -523,13 +500,12 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
                             const int j = j0 + nt * 8 + tig * 2 + e;
                             bool vis = true;
                             if (need_mask) {
-                                vis = j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) &&
-                                      (a.win_right < 0 || j <= i + diag + a.win_right);
-                                if (part && vis && i < nq) vis = bmrow[(int64_t)(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
+                                vis = fc_keeps(a, i, j, diag, nk);
+                                if (part && vis && i < nq) vis = fc_bm_keeps(a, fc_bm_row(a, bmrow, i), j);
                             }
-                            const float al = a.alibi ? slope2 * fabsf((float)(i + diag - j)) : 0.f;
-                            fc_bwd_elem(s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2[mt][hf], dvr[mt][hf],
-                                        a.score_mul, a.softcap2, al, vis);
+                            const float al = a.alibi ? fc_alibi(slope2, i + diag - j) : 0.f;
+                            fc_bwd_elem<fc_fast_math>(a, s[mt][nt][2 * hf + e], dp[mt][nt][2 * hf + e], lse2[mt][hf],
+                                                      dvr[mt][hf], al, vis);
                         }
                 }
         }

@@ -7,6 +7,7 @@
 #define FLASHC_CUDA_BWD_SM80_H
 
 #include "flashc.h"
+#include "score.h" /* FC_SCORE_FIELDS */
 
 #include <cuda_runtime.h>
 #include <stddef.h>
@@ -27,13 +28,7 @@ typedef struct flashc_bwd_args {
     int varlen;
     const int32_t *cu_q, *cu_k;
     float scale;     /* the natural scale: dk = scale dS^T Q, dq = scale dS K */
-    float score_mul; /* scale * log2(e); with softcap: scale / softcap */
-    float softcap2;  /* softcap * log2(e); 0: off */
-    int win_left, win_right;
-    const float *alibi;
-    int64_t alibi_bs;
-    const uint8_t *bm;
-    int bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb;
+    FC_SCORE_FIELDS; /* score_mul, softcap2, the band, ALiBi, the block mask (score.h), as the forward's */
     int in_mode; /* FC_IN_* of fwd_sm80.h, for q, k, v and dout alike */
     int out_dtype; /* flashc_dtype of dq, dk, dv */
     int bf16;      /* tensor-core operand type */

@@ -255,8 +255,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     uint8_t *const sdq = gbase + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
     /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
     const int wg_last_key = n0 + krow + 63;
-    /* Softcap or ALiBi change every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
-    const bool generic = a.softcap2 != 0.f || a.alibi;
+    /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
+    const bool generic = !fc_score_plain(a);
 
     /* SPLIT with TMA dQ: the ring slot whose staged dQ thread 0 still has to see read before giving it back. */
     int staged_slot = -1;
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_wgmma_wait<0>();
             fc90_pin(s);
             fc90_pin(dp);
-            const float slope2 = a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+            const float slope2 = fc_alibi_slope2(a, b, h);
 #pragma unroll
             for (int j = 0; j < SN / 8; ++j)
 #pragma unroll
@@ -323,8 +323,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                         const int key = key0 + 8 * hf;
                         const bool vis = key < nk && (wr < 0 || key <= i + diag + wr) && (wl < 0 || key >= i + diag - wl);
                         const float al = a.alibi ? slope2 * fabsf((float)(i + diag - key)) : 0.f;
-                        fc_bwd_elem(s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, a.score_mul, a.softcap2, al,
-                                    vis);
+                        fc_bwd_elem<fc_fast_math>(a, s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, al, vis);
                     }
                 }
         }

@@ -347,9 +347,7 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
 
         /* Scores in base 2: scale (or softcap), ALiBi, masks. */
         const int n0 = t * BC;
-        const bool need_mask = part || n0 + BC > nk ||
-                               (a.win_left >= 0 && n0 < mlast + diag - a.win_left) ||
-                               (a.win_right >= 0 && n0 + BC - 1 > m0 + diag + a.win_right);
+        const bool need_mask = part || fc_band_cuts(a, m0, mlast, n0, n0 + BC - 1, diag, nk);
         /* Without softcap, ALiBi or a cutting block mask the raw scores stay: the scale folds into the exponent's
          * FFMA (max(c s) = c max(s), c > 0), and the band only needs each row's kept column range. */
         const bool raw = score_plain && !part;
@@ -380,7 +378,7 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
                         for (int e = 0; e < 2; ++e) {
                             const int j = n0 + nt * 8 + tig * 2 + e;
                             float dcap;
-                            float x = fc_score(a, s[mt][nt][2 * hf + e], dcap);
+                            float x = fc_score<fc_fast_math>(a, s[mt][nt][2 * hf + e], dcap);
                             if (a.alibi) x -= fc_alibi(slope2, jd - nt * 8 - e);
                             if (need_mask) {
                                 bool vis = j >= jlo && j <= jhi;

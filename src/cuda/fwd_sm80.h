@@ -6,6 +6,8 @@
 #ifndef FLASHC_CUDA_FWD_SM80_H
 #define FLASHC_CUDA_FWD_SM80_H
 
+#include "score.h" /* FC_SCORE_FIELDS */
+
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -29,13 +31,7 @@ typedef struct flashc_fwd_args {
     int64_t total_q;           /* rows of q: B * Nq, or the packed length with varlen */
     int varlen;
     const int32_t *cu_q, *cu_k;
-    float score_mul; /* scale * log2(e); with softcap: scale / softcap */
-    float softcap2;  /* softcap * log2(e); 0: off */
-    int win_left, win_right; /* -1: unbounded; causal is win_right = 0 */
-    const float *alibi;
-    int64_t alibi_bs;
-    const uint8_t *bm;
-    int bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb;
+    FC_SCORE_FIELDS; /* score_mul, softcap2, the band, ALiBi, the block mask (score.h) */
     int in_mode;  /* FC_IN_* */
     int out_f32;  /* output dtype is f32 */
     int out_vec;  /* 16-bit output with 16-byte aligned rows: staged, vectorized stores */

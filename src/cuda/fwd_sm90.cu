@@ -31,8 +31,8 @@
  * chunks, each R rows x 128 bytes (64 elements), the 16-byte pieces of row r XORed with r % 8. Every chunk
  * starts on a 1024-byte boundary, where the swizzle pattern repeats, so descriptors need no base offset.
  *
- * Barrier protocol (phases counted per ring slot; a fresh mbarrier is in phase 0, and waiting for the parity
- * of the phase before it returns at once):
+ * Barrier protocol (the rings of sm90.cuh's fc90_ring, which number the uses and keep the phase arithmetic:
+ * a fresh mbarrier is in phase 0, and waiting for the parity of the phase before it returns at once):
  *   q_full       1 arrival (the producer's expect_tx) + the Q bytes; consumers wait for parity 0 once.
  *   k_full[s]    1 arrival (expect_tx) + the K bytes of the tile in slot s. Tile it uses slot it % 2 in its
  *                (it / 2)-th round; consumers wait for parity (it / 2) & 1.
@@ -58,7 +58,7 @@
 
 /* Warpgroup 0 is the producer; 1 .. br / 64 are consumers (2, or 3 at d 64). */
 __host__ __device__ constexpr int fc90_consumers(fc90_tile t) { return t.br / 64; }
-__host__ __device__ constexpr int fc90_threads(fc90_tile t) { return 128 * (1 + fc90_consumers(t)); }
+__host__ __device__ constexpr int fc90_threads(fc90_tile t) { return FC90_WG_THREADS * (1 + fc90_consumers(t)); }
 #define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
 #define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
 
@@ -100,8 +100,8 @@ __host__ __device__ constexpr int fc90_consumer_regs(fc90_tile t) {
 __host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
     /* setmaxnreg.inc only gets what setmaxnreg.dec gave back of the block's launch allocation (65536 / threads,
      * rounded down to 8, per thread): asking for more waits forever. */
-    return 128 * ((65536 / fc90_threads(t)) / 8 * 8 - fc90_producer_regs(t)) >=
-               128 * fc90_consumers(t) * (fc90_consumer_regs(t) - (65536 / fc90_threads(t)) / 8 * 8) &&
+    return FC90_WG_THREADS * ((65536 / fc90_threads(t)) / 8 * 8 - fc90_producer_regs(t)) >=
+               FC90_WG_THREADS * fc90_consumers(t) * (fc90_consumer_regs(t) - (65536 / fc90_threads(t)) / 8 * 8) &&
            fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
 }
 __host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_o_aliased(t) ? 0 : fc90_end_v(t); }
@@ -125,7 +125,9 @@ static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D)
     constexpr fc90_tile TL = fc90_tile_for(D);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t qoff = (kk / 4) * TL.br * 128 + (kk % 4) * 32, koff = (kk / 4) * TL.bc * 128 + (kk % 4) * 32;
+        /* k16 step kk: chunk kk / 4, 32 bytes per step within its rows */
+        const uint32_t qoff = (kk / 4) * TL.br * FC90_SW_ROW + (kk % 4) * 32,
+                       koff = (kk / 4) * TL.bc * FC90_SW_ROW + (kk % 4) * 32;
         fc90_mma_ss<TL.bc, BF>(s, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
     }
     fc90_wgmma_commit();
@@ -174,7 +176,7 @@ static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
                                                      const uint32_t (&pa)[fc90_tile_for(D).bc / 16][4], uint64_t dv) {
 #pragma unroll
     for (int c = 0; c < fc90_tile_for(D).bc / 16; ++c)
-        fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * 128) >> 4));
+        fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * FC90_SW_ROW) >> 4)); /* 16 keys further */
     fc90_wgmma_commit();
 }
 
@@ -191,13 +193,12 @@ static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_s
     if (row_sum != row_sum) asm volatile("membar.cta;\n" ::: "memory");
 }
 
-/* Keys past the end, or past the band edge, to -inf when either cuts the tile of keys from n0 for this warpgroup
- * (first_diag: the band's last key for the warpgroup's first row). The per-tile test stays written out here
- * (through a shared per-tile function the generated code changed). */
+/* Keys past the end, or past the band edge, to -inf when either cuts this warpgroup's part of the tile of keys
+ * from n0 (rows [w0, w0 + 63]; i0 is the thread's first row). */
 template <int BC>
-static __device__ __forceinline__ void fc90_mask_tile(const flashc_fwd_args &a, float (&s)[BC / 2], int i0, int n0,
-                                                      int nk, int diag, int win_right, int first_diag, int tig) {
-    if (n0 + BC > nk || (win_right >= 0 && n0 + BC - 1 > first_diag)) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
+static __device__ __forceinline__ void fc90_mask_tile(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
+                                                      int n0, int nk, int diag, int tig) {
+    if (fc_band_cuts<false>(a, w0, w0 + 63, n0, n0 + BC - 1, diag, nk)) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
 }
 
 /* The ping-pong's turn (FA3 section 3.1), a round robin over the NC consumers: consumer cw waits for its turn
@@ -230,13 +231,239 @@ static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk,
     b = (int)(hb / H);
 }
 
-/* Key tiles any row of query tile mblk sees: all, or up to the last row's diagonal + win_right. Written out
- * (score.h's fc_key_tiles<false> is the same range, but through it the generated code changes). */
+/* Key tiles any row of query tile mblk sees under the band (fc_key_tiles; the kernel takes no left window, so
+ * they start at 0). */
 template <int BR, int BC>
 static __device__ __forceinline__ int fc90_key_tiles(const flashc_fwd_args &a, int mblk) {
     const int mlast = min(mblk * BR + BR, a.Nq) - 1;
-    const int hi = a.win_right >= 0 ? min(a.Nk, mlast + (a.Nk - a.Nq) + a.win_right + 1) : a.Nk;
-    return hi > 0 ? (hi + BC - 1) / BC : 0;
+    int tb, te;
+    fc_key_tiles<false>(a, mblk * BR, mlast, a.Nk - a.Nq, a.Nk, BC, &tb, &te);
+    return te;
+}
+
+/* The block's shared memory: the operand tiles (shared-memory addresses), the rings of Q (one slot per tile), K
+ * and V, the output staging and the slot where the producer posts the block's next tile. */
+template <int ST>
+struct fc90_fwd_smem {
+    uint32_t q, k, v;       /* Q tile, K and V rings of ST slots */
+    uint16_t *o;            /* output staging (generic address) */
+    fc90_ring<1> qr;        /* q_full / q_empty: one use per tile */
+    fc90_ring<ST> kr, vr;   /* K and V: one use per key tile, counted over the block's run */
+    volatile int *tile_slot;
+};
+
+/*
+ * Producer (one thread of warpgroup 0): takes the tiles and issues every load. Per tile Q once (q_full; a tile
+ * without keys arrives without bytes, since its rows still get O = 0 and lse = +inf), then the K and V tiles of
+ * its key range into the rings. PERSIST: the next tile comes from the counter while the current one loads, and
+ * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
+ * none is left. The last block to finish sets the counters back to zero for the next launch.
+ */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
+                                                         const CUtensorMap &tm_k, const CUtensorMap &tm_v,
+                                                         unsigned *ctr, int hg, const fc90_fwd_smem<fc90_tile_for(D).st> &sm) {
+    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr int BR = TL.br, BC = TL.bc, NCH = D / FC90_SW_COLS;
+    constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
+    constexpr bool PERSIST = fc90_persistent(TL);
+    const uint32_t tiles = (uint32_t)a.n_mblk * a.H * a.B; /* below 2^31 (fc90_run) */
+    fc90_tma_prefetch(&tm_q);
+    fc90_tma_prefetch(&tm_k);
+    fc90_tma_prefetch(&tm_v);
+    uint32_t kv_it = 0; /* K/V tiles loaded so far: the rings' use count */
+    uint32_t tile = blockIdx.x;
+    for (uint32_t nt = 0;; ++nt) {
+        if (PERSIST) {
+            sm.qr.wait_empty(nt); /* the consumers are done with the last tile's Q */
+            if (tile >= tiles) {
+                *sm.tile_slot = -1; /* no more tiles */
+                sm.qr.arrive_full(nt);
+                break;
+            }
+            *sm.tile_slot = (int)tile;
+        }
+        int mblk, h, b;
+        fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
+        const int hk = h / (a.H / a.Hkv), ntiles = fc90_key_tiles<BR, BC>(a, mblk);
+        if (ntiles > 0) {
+            sm.qr.expect(nt, fc90_q_bytes(TL));
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sm.q + c * BR * FC90_SW_ROW, &tm_q, sm.qr.full_bar(nt), c * FC90_SW_COLS, mblk * BR, h, b);
+        } else {
+            sm.qr.arrive_full(nt);
+        }
+        const uint32_t next = PERSIST && ctr ? gridDim.x + atomicAdd(ctr, 1u) : tiles;
+        for (int it = 0; it < ntiles; ++it, ++kv_it) {
+            /* The consumers read V one turn after K, so each has its own ring. */
+            const uint32_t off = sm.kr.slot(kv_it) * KV_BYTES;
+            sm.kr.wait_empty(kv_it);
+            sm.kr.expect(kv_it, KV_BYTES);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it), c * FC90_SW_COLS, it * BC,
+                              hk, b);
+            sm.vr.wait_empty(kv_it);
+            sm.vr.expect(kv_it, KV_BYTES);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it), c * FC90_SW_COLS, it * BC,
+                              hk, b);
+        }
+        tile = next;
+        if (!PERSIST) break;
+    }
+    if (PERSIST && ctr) {
+        /* Every block's last counter increment precedes its arrival here; the last one resets both. */
+        __threadfence();
+        if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
+            atomicExch(ctr, 0u);
+            atomicExch(ctr + 1, 0u);
+        }
+    }
+}
+
+/*
+ * One consumer warpgroup's products and softmax over the ntiles key tiles of a query tile (rings' uses kv_it ..
+ * kv_it + ntiles - 1): O (unnormalized), the row maxima and (thread-partial) sums. Turn it issues S_it = Q K_it^T
+ * and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha of softmax it - 1, whose P V is only now
+ * added), then runs softmax it on S_it; the softmax starts once S_it is done, while P V still runs (so it must
+ * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
+ * live together. Q is released (PERSIST) after the tile's last S.
+ */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a,
+                                                         const fc90_fwd_smem<fc90_tile_for(D).st> &sm, uint32_t nt,
+                                                         uint32_t kv_it, int ntiles, int m0, int cw, int row0, int tig,
+                                                         uint64_t dq, uint64_t dk, uint64_t dv, float (&o)[D / 2],
+                                                         float (&s)[fc90_tile_for(D).bc / 2], float (&row_m)[2],
+                                                         float (&row_l)[2]) {
+    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr int BC = TL.bc, NC = fc90_consumers(TL);
+    constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
+    constexpr bool PERSIST = fc90_persistent(TL);
+    const int nk = a.Nk, diag = a.Nk - a.Nq, w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
+    uint32_t pa[BC / 16][4];
+    float alpha[2];
+    if (cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
+
+    sm.kr.wait_full(kv_it);
+    fc90_turn_begin(cw);
+    fc90_pin(s);
+    fc90_wgmma_fence();
+    fc90_qk_issue<D, BF>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4));
+    fc90_turn_end<NC>(cw, false);
+    fc90_wgmma_wait<0>();
+    fc90_pin(s);
+    sm.kr.release(kv_it);
+    if (PERSIST && ntiles == 1) sm.qr.release(nt);
+    fc90_mask_tile<BC>(a, s, w0, m0 + row0, 0, nk, diag, tig);
+    fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+    fc90_pack_p<BC, BF>(pa, s);
+
+    for (int it = 1; it < ntiles; ++it) {
+        const uint32_t kt = kv_it + it; /* K of this turn; V of the one before */
+        sm.kr.wait_full(kt);
+        sm.vr.wait_full(kt - 1);
+        fc90_turn_begin(cw);
+        fc90_rescale<D>(o, alpha);
+        fc90_pin(s);
+        fc90_pin(o);
+        fc90_pin(pa);
+        fc90_wgmma_fence();
+        fc90_qk_issue<D, BF>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4));
+        fc90_pv_issue<D, BF>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4));
+        fc90_turn_end<NC>(cw, false);
+        fc90_wgmma_wait<1>();
+        fc90_pin(s);
+        sm.kr.release(kt);
+        if (PERSIST && it == ntiles - 1) sm.qr.release(nt);
+        fc90_mask_tile<BC>(a, s, w0, m0 + row0, it * BC, nk, diag, tig);
+        fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+        fc90_block_end(s, row_l[0]);
+        fc90_wgmma_wait<0>();
+        fc90_pin(o);
+        fc90_pin(pa);
+        fc90_pack_p<BC, BF>(pa, s);
+        sm.vr.release(kt - 1);
+    }
+
+    const uint32_t kt = kv_it + ntiles - 1;
+    sm.vr.wait_full(kt);
+    fc90_turn_begin(cw);
+    fc90_rescale<D>(o, alpha);
+    fc90_pin(o);
+    fc90_pin(pa);
+    fc90_wgmma_fence();
+    fc90_pv_issue<D, BF>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4));
+    fc90_turn_end<NC>(cw, true);
+    fc90_wgmma_wait<0>();
+    fc90_pin(o);
+    sm.vr.release(kt);
+}
+
+/*
+ * One consumer warpgroup's epilogue of a query tile: O / l and lse = ln 2 * m + ln l (a row that saw no key gets
+ * O = 0 and lse = +inf), written in the output type. With 16-byte aligned rows each warp stages its own 16 rows
+ * (no other warp touches them) and stores 16 bytes per lane; over Q and K (ALIASED) only after every consumer is
+ * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
+ */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
+                                                         const fc90_fwd_smem<fc90_tile_for(D).st> &sm, float (&o)[D / 2],
+                                                         const float (&row_m)[2], const float (&row_l)[2], int m0, int h,
+                                                         int b, int cw, int warp, int lane) {
+    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr int OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
+    constexpr bool ALIASED = fc90_o_aliased(TL);
+    const int nq = a.Nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float l = row_l[hf];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j + 2 * hf] *= inv;
+            o[4 * j + 2 * hf + 1] *= inv;
+        }
+        const int i = m0 + row0 + 8 * hf;
+        if (tig == 0 && i < nq && a.lse)
+            a.lse[((int64_t)b * a.H + h) * nq + i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+    }
+
+    const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
+    if (a.out_vec) {
+        if (ALIASED) fc90_nbar_sync(FC90_BAR_EPILOGUE, FC90_WG_THREADS * NC);
+        uint16_t *sO = sm.o + wrow * OROW;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+                *(uint32_t *)(sO + (g + 8 * hf) * OROW + 8 * j + 2 * tig) =
+                    fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
+        __syncwarp();
+        char *go = (char *)a.out + ((int64_t)b * a.o_sb + (int64_t)(m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
+#pragma unroll
+        for (int c = lane; c < 16 * (D / 8); c += 32) {
+            const int r = c / (D / 8), ch = c % (D / 8);
+            if (m0 + wrow + r < nq && ch * 8 < a.D)
+                *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * OROW + ch * 8);
+        }
+        __syncwarp(); /* the staging rows are rewritten by the next tile's epilogue */
+    } else {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + row0 + 8 * hf;
+            if (i >= nq) continue;
+            uint16_t *orow = (uint16_t *)a.out + (int64_t)b * a.o_sb + (int64_t)i * a.o_sn + (int64_t)h * a.o_sh;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                if (8 * j < a.D) {
+                    orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
+                    orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
+                }
+        }
+    }
 }
 
 #endif /* FC90_DEVICE */
@@ -244,12 +471,10 @@ static __device__ __forceinline__ int fc90_key_tiles(const flashc_fwd_args &a, i
 /*
  * Grid: BLOCKS, one block per tile (ctr NULL, gridDim.x = tiles), or PERSISTENT, one block per SM (ctr: two
  * counters in device memory, zero at launch): block x takes tile x first, then tile gridDim.x + the counter's
- * next value until none is left; the last block to finish sets both counters back to zero for the next launch.
- * The producer thread takes the next tile while it loads the current one's K/V and posts it in shared memory
- * (the tile slot) with the next Q (q_full); the consumers release Q and the slot (q_empty) after their last
- * S = Q K^T of a tile, so the next tile's Q and first K/V tiles load under the last P V and the epilogue. (When
- * the output staging overlays Q and K, fc90_o_aliased, the release waits until after the epilogue.) A tile
- * without keys still goes through q_full (no bytes), since its rows get O = 0 and lse = +inf.
+ * next value until none is left (fc90_fwd_producer). The consumers release Q and the tile slot (q_empty) after
+ * their last S = Q K^T of a tile, so the next tile's Q and first K/V tiles load under the last P V and the
+ * epilogue. (When the output staging overlays Q and K, fc90_o_aliased, the release waits until after the
+ * epilogue.)
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
@@ -260,114 +485,54 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
                     unsigned *ctr, int hg) {
 #if FC90_DEVICE
     constexpr fc90_tile TL = fc90_tile_for(D);
-    constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NCH = D / 64, OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
-    constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
-    constexpr bool ALIASED = fc90_o_aliased(TL), PERSIST = fc90_persistent(TL);
+    constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NC = fc90_consumers(TL);
+    constexpr bool PERSIST = fc90_persistent(TL);
     static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
 
     extern __shared__ uint8_t fc90_smem[];
     const uint32_t raw = fc_smem_addr(fc90_smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
-    const uint32_t sQ = base, sK = base + fc90_off_k(TL), sV = base + fc90_off_v(TL);
-    const uint32_t bar_q = base + fc90_off_bar(TL), bar_qempty = bar_q + 8, bar_kfull = bar_qempty + 8,
-                   bar_vfull = bar_kfull + 8 * ST, bar_kempty = bar_vfull + 8 * ST, bar_vempty = bar_kempty + 8 * ST;
-    volatile int *tile_slot = (volatile int *)(fc90_smem + (base - raw) + fc90_off_bar(TL) + 8 * (2 + 4 * ST));
-
-    const uint32_t tiles = (uint32_t)a.n_mblk * a.H * a.B; /* below 2^31 (fc90_run) */
-    const int nq = a.Nq, nk = a.Nk;
-    const int diag = nk - nq; /* query row i's diagonal key is i + diag (bottom-right alignment) */
+    const uint32_t bars = base + fc90_off_bar(TL); /* q_full, q_empty, k_full[st], v_full[st], k_empty[st], v_empty[st] */
+    fc90_fwd_smem<ST> sm;
+    sm.q = base, sm.k = base + fc90_off_k(TL), sm.v = base + fc90_off_v(TL);
+    sm.o = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL));
+    sm.qr = {bars, bars + 8};
+    sm.kr = {bars + 16, bars + 16 + 16 * ST};
+    sm.vr = {bars + 16 + 8 * ST, bars + 16 + 24 * ST};
+    sm.tile_slot = (volatile int *)(fc90_smem + (base - raw) + fc90_off_bar(TL) + 8 * (2 + 4 * ST));
 
     if (threadIdx.x == 0) {
-        fc90_bar_init(bar_q, 1);
-        fc90_bar_init(bar_qempty, 128 * NC);
-        for (int s = 0; s < ST; ++s) {
-            fc90_bar_init(bar_kfull + 8 * s, 1);
-            fc90_bar_init(bar_vfull + 8 * s, 1);
-            fc90_bar_init(bar_kempty + 8 * s, 128 * NC);
-            fc90_bar_init(bar_vempty + 8 * s, 128 * NC);
-        }
+        sm.qr.init(1, FC90_WG_THREADS * NC);
+        sm.kr.init(1, FC90_WG_THREADS * NC); /* full: the producer's expect_tx; empty: every consumer thread */
+        sm.vr.init(1, FC90_WG_THREADS * NC);
         fc90_bar_init_fence();
     }
     __syncthreads();
 
-    const int wg = threadIdx.x / 128;
+    const int wg = threadIdx.x / FC90_WG_THREADS;
     if (wg == 0) {
-        /* Producer: one thread takes the tiles and issues every load; the rest of the warpgroup only gives its
-         * registers back. kv_it counts K/V tiles over the block's whole run: the ring's slot and phase. */
+        /* The producer's warpgroup gives its registers back; one thread issues every load. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
-        if (threadIdx.x == 0) {
-            fc90_tma_prefetch(&tm_q);
-            fc90_tma_prefetch(&tm_k);
-            fc90_tma_prefetch(&tm_v);
-            uint32_t kv_it = 0;
-            uint32_t tile = blockIdx.x;
-            for (uint32_t nt = 0;; ++nt) {
-                if (PERSIST) {
-                    fc90_bar_wait(bar_qempty, (nt & 1) ^ 1); /* the consumers are done with the last tile's Q */
-                    if (tile >= tiles) {
-                        *tile_slot = -1; /* no more tiles */
-                        fc90_bar_arrive(bar_q);
-                        break;
-                    }
-                    *tile_slot = (int)tile;
-                }
-                int mblk, h, b;
-                fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
-                const int hk = h / (a.H / a.Hkv), ntiles = fc90_key_tiles<BR, BC>(a, mblk);
-                if (ntiles > 0) {
-                    fc90_bar_expect(bar_q, fc90_q_bytes(TL));
-                    for (int c = 0; c < NCH; ++c) fc90_tma_load(sQ + c * BR * 128, &tm_q, bar_q, c * 64, mblk * BR, h, b);
-                } else {
-                    fc90_bar_arrive(bar_q);
-                }
-                const uint32_t next = PERSIST && ctr ? gridDim.x + atomicAdd(ctr, 1u) : tiles;
-                for (int it = 0; it < ntiles; ++it, ++kv_it) {
-                    const int s = kv_it % ST;
-                    const uint32_t k_dst = sK + s * KV_BYTES, v_dst = sV + s * KV_BYTES;
-                    const uint32_t free_parity = ((kv_it / ST) & 1) ^ 1;
-                    /* The consumers read V one turn after K, so each has its own ring phases. */
-                    fc90_bar_wait(bar_kempty + 8 * s, free_parity);
-                    fc90_bar_expect(bar_kfull + 8 * s, KV_BYTES);
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(k_dst + c * BC * 128, &tm_k, bar_kfull + 8 * s, c * 64, it * BC, hk, b);
-                    fc90_bar_wait(bar_vempty + 8 * s, free_parity);
-                    fc90_bar_expect(bar_vfull + 8 * s, KV_BYTES);
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(v_dst + c * BC * 128, &tm_v, bar_vfull + 8 * s, c * 64, it * BC, hk, b);
-                }
-                tile = next;
-                if (!PERSIST) break;
-            }
-            if (PERSIST && ctr) {
-                /* Every block's last counter increment precedes its arrival here; the last one resets both. */
-                __threadfence();
-                if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
-                    atomicExch(ctr, 0u);
-                    atomicExch(ctr + 1, 0u);
-                }
-            }
-        }
+        if (threadIdx.x == 0) fc90_fwd_producer<D, BF>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
         return;
     }
 
     /* Consumer warpgroup cw owns tile rows [64 cw, 64 cw + 64); this thread rows row0 and row0 + 8. */
     fc90_regs_inc<fc90_consumer_regs(TL)>();
-    const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
+    const int cw = wg - 1, t = threadIdx.x % FC90_WG_THREADS, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
     const int row0 = 64 * cw + 16 * warp + g;
-    const uint64_t dq = fc90_desc(sQ + 64 * cw * 128, 16, 1024);
-    const uint64_t dk = fc90_desc(sK, 16, 1024);
-    const uint64_t dv = fc90_desc(sV, BC * 128, 1024);
+    const uint64_t dq = fc90_desc(sm.q + 64 * cw * FC90_SW_ROW, 16, 1024);
+    const uint64_t dk = fc90_desc(sm.k, 16, 1024);
+    const uint64_t dv = fc90_desc(sm.v, BC * FC90_SW_ROW, 1024);
     uint32_t kv_it = 0; /* as the producer's */
 
     for (uint32_t nt = 0;; ++nt) {
-        fc90_bar_wait(bar_q, nt & 1);
-        const int tile = PERSIST ? *tile_slot : (int)blockIdx.x;
+        sm.qr.wait_full(nt);
+        const int tile = PERSIST ? *sm.tile_slot : (int)blockIdx.x;
         if (tile < 0) break;
         int mblk, h, b;
         fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
         const int m0 = mblk * BR, ntiles = fc90_key_tiles<BR, BC>(a, mblk);
-        /* The band edge cuts a tile for this warpgroup when its last key passes the first row's diagonal. */
-        const int first_diag = m0 + 64 * cw + diag + a.win_right;
 
         float o[D / 2], s[BC / 2];
 #pragma unroll
@@ -375,129 +540,10 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
-        if (PERSIST && ntiles == 0) fc90_bar_arrive(bar_qempty);
-
-        if (ntiles > 0) {
-            /*
-             * Turn it issues S_it = Q K_it^T and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha
-             * of softmax it - 1, whose P V is only now added), then runs softmax it on S_it. The softmax starts
-             * once S_it is done, while P V still runs (so it must leave O and the P fragments alone).
-             * Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4) live together.
-             */
-            uint32_t pa[BC / 16][4];
-            float alpha[2];
-            if (cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
-
-            const uint32_t k0 = kv_it % ST;
-            fc90_bar_wait(bar_kfull + 8 * k0, (kv_it / ST) & 1);
-            fc90_turn_begin(cw);
-            fc90_pin(s);
-            fc90_wgmma_fence();
-            fc90_qk_issue<D, BF>(s, dq, dk + ((k0 * KV_BYTES) >> 4));
-            fc90_turn_end<NC>(cw, false);
-            fc90_wgmma_wait<0>();
-            fc90_pin(s);
-            fc90_bar_arrive(bar_kempty + 8 * k0);
-            if (PERSIST && ntiles == 1) fc90_bar_arrive(bar_qempty);
-            fc90_mask_tile<BC>(a, s, m0 + row0, 0, nk, diag, a.win_right, first_diag, tig);
-            fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
-            fc90_pack_p<BC, BF>(pa, s);
-
-            for (int it = 1; it < ntiles; ++it) {
-                const uint32_t kt = kv_it + it, ks = kt % ST, vs = (kt - 1) % ST;
-                fc90_bar_wait(bar_kfull + 8 * ks, (kt / ST) & 1);
-                fc90_bar_wait(bar_vfull + 8 * vs, ((kt - 1) / ST) & 1);
-                fc90_turn_begin(cw);
-                fc90_rescale<D>(o, alpha);
-                fc90_pin(s);
-                fc90_pin(o);
-                fc90_pin(pa);
-                fc90_wgmma_fence();
-                fc90_qk_issue<D, BF>(s, dq, dk + ((ks * KV_BYTES) >> 4));
-                fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-                fc90_turn_end<NC>(cw, false);
-                fc90_wgmma_wait<1>();
-                fc90_pin(s);
-                fc90_bar_arrive(bar_kempty + 8 * ks);
-                if (PERSIST && it == ntiles - 1) fc90_bar_arrive(bar_qempty);
-                fc90_mask_tile<BC>(a, s, m0 + row0, it * BC, nk, diag, a.win_right, first_diag, tig);
-                fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
-                fc90_block_end(s, row_l[0]);
-                fc90_wgmma_wait<0>();
-                fc90_pin(o);
-                fc90_pin(pa);
-                fc90_pack_p<BC, BF>(pa, s);
-                fc90_bar_arrive(bar_vempty + 8 * vs);
-            }
-
-            const uint32_t kt = kv_it + ntiles - 1, vs = kt % ST;
-            fc90_bar_wait(bar_vfull + 8 * vs, (kt / ST) & 1);
-            fc90_turn_begin(cw);
-            fc90_rescale<D>(o, alpha);
-            fc90_pin(o);
-            fc90_pin(pa);
-            fc90_wgmma_fence();
-            fc90_pv_issue<D, BF>(o, pa, dv + ((vs * KV_BYTES) >> 4));
-            fc90_turn_end<NC>(cw, true);
-            fc90_wgmma_wait<0>();
-            fc90_pin(o);
-            fc90_bar_arrive(bar_vempty + 8 * vs);
-        }
+        if (PERSIST && ntiles == 0) sm.qr.release(nt);
+        if (ntiles > 0) fc90_fwd_mainloop<D, BF>(a, sm, nt, kv_it, ntiles, m0, cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
-
-        /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf. */
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            float l = row_l[hf];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                o[4 * j + 2 * hf] *= inv;
-                o[4 * j + 2 * hf + 1] *= inv;
-            }
-            const int i = m0 + row0 + 8 * hf;
-            if (tig == 0 && i < nq && a.lse)
-                a.lse[((int64_t)b * a.H + h) * nq + i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
-        }
-
-        /* Columns from a.D on (a kernel of a larger head dim) are the zero fill's: computed, never written. */
-        const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
-        if (a.out_vec) {
-            /* Stage the warp's 16 rows (its own; no other warp touches them), then 16-byte stores per lane. Over
-             * Q and K, the other consumer may still be reading them. */
-            if (ALIASED) fc90_nbar_sync(FC90_BAR_EPILOGUE, 128 * NC);
-            uint16_t *sO = (uint16_t *)(fc90_smem + (base - raw) + fc90_off_o(TL)) + wrow * OROW;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf)
-                    *(uint32_t *)(sO + (g + 8 * hf) * OROW + 8 * j + 2 * tig) =
-                        fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
-            __syncwarp();
-            char *go = (char *)a.out + ((int64_t)b * a.o_sb + (int64_t)(m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
-#pragma unroll
-            for (int c = lane; c < 16 * (D / 8); c += 32) {
-                const int r = c / (D / 8), ch = c % (D / 8);
-                if (m0 + wrow + r < nq && ch * 8 < a.D)
-                    *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * OROW + ch * 8);
-            }
-            __syncwarp(); /* the staging rows are rewritten by the next tile's epilogue */
-        } else {
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int i = m0 + row0 + 8 * hf;
-                if (i >= nq) continue;
-                uint16_t *orow = (uint16_t *)a.out + (int64_t)b * a.o_sb + (int64_t)i * a.o_sn + (int64_t)h * a.o_sh;
-#pragma unroll
-                for (int j = 0; j < D / 8; ++j)
-                    if (8 * j < a.D) {
-                        orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
-                        orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
-                    }
-            }
-        }
+        fc90_fwd_epilogue<D, BF>(a, sm, o, row_m, row_l, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */

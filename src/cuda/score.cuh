@@ -11,14 +11,14 @@
  * tig = lane % 4. A fragment of nt n8 blocks is float[nt][4] (mma.sync) or float[4 nt] (wgmma); element e of
  * row hf of block j is fc_frag(x, j, 2 hf + e) in both.
  *
- * Args is flashc_fwd_args or flashc_bwd_args, which name the score and mask fields alike (launch.h fills both).
- * Who calls what, so far: the mma.sync forward all of it; the wgmma forward fc_row_keys, fc_mask_row,
- * fc_softmax_row and (host) fc_score_plain; the mma.sync backward fc_bwd_elem and fc_mask_vote, and the wgmma
- * backward fc_bwd_elem. The backward kernels still spell out their tile ranges, per-tile cut tests, band tests
- * and block-mask offsets: written through these functions, their generated code changed (registers, and a
- * spill in the wgmma backward at d 64), so they stay as tuned until that is resolved; a new mask must be added
- * there by hand as well. A score modifier goes into fc_score and fc_bwd_elem, and into fc_score_plain if it
- * leaves the raw fast paths (the wgmma forward then falls back to the mma.sync one).
+ * Args is flashc_fwd_args or flashc_bwd_args, which carry score.h's FC_SCORE_FIELDS (launch.h fills them). The
+ * scores (fc_score, fc_bwd_elem, fc_alibi, fc_score_plain), the band (fc_row_keys, fc_keeps, fc_band_cuts) and
+ * the tile ranges (fc_key_tiles, fc_query_rows) are score.h's, shared with the host and the CUDA-core backward.
+ * Every kernel forms its scores through fc_score / fc_bwd_elem. One exception is left for masks: the wgmma
+ * backward (bwd_sm90.cu) still writes out its query-tile range, its per-tile cut test and its element band test
+ * (the same formulas; through fc_query_rows, fc_band_cuts and fc_keeps its machine code changes, and the
+ * backward measured 3.5% slower with those and its producer/consumer split together: bench/RESULTS.md), so a new
+ * mask must be added there by hand as well until that is resolved.
  */
 #ifndef FLASHC_CUDA_SCORE_CUH
 #define FLASHC_CUDA_SCORE_CUH
@@ -54,70 +54,14 @@ struct fc_frag_n<float[N]> {
 
 /* ---- scores ------------------------------------------------------------------------------------------------ */
 
-/* Whether a problem's scores are the plain scaled dot products (no softcap, no ALiBi): the kernels' raw fast
- * paths then fold score_mul into the exponent's FFMA and only mask. A score modifier that needs the element
- * formula turns this off. Host and device (fwd_sm90.cu's supports() reads it). */
-template <typename Args>
-FC_HD bool fc_score_plain(const Args &a) {
-    return a.softcap2 == 0.f && !a.alibi;
-}
-
-/* The base-2 score of the raw product s (q k): s score_mul, or softcap2 tanh(s score_mul) under softcap, with
- * *dcap the softcap's derivative d(c tanh(x / c)) / dx (1 without softcap) for the backward's dS. ALiBi is
- * subtracted by the caller (fc_alibi), which knows the row's distances. */
-template <typename Args>
-static __device__ __forceinline__ float fc_score(const Args &a, float s, float &dcap) {
-    float x = s * a.score_mul;
-    dcap = 1.f;
-    if (a.softcap2 != 0.f) {
-        const float cap = a.softcap2; /* read before the tanh, as the kernels did */
-        const float th = fc_tanh(x);
-        x = cap * th;
-        dcap = 1.f - th * th;
-    }
-    return x;
-}
-
-/* ALiBi's slope of (sequence b, head h) in base 2 (0 without ALiBi), and its bias slope2 |i + diag - j| for the
- * element at distance dist = i + diag - j from row i's diagonal. */
-template <typename Args>
-static __device__ __forceinline__ float fc_alibi_slope2(const Args &a, int b, int h) {
-    return a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
-}
-static __device__ __forceinline__ float fc_alibi(float slope2, int dist) {
-    return slope2 * fabsf((float)dist);
-}
-
-/* The backward's element (in place): s (raw q k) becomes P = 2^(x - alibi - lse2), x the forward's base-2 score
- * (as fc_score forms it), and dp becomes dS = P (dP - D_i) (times the softcap's derivative). vis false: P = dS
- * = 0. It takes score_mul and softcap2 by value, read by the caller: the backward kernels' code as it was tuned
- * (through fc_score the parameter loads move and the code changes). */
-static __device__ __forceinline__ void fc_bwd_elem(float &s, float &dp, float lse2, float dvec, float score_mul,
-                                                   float softcap2, float alibi, bool vis) {
-    float x, dcap = 1.f;
-    if (softcap2 != 0.f) {
-        const float th = fc_tanh(s * score_mul);
-        x = softcap2 * th;
-        dcap = 1.f - th * th;
-    } else {
-        x = s * score_mul;
-    }
-    const float p = vis ? fc_exp2(x - alibi - lse2) : 0.f;
-    s = p;
-    dp = p * (dp - dvec) * dcap;
-}
+/* exp2 and tanh of the tensor-core kernels (score.h's fc_score / fc_bwd_elem take them as Math): ex2.approx
+ * (~2 ulp) and fc_tanh (absolute error ~1e-7), the errors the kernels' tests bound. */
+struct fc_fast_math {
+    static __device__ __forceinline__ float exp2(float x) { return fc_exp2(x); }
+    static __device__ __forceinline__ float tanh(float x) { return fc_tanh(x); }
+};
 
 /* ---- masks per element ------------------------------------------------------------------------------------- */
-
-/* Keys [jlo, jhi] that row i keeps among the sequence's nk: the band's, row i's diagonal key being i + diag
- * (diag = nk - nq, bottom-right aligned), each side -1 for unbounded. Computed once per row. LEFT false: the
- * kernel takes no left window. */
-template <bool LEFT = true, typename Args>
-static __device__ __forceinline__ void fc_row_keys(const Args &a, int i, int diag, int nk, int &jlo, int &jhi) {
-    jlo = 0, jhi = nk - 1;
-    if (LEFT && a.win_left >= 0) jlo = max(jlo, i + diag - a.win_left);
-    if (a.win_right >= 0) jhi = min(jhi, i + diag + a.win_right);
-}
 
 /* The raw fast paths' mask: row hf of fragment x (keys n0 + 8 j + 2 tig + e) outside [jlo, jhi] to -inf. LEFT
  * false: the kernel takes no left edge (jlo is 0 and n0 >= 0), only the right end is tested. */
@@ -175,21 +119,15 @@ static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &r
 /* ---- tiles under the block mask ---------------------------------------------------------------------------- */
 
 /*
- * Whether the block mask bmrow (fc_bm_base) lets any of rows [i0, i1] see any of keys [j0, j1], and *partial:
+ * Whether the block mask (base: fc_bm_base) lets any of rows [i0, i1] see any of keys [j0, j1], and *partial:
  * whether some of its bytes over that rectangle are 0 (then the tile is masked element by element). Every thread
  * of the block calls it (the votes are barriers); the answer is uniform.
  */
-template <int NT>
-static __device__ int fc_mask_vote(const uint8_t *bmrow, int bm_q, int bm_k, int bm_nkb, int i0, int i1, int j0,
-                                   int j1, int tid, int *partial) {
-    const int qb0 = i0 / bm_q, kb0 = j0 / bm_k;
-    const int nqb = i1 / bm_q - qb0 + 1, nkb = j1 / bm_k - kb0 + 1;
+template <int NT, typename Args>
+static __device__ int fc_mask_vote(const Args &a, const uint8_t *base, int i0, int i1, int j0, int j1, int tid,
+                                   int *partial) {
     int on = 0, off = 0;
-    for (int e = tid; e < nqb * nkb; e += NT) {
-        const uint8_t v = bmrow[(int64_t)(qb0 + e / nkb) * bm_nkb + kb0 + e % nkb];
-        on |= v != 0;
-        off |= v == 0;
-    }
+    fc_bm_scan(a, base, i0, i1, j0, j1, tid, NT, &on, &off);
     on = __syncthreads_or(on);
     *partial = __syncthreads_or(off);
     return on;
@@ -208,7 +146,7 @@ static __device__ int fc_next_key_tile(const Args &a, const uint8_t *bmrow, int 
     for (; cand < te; ++cand) {
         int off;
         const int n0 = cand * BC, nlast = min(n0 + BC, nk) - 1;
-        if (fc_mask_vote<NT>(bmrow, a.bm_q, a.bm_k, a.bm_nkb, i0, i1, n0, nlast, tid, &off)) {
+        if (fc_mask_vote<NT>(a, bmrow, i0, i1, n0, nlast, tid, &off)) {
             *partial = off;
             return cand;
         }

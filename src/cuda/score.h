@@ -1,8 +1,16 @@
 /*
- * score.h - the constants of the base-2 scores, the key tiles a query tile visits under the causal / sliding-window
- * band, and the block-mask bytes of a row. Plain C++ with no CUDA types, so that host code (launch.h) and the CPU
- * emulation of the CUDA-core backward (tests/emu_bwd_simt.cc) can include it; the per-element score and mask
- * step is score.cuh. Not installed.
+ * score.h - the score and mask step of every CUDA kernel, the part that host code can compile too: the score and
+ * mask fields of the kernel arguments (one list), the score of an element (scale, softcap, ALiBi), which keys a
+ * row keeps (the causal / sliding-window band, the end of the keys, the block mask), which key tiles a query tile
+ * visits and which query rows a key tile meets, and whether the band cuts a tile. Plain C++ with no CUDA types:
+ * the host (launch.h), the CUDA-core backward (bwd_simt.cu, also compiled for the CPU by tests/emu_bwd_simt.cc)
+ * and the tensor-core kernels (through score.cuh, which adds the fragment layouts, fast exp2 / tanh, the online
+ * softmax and the block-mask votes) include it. Not installed.
+ *
+ * Adding a score modifier or a mask: a field in FC_SCORE_FIELDS, its value in fc_set_scores_and_masks (launch.h),
+ * the formula in fc_score (and fc_score_plain, so that the raw fast paths step aside) or the test in fc_row_keys,
+ * fc_keeps and fc_band_cuts; the kernels call these (the one exception, the wgmma backward's band tests, is named
+ * in score.cuh).
  *
  * Every kernel forms its scores in base 2 (s log2 e, exponentials by exp2) and returns the lse in natural log:
  * the one place these two constants are spelled out.
@@ -13,6 +21,7 @@
 #define FC_LOG2E 1.4426950408889634f /* log2(e): natural-log scores to base 2 */
 #define FC_LN2 0.6931471805599453f   /* ln(2): a base-2 lse back to natural log */
 
+#include <math.h>
 #include <stdint.h>
 
 #ifdef __CUDACC__
@@ -38,6 +47,119 @@ FC_HD I fc_imin(I x, I y) {
 #else
     return x < y ? x : y;
 #endif
+}
+
+/*
+ * The score and mask fields of the kernel arguments (flashc_fwd_args, flashc_bwd_args, the CUDA-core backward's
+ * fc_bwd_args), in this order; fc_set_scores_and_masks (launch.h) fills them from the problem:
+ *   score_mul   the raw product's factor in base 2: scale log2(e), or scale / softcap before the tanh
+ *   softcap2    softcap log2(e); 0: no softcap
+ *   win_left, win_right   the band: row i keeps keys [i + diag - win_left, i + diag + win_right], -1: unbounded
+ *               side (causal is win_right 0), diag = nk - nq of the sequence (bottom-right aligned)
+ *   alibi, alibi_bs       ALiBi slopes (natural log) of (sequence, head), NULL: none
+ *   bm ...      the block mask: bm_nqb x bm_nkb bytes per (sequence, head) of bm_q x bm_k blocks, NULL: none
+ */
+#define FC_SCORE_FIELDS                                                                                      \
+    float score_mul;                                                                                         \
+    float softcap2;                                                                                          \
+    int win_left, win_right;                                                                                 \
+    const float *alibi;                                                                                      \
+    int64_t alibi_bs;                                                                                        \
+    const uint8_t *bm;                                                                                       \
+    int bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb
+
+/* exp2 and tanh as a kernel wants them: fc_exact_math (exp2f, tanhf: fp32's own accuracy) in the CUDA-core
+ * backward and on the host; score.cuh's fc_fast_math (ex2.approx and a short tanh) in the tensor-core kernels. */
+struct fc_exact_math {
+    FC_HD float exp2(float x) { return exp2f(x); }
+    FC_HD float tanh(float x) { return tanhf(x); }
+};
+
+/* ---- scores ------------------------------------------------------------------------------------------------ */
+
+/* Whether a problem's scores are the plain scaled dot products (no softcap, no ALiBi): the kernels' raw fast
+ * paths then fold score_mul into the exponent's FFMA and only mask. A score modifier that needs the element
+ * formula turns this off. */
+template <typename Args>
+FC_HD bool fc_score_plain(const Args &a) {
+    return a.softcap2 == 0.f && !a.alibi;
+}
+
+/* The base-2 score of the raw product s (q k): s score_mul, or softcap2 tanh(s score_mul) under softcap, with
+ * dcap the softcap's derivative d(c tanh(x / c)) / dx (1 without softcap) for the backward's dS. ALiBi is
+ * subtracted by the caller (fc_alibi), which knows the row's distances. */
+template <typename Math, typename Args>
+FC_HD float fc_score(const Args &a, float s, float &dcap) {
+    float x = s * a.score_mul;
+    dcap = 1.f;
+    if (a.softcap2 != 0.f) {
+        const float cap = a.softcap2; /* read before the tanh, as the kernels did */
+        const float th = Math::tanh(x);
+        x = cap * th;
+        dcap = 1.f - th * th;
+    }
+    return x;
+}
+
+/* ALiBi's slope of (sequence b, head h) in base 2 (0 without ALiBi), and its bias slope2 |dist| for the element
+ * at distance dist = i + diag - j from row i's diagonal. */
+template <typename Args, typename I>
+FC_HD float fc_alibi_slope2(const Args &a, I b, I h) {
+    return a.alibi ? a.alibi[(int64_t)b * a.alibi_bs + h] * FC_LOG2E : 0.f;
+}
+template <typename I>
+FC_HD float fc_alibi(float slope2, I dist) {
+    return slope2 * fabsf((float)dist);
+}
+
+/* The backward's element (in place): s (raw q k) becomes P = 2^(x - alibi - lse2), x the forward's base-2 score
+ * (fc_score), and dp becomes dS = P (dP - D_i) (times the softcap's derivative). vis false: P = dS = 0. */
+template <typename Math, typename Args>
+FC_HD void fc_bwd_elem(const Args &a, float &s, float &dp, float lse2, float dvec, float alibi, bool vis) {
+    float dcap;
+    const float x = fc_score<Math>(a, s, dcap);
+    const float p = vis ? Math::exp2(x - alibi - lse2) : 0.f;
+    s = p;
+    dp = p * (dp - dvec) * dcap;
+}
+
+/* ---- masks ------------------------------------------------------------------------------------------------- */
+
+/* Keys [jlo, jhi] that row i keeps among the sequence's nk: the band's, row i's diagonal key being i + diag
+ * (diag = nk - nq, bottom-right aligned), each side -1 for unbounded. Computed once per row. LEFT false: the
+ * kernel takes no left window. */
+template <bool LEFT = true, typename Args, typename I>
+FC_HD void fc_row_keys(const Args &a, I i, I diag, I nk, I &jlo, I &jhi) {
+    jlo = 0, jhi = nk - 1;
+    if (LEFT && a.win_left >= 0) jlo = fc_imax(jlo, i + diag - a.win_left);
+    if (a.win_right >= 0) jhi = fc_imin(jhi, i + diag + a.win_right);
+}
+
+/* Whether row i keeps key j: the range of fc_row_keys (keep the two alike), written as comparisons for the kernels
+ * that test element by element (through fc_row_keys the mma.sync backward spilled); the block mask, fc_bm_keeps,
+ * is tested apart, on the tiles it cuts. */
+template <typename Args, typename I>
+FC_HD bool fc_keeps(const Args &a, I i, I j, I diag, I nk) {
+    return j < nk && (a.win_left < 0 || j >= i + diag - a.win_left) && (a.win_right < 0 || j <= i + diag + a.win_right);
+}
+
+/* Whether the band or the end of the keys cuts the tile of rows [i0, i1] and keys [j0, j1] (the tile's own
+ * extent; rows past the end of the queries are the caller's): then some of its elements are masked and the
+ * kernel tests them one by one (fc_keeps); otherwise it keeps them all. LEFT false: the kernel takes no left
+ * window. */
+template <bool LEFT = true, typename Args, typename I>
+FC_HD bool fc_band_cuts(const Args &a, I i0, I i1, I j0, I j1, I diag, I nk) {
+    return j1 >= nk || (LEFT && a.win_left >= 0 && j0 < i1 + diag - a.win_left) ||
+           (a.win_right >= 0 && j1 > i0 + diag + a.win_right);
+}
+
+/* Query rows [*lo, *hi] of nq that see some key of [j0, j1] under the band, the reverse of fc_key_tiles for the
+ * backward's key tiles (none: *lo > *hi). */
+template <typename Args, typename I>
+FC_HD void fc_query_rows(const Args &a, I j0, I j1, I diag, I nq, I *lo, I *hi) {
+    *lo = 0, *hi = nq - 1;
+    if (a.win_right >= 0) *lo = fc_imax(*lo, j0 - diag - a.win_right);
+    if (a.win_left >= 0) *hi = fc_imin(*hi, j1 - diag + a.win_left);
 }
 
 /*
@@ -75,6 +197,21 @@ FC_HD const uint8_t *fc_bm_row(const Args &a, const uint8_t *base, I i) {
 template <typename Args, typename I>
 FC_HD bool fc_bm_keeps(const Args &a, const uint8_t *row, I j) {
     return row[j / a.bm_k] != 0;
+}
+
+/* This thread's share (elements tid, tid + nt, ...) of the block-mask bytes over rows [i0, i1] x keys [j0, j1]:
+ * *on |= some byte is non-zero, *off |= some byte is zero. The kernel reduces the two over its block (score.cuh's
+ * fc_mask_vote; the CUDA-core backward's own barrier). */
+template <typename Args, typename I>
+FC_HD void fc_bm_scan(const Args &a, const uint8_t *base, I i0, I i1, I j0, I j1, int tid, int nt, int *on,
+                      int *off) {
+    const I qb0 = i0 / a.bm_q, kb0 = j0 / a.bm_k;
+    const I nqb = i1 / a.bm_q - qb0 + 1, nkb = j1 / a.bm_k - kb0 + 1;
+    for (I e = tid; e < nqb * nkb; e += nt) {
+        const uint8_t v = base[(int64_t)(qb0 + e / nkb) * a.bm_nkb + kb0 + e % nkb];
+        *on |= v != 0;
+        *off |= v == 0;
+    }
 }
 
 #endif /* FLASHC_CUDA_SCORE_H */

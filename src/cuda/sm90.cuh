@@ -15,6 +15,13 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+/* A warpgroup: four warps that issue wgmma together (and the unit of setmaxnreg). */
+#define FC90_WG_THREADS 128
+/* The 128-byte swizzle's row: 64 16-bit columns. A tile of R rows and c columns is c / 64 chunks of R rows of
+ * FC90_SW_ROW bytes; the k16 steps of a K-major operand advance 32 bytes within a row. */
+#define FC90_SW_ROW 128
+#define FC90_SW_COLS 64
+
 /* Only the sm_90a pass has wgmma and setmaxnreg; elsewhere the kernel compiles to an empty body that the host
  * never launches (flashc_fwd_sm90_available checks which binary the GPU loaded). */
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -55,6 +62,39 @@ static __device__ __forceinline__ void fc90_bar_wait(uint32_t bar, uint32_t pari
                  "r"(parity)
                  : "memory");
 }
+
+/*
+ * A ring of ST slots, each with a "full" and an "empty" mbarrier: the producer waits until a slot is empty, loads
+ * into it (its expect_tx and the TMA bytes complete the full barrier's phase), the consumers wait until it is full
+ * and release it once their reads are complete. Uses are numbered over the block's whole run: use u takes slot
+ * u % ST in round u / ST, whose phase has parity (u / ST) & 1; the producer waits for the empty phase of the round
+ * before (parity flipped), which a fresh mbarrier reports complete at once, so round 0 needs no releases.
+ */
+template <int ST>
+struct fc90_ring {
+    uint32_t full, empty; /* shared-memory addresses of slot 0's mbarriers; slot s's are 8 s bytes further */
+
+    __device__ __forceinline__ uint32_t slot(uint32_t u) const { return u % ST; }
+    __device__ __forceinline__ uint32_t full_bar(uint32_t u) const { return full + 8 * (u % ST); }
+    /* One thread, before use: the arrivals each phase of a full / an empty barrier takes. */
+    __device__ __forceinline__ void init(uint32_t full_arrivals, uint32_t empty_arrivals) const {
+        for (int s = 0; s < ST; ++s) {
+            fc90_bar_init(full + 8 * s, full_arrivals);
+            fc90_bar_init(empty + 8 * s, empty_arrivals);
+        }
+    }
+    /* Producer: returns once use u's slot is free, then announces its bytes (one arrival); the TMA loads
+     * complete on full_bar(u). */
+    __device__ __forceinline__ void wait_empty(uint32_t u) const {
+        fc90_bar_wait(empty + 8 * (u % ST), ((u / ST) & 1) ^ 1);
+    }
+    __device__ __forceinline__ void expect(uint32_t u, uint32_t bytes) const { fc90_bar_expect(full_bar(u), bytes); }
+    /* An arrival on use u's full barrier without bytes (a producer thread that wrote the slot itself). */
+    __device__ __forceinline__ void arrive_full(uint32_t u) const { fc90_bar_arrive(full_bar(u)); }
+    /* Consumers: returns once use u's data is in its slot; release: this thread's reads of it are done. */
+    __device__ __forceinline__ void wait_full(uint32_t u) const { fc90_bar_wait(full_bar(u), (u / ST) & 1); }
+    __device__ __forceinline__ void release(uint32_t u) const { fc90_bar_arrive(empty + 8 * (u % ST)); }
+};
 
 /* ---- named barriers between the two consumer warpgroups --------------------------------------------------- */
 
