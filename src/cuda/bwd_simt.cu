@@ -7,9 +7,9 @@
  *   1. fc_bwd_dvec: D_i = rowsum(dO o O) in fp32 into the workspace (laid out like lse).
  *   2. fc_bwd_dkdv: one block per (key tile, kv head, sequence) keeps dK_j, dV_j in registers and walks the
  *      query tiles of every query head of its group that the band (causal / window) and the block mask let see
- *      its keys: S = scale q k^T (softcap, ALiBi, masks as in the forward), P = exp(S - lse), dP = dO v^T,
- *      dS = P o (dP - D_i) (times 1 - tanh^2 under softcap), dV += P^T dO, dK += dS^T Q. Writes dk = scale dK
- *      and dv once; with GQA the group's heads are summed in the same registers.
+ *      its keys: S = q k^T, P = 2^(x - lse log2 e) with x the forward's base-2 score (scale, softcap, ALiBi),
+ *      dP = dO v^T, dS = P o (dP - D_i) (times 1 - tanh^2 under softcap), dV += P^T dO, dK += dS^T Q. Writes
+ *      dk = scale dK and dv once; with GQA the group's heads are summed in the same registers.
  *   3. fc_bwd_dq: one block per (query tile, head, sequence) walks its visible key tiles, recomputes P and dS
  *      the same way and accumulates dQ += dS K; writes dq = scale dQ once.
  * No block adds into another's output, so there are no atomics: each element of dq, dk, dv is the sum of one
@@ -19,12 +19,21 @@
  * shared memory in chunks of DC = 64 columns (41,984 bytes of static shared memory for any D <= 256); each thread
  * keeps NDC = 1, 2 or 4 chunks (D <= 64, 128, 256) of 8 accumulator columns. Inputs are read element by element
  * with any strides (the head dim's too) and converted to fp32; everything is computed in fp32 with the accurate
- * expf / tanhf. fp32 q, k, v are read rounded to bf16, the operands the forward used (see fc_bwd_make_args).
+ * exp2f / tanhf. fp32 q, k, v are read rounded to bf16, the operands the forward used (see fc_bwd_make_args).
+ *
+ * Scores and masks: score.h's shared step, as every CUDA kernel forms them (a score modifier or a mask is added
+ * there, not here): the fields FC_SCORE_FIELDS filled by fc_set_scores_and_masks (launch.h), the element
+ * fc_bwd_elem with fc_exact_math, the band fc_keeps, the block mask fc_bm_row / fc_bm_keeps, and the tiles a block
+ * visits from fc_key_tiles, fc_query_rows and fc_bm_scan. In base 2, as the forward: x = s scale log2 e (softcap
+ * and ALiBi in base 2 too) against lse2 = lse log2 e, so that P = 2^(x - lse2) = e^(s scale - lse); the two
+ * factors add a rounding or two of the score's size, fp32's accuracy as before (this kernel used natural units
+ * and expf before it shared the step).
  *
  * The kernel bodies are plain C++ (CUDA only through fc_sync / fc_sync_or) so that tests/emu_bwd_simt.cc runs
  * them on the CPU, one host thread per CUDA thread, against the case table.
  */
 #include "bwd.h"
+#include "launch.h" /* fc_set_scores_and_masks; score.h */
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -72,12 +81,8 @@ typedef struct fc_bwd_args {
     int64_t B, H, Hkv, Nq, Nk, D, total_q;
     int varlen;
     const int32_t *cu_q, *cu_k;
-    float scale, softcap;        /* softcap 0: off */
-    int64_t win_left, win_right; /* -1: unbounded; causal is win_right = 0 */
-    const float *alibi;
-    int64_t alibi_bs;
-    const uint8_t *bm;
-    int64_t bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb;
+    float scale;     /* the natural scale: dk = scale dK, dq = scale dQ */
+    FC_SCORE_FIELDS; /* score_mul, softcap2, the band, ALiBi, the block mask (score.h), as the forward's */
     int64_t n_qt, n_kt; /* query / key tiles per sequence of the max lengths */
     int qkv_bf16;       /* read q, k, v rounded to bf16 (fp32 inputs: the forward's operands) */
 } fc_bwd_args;
@@ -96,7 +101,6 @@ typedef struct fc_bwd_smem {
 } fc_bwd_smem;
 
 FC_BWD_FN int64_t fc_min64(int64_t x, int64_t y) { return x < y ? x : y; }
-FC_BWD_FN int64_t fc_max64(int64_t x, int64_t y) { return x > y ? x : y; }
 
 FC_BWD_FN float fc_to_f32(float x) { return x; }
 FC_BWD_FN float fc_to_f32(__half x) { return __half2float(x); }
@@ -133,39 +137,14 @@ FC_BWD_FN int64_t fc_lse_index(const fc_bwd_args &a, const fc_seq &s, int64_t b,
     return a.varlen ? h * a.total_q + s.q0 + i : (b * a.H + h) * a.Nq + i;
 }
 
-/* The block-mask bytes of (sequence b, head h): bm_nqb rows of bm_nkb. */
-FC_BWD_FN const uint8_t *fc_mask_of(const fc_bwd_args &a, int64_t b, int64_t h) {
-    const int64_t mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
-    return a.bm + (mb * a.bm_heads + mh) * a.bm_nqb * a.bm_nkb;
-}
-
-/* Whether query row i sees key j (both within the sequence): band (bottom-right aligned) and block mask. */
-FC_BWD_FN bool fc_visible(const fc_bwd_args &a, const fc_seq &s, const uint8_t *mask, int64_t i, int64_t j) {
-    const int64_t diag = i + s.nk - s.nq;
-    if (a.win_left >= 0 && j < diag - a.win_left) return false;
-    if (a.win_right >= 0 && j > diag + a.win_right) return false;
-    return !mask || mask[(i / a.bm_q) * a.bm_nkb + j / a.bm_k] != 0;
-}
-
-/* Whether the band meets rows [i0, i1] x keys [j0, j1]. Row i keeps [diag_i - left, diag_i + right]; these
- * intervals are at least one key wide and move by one key per row, so the rows' union is the single interval
- * [diag_i0 - left, diag_i1 + right]. */
-FC_BWD_FN bool fc_band_meets(const fc_bwd_args &a, const fc_seq &s, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
-    const int64_t off = s.nk - s.nq;
-    if (a.win_left >= 0 && i0 + off - a.win_left > j1) return false;
-    if (a.win_right >= 0 && i1 + off + a.win_right < j0) return false;
-    return true;
-}
-
-/* Whether some block-mask byte over rows [i0, i1] x keys [j0, j1] is non-zero. Every thread of the block must
- * call it (it ends in a barrier); the answer is the same for all. */
-FC_BWD_FN bool fc_mask_meets(const fc_bwd_args &a, const uint8_t *mask, int64_t i0, int64_t i1, int64_t j0,
-                             int64_t j1, int tid) {
+/* Whether some block-mask byte over rows [i0, i1] x keys [j0, j1] is non-zero (true without a block mask):
+ * score.h's fc_bm_scan, this thread's share, reduced over the block. Every thread of the block must call it (it
+ * ends in a barrier); the answer is the same for all. */
+FC_BWD_FN bool fc_bm_meets(const fc_bwd_args &a, const uint8_t *mask, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                           int tid) {
     if (!mask) return true;
-    const int64_t qb0 = i0 / a.bm_q, kb0 = j0 / a.bm_k;
-    const int64_t nqb = i1 / a.bm_q - qb0 + 1, nkb = j1 / a.bm_k - kb0 + 1;
-    int on = 0;
-    for (int64_t e = tid; e < nqb * nkb; e += FC_BWD_NT) on |= mask[(qb0 + e / nkb) * a.bm_nkb + kb0 + e % nkb] != 0;
+    int on = 0, off = 0;
+    fc_bm_scan(a, mask, i0, i1, j0, j1, tid, FC_BWD_NT, &on, &off);
     return fc_sync_or(on) != 0;
 }
 
@@ -224,27 +203,21 @@ FC_BWD_FN void fc_bwd_tile(const fc_bwd_args &a, fc_bwd_smem &sm, const fc_seq &
         }
     }
 
-    /* Natural units: s - lse is formed before any exponent, so P keeps fp32's relative accuracy. A row that saw
-     * no key in the forward has lse = +inf and gets P = 0. */
-    const int64_t i = i0 + r;
-    const float lse = sm.lse[r], di = sm.di[r];
-    const float slope = a.alibi ? a.alibi[b * a.alibi_bs + h] : 0.f;
+    /* score.h's element in base 2 with exact exp2f / tanhf: x - lse2 is formed before the exponent, so P keeps
+     * fp32's relative accuracy. A row that saw no key in the forward has lse = +inf and gets P = 0. Visible: the
+     * row is in the tile, the band keeps key j (fc_keeps, which also ends at the sequence's keys) and so does the
+     * block mask. */
+    const int64_t i = i0 + r, diag = s.nk - s.nq;
+    const float lse2 = sm.lse[r] * FC_LOG2E, di = sm.di[r];
+    const float slope2 = fc_alibi_slope2(a, b, h);
+    const uint8_t *bmrow = mask && r < nrows ? fc_bm_row(a, mask, i) : NULL;
     FC_UNROLL
     for (int u = 0; u < FC_BWD_KPT; ++u) {
         const int c = cu + FC_BWD_TPR * u;
         const int64_t j = j0 + c;
-        float p = 0.f, ds = 0.f;
-        if (r < nrows && c < ncols && fc_visible(a, s, mask, i, j)) {
-            float x = sacc[u] * a.scale, dcap = 1.f;
-            if (a.softcap > 0.f) {
-                const float th = tanhf(x / a.softcap);
-                x = a.softcap * th;
-                dcap = 1.f - th * th; /* d(c tanh(x / c)) / dx */
-            }
-            if (a.alibi) x -= slope * fabsf((float)(i + s.nk - s.nq - j));
-            p = expf(x - lse);
-            ds = p * (dpacc[u] - di) * dcap;
-        }
+        const bool vis = r < nrows && fc_keeps(a, i, j, diag, s.nk) && (!mask || fc_bm_keeps(a, bmrow, j));
+        float p = sacc[u], ds = dpacc[u];
+        fc_bwd_elem<fc_exact_math>(a, p, ds, lse2, di, a.alibi ? fc_alibi(slope2, i + diag - j) : 0.f, vis);
         sm.p[r][c] = p;
         sm.ds[r][c] = ds;
     }
@@ -286,13 +259,17 @@ FC_BWD_FN void fc_bwd_dkdv_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t b
         for (int u = 0; u < FC_BWD_CPT; ++u) dk[ch][u] = dv[ch][u] = 0.f;
     }
 
+    /* Query rows [qlo, qhi] the band lets see some key of the tile (none: qlo > qhi); their tiles, from the one
+     * that holds qlo. */
+    int64_t qlo, qhi;
+    fc_query_rows(a, j0, j1, s.nk - s.nq, s.nq, &qlo, &qhi);
+    const int64_t qt0 = qlo <= qhi ? qlo / FC_BWD_BR : 0, qt1 = qlo <= qhi ? qhi / FC_BWD_BR + 1 : 0;
     const int64_t group = a.H / a.Hkv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-        const uint8_t *mask = a.bm ? fc_mask_of(a, b, h) : NULL;
-        for (int64_t i0 = 0; i0 < s.nq; i0 += FC_BWD_BR) {
+        const uint8_t *mask = a.bm ? fc_bm_base(a, b, h) : NULL;
+        for (int64_t i0 = qt0 * FC_BWD_BR; i0 < qt1 * FC_BWD_BR; i0 += FC_BWD_BR) {
             const int64_t i1 = fc_min64(i0 + FC_BWD_BR, s.nq) - 1;
-            if (!fc_band_meets(a, s, i0, i1, j0, j1)) continue;
-            if (!fc_mask_meets(a, mask, i0, i1, j0, j1, tid)) continue;
+            if (!fc_bm_meets(a, mask, i0, i1, j0, j1, tid)) continue;
             fc_bwd_tile<T>(a, sm, s, mask, b, h, i0, j0, tid);
             /* dV += P^T dO, dK += dS^T Q over the tile's rows, chunk by chunk of the head dim. */
             FC_UNROLL
@@ -342,7 +319,7 @@ FC_BWD_FN void fc_bwd_dq_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t bid
     if (i0 >= s.nq) return; /* varlen: this sequence has fewer queries than max_seqlen_q */
     const int64_t i1 = fc_min64(i0 + FC_BWD_BR, s.nq) - 1, hk = h / (a.H / a.Hkv);
     const int r = tid / FC_BWD_TPR, cu = tid % FC_BWD_TPR;
-    const uint8_t *mask = a.bm ? fc_mask_of(a, b, h) : NULL;
+    const uint8_t *mask = a.bm ? fc_bm_base(a, b, h) : NULL;
     float dq[NDC][FC_BWD_CPT];
     FC_UNROLL
     for (int ch = 0; ch < NDC; ++ch) {
@@ -350,13 +327,12 @@ FC_BWD_FN void fc_bwd_dq_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t bid
         for (int u = 0; u < FC_BWD_CPT; ++u) dq[ch][u] = 0.f;
     }
 
-    /* Keys the band lets rows i0 .. i1 see (none when lo > hi, e.g. a sequence without keys). */
-    const int64_t off = s.nk - s.nq;
-    const int64_t lo = a.win_left >= 0 ? fc_max64(0, i0 + off - a.win_left) : 0;
-    const int64_t hi = a.win_right >= 0 ? fc_min64(s.nk - 1, i1 + off + a.win_right) : s.nk - 1;
-    for (int64_t j0 = lo / FC_BWD_BC * FC_BWD_BC; j0 <= hi; j0 += FC_BWD_BC) {
+    /* Key tiles [tb, te) the band lets rows i0 .. i1 see (none, e.g. a sequence without keys: tb == te). */
+    int64_t tb, te;
+    fc_key_tiles(a, i0, i1, s.nk - s.nq, s.nk, (int64_t)FC_BWD_BC, &tb, &te);
+    for (int64_t j0 = tb * FC_BWD_BC; j0 < te * FC_BWD_BC; j0 += FC_BWD_BC) {
         const int64_t j1 = fc_min64(j0 + FC_BWD_BC, s.nk) - 1;
-        if (!fc_mask_meets(a, mask, i0, i1, j0, j1, tid)) continue;
+        if (!fc_bm_meets(a, mask, i0, i1, j0, j1, tid)) continue;
         fc_bwd_tile<T>(a, sm, s, mask, b, h, i0, j0, tid);
         /* dQ += dS K over the tile's keys, chunk by chunk of the head dim. */
         FC_UNROLL
@@ -427,14 +403,7 @@ static fc_bwd_args fc_bwd_make_args(const flashc_problem *p, void *workspace) {
     a.varlen = p->varlen;
     a.cu_q = p->cu_q, a.cu_k = p->cu_k;
     a.scale = p->scale;
-    a.softcap = p->softcap;
-    a.win_left = p->win_left, a.win_right = p->win_right;
-    a.alibi = p->alibi, a.alibi_bs = p->alibi_batch_stride;
-    if (p->block_mask) {
-        a.bm = p->block_mask;
-        a.bm_q = p->bm_q, a.bm_k = p->bm_k, a.bm_batch = p->bm_batch, a.bm_heads = p->bm_heads;
-        a.bm_nqb = p->bm_nqb, a.bm_nkb = p->bm_nkb;
-    }
+    fc_set_scores_and_masks(p, &a);
     a.n_qt = (p->Nq + FC_BWD_BR - 1) / FC_BWD_BR;
     a.n_kt = (p->Nk + FC_BWD_BC - 1) / FC_BWD_BC;
     /* The CUDA forward runs fp32 inputs on bf16 operands (fwd_sm80.cuh): its lse and O belong to the bf16-rounded
