@@ -160,7 +160,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const uint32_t sK = base, sV = base + fc90b_off_v(TL), sQ = base + fc90b_off_q(TL), sG = base + fc90b_off_g(TL),
                    sDS = base + fc90b_off_ds(TL);
     float *const sLD = (float *)(gbase + fc90b_off_ld(TL)); /* slot s: lse2 [bm], then D [bm] */
-    const uint32_t bar_kv = base + fc90b_off_bar(TL), bar_full = bar_kv + 8, bar_empty = bar_full + 8 * ST;
+    const uint32_t bar_kv = base + fc90b_off_bar(TL);
+    const fc90_ring<ST> ring = {bar_kv + 8, bar_kv + 8 + 8 * ST}; /* full[st], empty[st] */
 
     int64_t bid = blockIdx.x;
     const int kt = (int)(bid % a.n_kblk);
@@ -182,10 +183,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_kv, 1);
-        for (int s = 0; s < ST; ++s) {
-            fc90_bar_init(bar_full + 8 * s, 1 + 32);
-            fc90_bar_init(bar_empty + 8 * s, 256);
-        }
+        ring.init(1 + 32, 2 * FC90_WG_THREADS); /* full: expect_tx + producer warp 1; empty: every consumer thread */
         fc90_bar_init_fence();
     }
     __syncthreads();
@@ -202,19 +200,19 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             for (int c = 0; c < NCH; ++c) fc90_tma_load(sK + c * BN * 128, &tm_k, bar_kv, c * 64, n0, hk, b);
             for (int c = 0; c < NCH; ++c) fc90_tma_load(sV + c * BN * 128, &tm_v, bar_kv, c * 64, n0, hk, b);
             for (int it = 0; it < items; ++it) {
-                const int s = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
-                fc90_bar_wait(bar_empty + 8 * s, ((it / ST) & 1) ^ 1);
-                fc90_bar_expect(bar_full + 8 * s, 2 * QB);
+                const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+                ring.wait_empty(it);
+                ring.expect(it, 2 * QB);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sQ + s * QB + c * BM * 128, &tm_q, bar_full + 8 * s, c * 64, m0, h, b);
+                    fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS, m0, h, b);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sG + s * QB + c * BM * 128, &tm_g, bar_full + 8 * s, c * 64, m0, h, b);
+                    fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS, m0, h, b);
             }
         } else if (warp == 1) {
             /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
             for (int it = 0; it < items; ++it) {
-                const int s = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
-                fc90_bar_wait(bar_empty + 8 * s, ((it / ST) & 1) ^ 1);
+                const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+                ring.wait_empty(it);
                 const int64_t r0 = ((int64_t)b * a.H + h) * nq;
                 float *ld = sLD + s * 2 * BM;
                 for (int r = lane; r < BM; r += 32) {
@@ -222,7 +220,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     ld[r] = i < nq ? a.lse[r0 + i] * FC_LOG2E : INFINITY;
                     ld[BM + r] = i < nq ? a.dvec[r0 + i] : 0.f;
                 }
-                fc90_bar_arrive(bar_full + 8 * s);
+                ring.arrive_full(it);
             }
         }
         return;
@@ -262,9 +260,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     int staged_slot = -1;
     if (items > 0) fc90_bar_wait(bar_kv, 0);
     for (int it = 0; it < items; ++it) {
-        const int slot = it % ST, h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+        const int slot = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
         const uint32_t qoff = (slot * QB) >> 4;
-        fc90_bar_wait(bar_full + 8 * slot, (it / ST) & 1);
+        ring.wait_full(it);
 
         fc90_pin(s);
         fc90_pin(dp);
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * 128) >> 4));
         if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
             fc90_bulk_wait_read();
-            fc90_bar_arrive(bar_empty + 8 * staged_slot);
+            ring.release_slot(staged_slot);
             staged_slot = -1;
         }
         const float *lse2 = sLD + slot * 2 * BM + q0, *dvec = lse2 + BM;
@@ -401,10 +399,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     fc90_bulk_commit();
                     staged_slot = slot;
                 } else {
-                    fc90_bar_arrive(bar_empty + 8 * slot);
+                    ring.release_slot(slot);
                 }
             } else {
-                fc90_bar_arrive(bar_empty + 8 * slot);
+                ring.release_slot(slot);
             }
         } else {
             uint32_t pa[BM / 16][4], da[BM / 16][4];
@@ -454,7 +452,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 fc90_pin(dk);
                 fc90_pin(pa);
                 fc90_pin(da);
-                fc90_bar_arrive(bar_empty + 8 * slot);
+                ring.release_slot(slot);
                 if (mine) {
                     /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
                      * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous
@@ -489,7 +487,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 fc90_pin(dk);
                 fc90_pin(pa);
                 fc90_pin(da);
-                fc90_bar_arrive(bar_empty + 8 * slot);
+                ring.release_slot(slot);
             }
         }
     }

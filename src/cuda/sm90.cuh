@@ -68,14 +68,17 @@ static __device__ __forceinline__ void fc90_bar_wait(uint32_t bar, uint32_t pari
  * into it (its expect_tx and the TMA bytes complete the full barrier's phase), the consumers wait until it is full
  * and release it once their reads are complete. Uses are numbered over the block's whole run: use u takes slot
  * u % ST in round u / ST, whose phase has parity (u / ST) & 1; the producer waits for the empty phase of the round
- * before (parity flipped), which a fresh mbarrier reports complete at once, so round 0 needs no releases.
+ * before (parity flipped), which a fresh mbarrier reports complete at once, so round 0 needs no releases. The use
+ * count is any integer type (U); a kernel keeps the type its arithmetic was tuned with.
  */
 template <int ST>
 struct fc90_ring {
     uint32_t full, empty; /* shared-memory addresses of slot 0's mbarriers; slot s's are 8 s bytes further */
 
-    __device__ __forceinline__ uint32_t slot(uint32_t u) const { return u % ST; }
-    __device__ __forceinline__ uint32_t full_bar(uint32_t u) const { return full + 8 * (u % ST); }
+    template <typename U>
+    __device__ __forceinline__ U slot(U u) const { return u % ST; }
+    template <typename U>
+    __device__ __forceinline__ uint32_t full_bar(U u) const { return full + 8 * (u % ST); }
     /* One thread, before use: the arrivals each phase of a full / an empty barrier takes. */
     __device__ __forceinline__ void init(uint32_t full_arrivals, uint32_t empty_arrivals) const {
         for (int s = 0; s < ST; ++s) {
@@ -85,15 +88,22 @@ struct fc90_ring {
     }
     /* Producer: returns once use u's slot is free, then announces its bytes (one arrival); the TMA loads
      * complete on full_bar(u). */
-    __device__ __forceinline__ void wait_empty(uint32_t u) const {
+    template <typename U>
+    __device__ __forceinline__ void wait_empty(U u) const {
         fc90_bar_wait(empty + 8 * (u % ST), ((u / ST) & 1) ^ 1);
     }
-    __device__ __forceinline__ void expect(uint32_t u, uint32_t bytes) const { fc90_bar_expect(full_bar(u), bytes); }
+    template <typename U>
+    __device__ __forceinline__ void expect(U u, uint32_t bytes) const { fc90_bar_expect(full_bar(u), bytes); }
     /* An arrival on use u's full barrier without bytes (a producer thread that wrote the slot itself). */
-    __device__ __forceinline__ void arrive_full(uint32_t u) const { fc90_bar_arrive(full_bar(u)); }
+    template <typename U>
+    __device__ __forceinline__ void arrive_full(U u) const { fc90_bar_arrive(full_bar(u)); }
     /* Consumers: returns once use u's data is in its slot; release: this thread's reads of it are done. */
-    __device__ __forceinline__ void wait_full(uint32_t u) const { fc90_bar_wait(full_bar(u), (u / ST) & 1); }
-    __device__ __forceinline__ void release(uint32_t u) const { fc90_bar_arrive(empty + 8 * (u % ST)); }
+    template <typename U>
+    __device__ __forceinline__ void wait_full(U u) const { fc90_bar_wait(full_bar(u), (u / ST) & 1); }
+    template <typename U>
+    __device__ __forceinline__ void release(U u) const { fc90_bar_arrive(empty + 8 * (u % ST)); }
+    /* The same by slot, for a consumer that keeps the slot of a use it releases later. */
+    __device__ __forceinline__ void release_slot(uint32_t s) const { fc90_bar_arrive(empty + 8 * s); }
 };
 
 /* ---- named barriers between the two consumer warpgroups --------------------------------------------------- */
