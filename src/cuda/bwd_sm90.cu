@@ -114,7 +114,8 @@ static __device__ __forceinline__ void fc90b_scores_issue(float (&acc)[N / 2], u
     constexpr fc90_btile TL = fc90_btile_for(D);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t aoff = (kk / 4) * TL.bn * 128 + (kk % 4) * 32, boff = (kk / 4) * TL.bm * 128 + (kk % 4) * 32;
+        const uint32_t aoff = (kk / 4) * TL.bn * FC90_SW_ROW + (kk % 4) * 32,
+                       boff = (kk / 4) * TL.bm * FC90_SW_ROW + (kk % 4) * 32;
         fc90_mma_ss<N, BF>(acc, da + (aoff >> 4), db + (boff >> 4), kk > 0);
     }
     fc90_wgmma_commit();
@@ -152,7 +153,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     constexpr int DW = SPLIT ? D / 2 : D, SN = SPLIT ? BM / 2 : BM;
     constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
     static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && BM == 64 && ST >= 2, "tile table");
-    static_assert(128 * (168 - 32) >= 256 * (FC90B_CONS_REGS - 168), "the consumers grow by what the producer frees");
+    static_assert(FC90_WG_THREADS * (168 - 32) >= 2 * FC90_WG_THREADS * (FC90B_CONS_REGS - 168),
+                  "the consumers grow by what the producer frees");
 
     extern __shared__ uint8_t fc90_smem[];
     const uint32_t base = (fc_smem_addr(fc90_smem) + 1023u) & ~1023u;
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     }
     __syncthreads();
 
-    const int wg = threadIdx.x / 128;
+    const int wg = threadIdx.x / FC90_WG_THREADS;
     if (wg == 0) {
         fc90_regs_dec<32>();
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -197,16 +199,20 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_tma_prefetch(&tm_q);
             fc90_tma_prefetch(&tm_g);
             fc90_bar_expect(bar_kv, 2 * KVB);
-            for (int c = 0; c < NCH; ++c) fc90_tma_load(sK + c * BN * 128, &tm_k, bar_kv, c * 64, n0, hk, b);
-            for (int c = 0; c < NCH; ++c) fc90_tma_load(sV + c * BN * 128, &tm_v, bar_kv, c * 64, n0, hk, b);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
             for (int it = 0; it < items; ++it) {
                 const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
                 ring.wait_empty(it);
                 ring.expect(it, 2 * QB);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS, m0, h, b);
+                    fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS, m0, h,
+                                  b);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS, m0, h, b);
+                    fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS, m0, h,
+                                  b);
             }
         } else if (warp == 1) {
             /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
@@ -227,7 +233,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     }
 
     fc90_regs_inc<FC90B_CONS_REGS>();
-    const int cw = wg - 1, t = threadIdx.x % 128, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
+    const int cw = wg - 1, t = threadIdx.x % FC90_WG_THREADS, warp = t / 32, lane = t % 32, g = lane / 4,
+              tig = lane % 4;
     const int krow = SPLIT ? 0 : 64 * cw;          /* this warpgroup's first key row in the tile */
     const int key0 = n0 + krow + 16 * warp + g;     /* this thread's first key (the second is key0 + 8) */
     const int col0 = SPLIT ? cw * DW : 0;           /* its first column of dK, dV (and of dQ when SPLIT) */
@@ -241,15 +248,18 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
      * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
      * and K as its B, both MN-major (8-key groups 1024 bytes apart, a k16 step 2048 bytes). */
-    const uint64_t dKa = fc90_desc(sK + krow * 128, 16, 1024), dVa = fc90_desc(sV + krow * 128, 16, 1024);
+    const uint64_t dKa = fc90_desc(sK + krow * FC90_SW_ROW, 16, 1024),
+                   dVa = fc90_desc(sV + krow * FC90_SW_ROW, 16, 1024);
     const uint64_t dQk = fc90_desc(sQ, 16, 1024), dGk = fc90_desc(sG, 16, 1024);
-    const uint32_t gcol = (uint32_t)(col0 / 64) * BM * 128; /* this warpgroup's first column chunk of Q, dO */
-    const uint64_t dQn = fc90_desc(sQ + gcol, BM * 128, 1024), dGn = fc90_desc(sG + gcol, BM * 128, 1024);
+    const uint32_t gcol = (uint32_t)(col0 / 64) * BM * FC90_SW_ROW; /* this warpgroup's first column chunk of Q, dO */
+    const uint64_t dQn = fc90_desc(sQ + gcol, BM * FC90_SW_ROW, 1024),
+                   dGn = fc90_desc(sG + gcol, BM * FC90_SW_ROW, 1024);
     /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step; at
      * d 256 its DW columns (two chunks, LBO apart), every step. DQN: the N of that product. */
     constexpr int DQN = SPLIT ? DW : 64;
     const int dq_chunk = SPLIT ? col0 / 64 : NCH > 1 ? cw : 0;
-    const uint64_t dKn = fc90_desc(sK + dq_chunk * BN * 128, BN * 128, 1024), dSn = fc90_desc(sDS, BM * 128, 1024);
+    const uint64_t dKn = fc90_desc(sK + dq_chunk * BN * FC90_SW_ROW, BN * FC90_SW_ROW, 1024),
+                   dSn = fc90_desc(sDS, BM * FC90_SW_ROW, 1024);
     uint8_t *const sdq = gbase + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
     /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
     const int wg_last_key = n0 + krow + 63;
@@ -268,8 +278,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         fc90_pin(dp);
         fc90_wgmma_fence();
         const int q0 = SPLIT ? 32 * cw : 0; /* the step's first query this warpgroup scores */
-        fc90b_scores_issue<D, SN, BF>(s, dKa, dQk + qoff + ((uint32_t)(q0 * 128) >> 4));
-        fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * 128) >> 4));
+        fc90b_scores_issue<D, SN, BF>(s, dKa, dQk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
+        fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
         if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
             fc90_bulk_wait_read();
             ring.release_slot(staged_slot);
@@ -335,7 +345,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
-                    const uint32_t off = row * 128 + ((piece ^ (row & 7)) * 16) + 4 * tig;
+                    const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16) + 4 * tig;
                     *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
                     *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
                 }
@@ -390,12 +400,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     }
                 }
                 fc90_fence_proxy_async();
-                fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
                 if (t == 0) {
                     const uint32_t src = (cw ? sG : sQ) + slot * QB;
 #pragma unroll
                     for (int bx = 0; bx < DQN / 32; ++bx)
-                        fc90_tma_reduce_add(&tm_dq, src + bx * (BM * 128), col0 + 32 * bx, h, m0, b);
+                        fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), col0 + 32 * bx, h, m0, b);
                     fc90_bulk_commit();
                     staged_slot = slot;
                 } else {
@@ -459,7 +469,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                      * step's reduction has read it. */
                     fc90_pin(dq);
                     if (t == 0) fc90_bulk_wait_read();
-                    fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                    fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
                     const int r0 = 16 * warp + g;
     #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
@@ -472,12 +482,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                         }
                     }
                     fc90_fence_proxy_async();
-                    fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
+                    fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
                     if (t == 0) {
                         const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
                         static_assert(DQN == 64, "two staging boxes of 32 columns");
                         fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
-                        fc90_tma_reduce_add(&tm_dq, src + BM * 128, dq_chunk * 64 + 32, h, m0, b);
+                        fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, m0, b);
                         fc90_bulk_commit();
                     }
                 }
@@ -519,8 +529,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     fc_pack2<BF>(dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1]);
             }
         }
-        fc90_nbar_sync(FC90B_BAR_DQ + cw, 128);
-        for (int c = t; c < 2 * 64 * (DW / 8); c += 128) {
+        fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
+        for (int c = t; c < 2 * 64 * (DW / 8); c += FC90_WG_THREADS) {
             const int r = c / (DW / 8), piece = c % (DW / 8), which = r / 64, key = n0 + krow + r % 64;
             if (key >= nk) continue;
             const int64_t off = which ? (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh
