@@ -25,15 +25,21 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--b", type=int, default=0, help="batch (default 16384 / N)")
     ap.add_argument("--h", type=int, default=0, help="heads (default 2048 / D)")
+    ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
+    ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2^(-8 h / H)")
     args = ap.parse_args()
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    kw = dict(causal=args.causal, window_size=tuple(int(x) for x in args.window.split(",")), softcap=args.softcap)
+    if args.alibi:
+        kw["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
     for _ in range(args.repeat):
-        out, lse = flashc.attention(q, k, v, causal=args.causal)
+        out, lse = flashc.attention(q, k, v, **kw)
         if not args.no_bwd:
-            flashc.attention_backward(g, q, k, v, out, lse, causal=args.causal, deterministic=args.deterministic)
+            flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)
     torch.cuda.synchronize()
-    print("ran B %d N %d H %d D %d causal %d" % (B, args.n, H, args.d, args.causal))
+    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, kw))
 
 
 if __name__ == "__main__":

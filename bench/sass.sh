@@ -17,7 +17,7 @@ JOBS=${JOBS:-$(nproc)}
 NVCC=${NVCC:-nvcc}
 CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13/bin/cuobjdump"))' 2>/dev/null || true)}
 if [[ -z "$CUOBJDUMP" || ! -x "$CUOBJDUMP" ]]; then
-    echo "bench/sass.sh: needs cuobjdump (the CUDA toolkit's, or: pip install nvidia-cuda-cuobjdump)" >&2
+    echo "bench/sass.sh: needs cuobjdump (the CUDA toolkit's, or: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)" >&2
     exit 2
 fi
 export PATH="$(dirname "$CUOBJDUMP"):$PATH" # its nvdisasm

@@ -25,7 +25,28 @@ static int failures = 0;
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
-static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels) {
+/* The cases of the table with each score modifier or mask on 16-bit inputs, which the Hopper kernel takes (when
+ * they are neither varlen nor block-sparse), and how many of them ran on it. */
+enum { FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_N };
+static const char *const feat_name[FEAT_N] = {"window", "softcap", "alibi", "varlen"};
+typedef struct feature_tally {
+    int cases[FEAT_N], sm90[FEAT_N];
+} feature_tally;
+
+static void feature_add(feature_tally *ft, const flashc_case *c, const char *kernel) {
+    if (!ft || c->dtype == FLASHC_DTYPE_F32 || c->block_q) return;
+    if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
+    if (kernel && strstr(kernel, "split-KV")) return; /* few blocks: the keys are split, on mma.sync by design */
+    const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
+                             c->alibi != 0, c->varlen != 0};
+    for (int f = 0; f < FEAT_N; f++)
+        if (has[f]) {
+            ft->cases[f]++;
+            if (kernel && strncmp(kernel, "sm90", 4) == 0) ft->sm90[f]++;
+        }
+}
+
+static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
     int passed = 0;
@@ -41,6 +62,7 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         }
         const int ok = r.pass;
         tally_add(kernels, r.kernel_fwd);
+        feature_add(ft, &c, r.kernel_fwd);
         printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g) on %s%s%s\n", ok ? "ok  " : "FAIL", c.name,
                flashc_dtype_name(c.dtype), r.err_out, r.tol_out, r.err_lse, r.tol_lse,
                r.kernel_fwd ? r.kernel_fwd : "?", r.message[0] ? " -- " : "", r.message);
@@ -176,6 +198,62 @@ static void run_problem(flashc_context_t ctx, problem_buf *pb) {
     CHECK_CUDA(cudaDeviceSynchronize());
 }
 
+/*
+ * Varlen on the Hopper kernel: the last key tile of a sequence reaches into the next one's rows (TMA zero-fills
+ * only past the packed tensor). With the next sequence's values all NaN, the first sequence's output and lse must
+ * be finite and bitwise what they are with finite values there (its P is 0 on those keys, and 0 x NaN is NaN
+ * unless the kernel clears them). Sequences of 100 and 300 rows (tiles of 128 keys), H 2, D 64 / 128 / 256.
+ */
+static void varlen_nan_neighbour(flashc_context_t ctx, const char *want) {
+    const int H = 2, L0 = 100, L1 = 300, T = L0 + L1;
+    const int32_t cu[3] = {0, L0, T};
+    int32_t *dcu;
+    CHECK_CUDA(cudaMalloc(&dcu, sizeof cu));
+    CHECK_CUDA(cudaMemcpy(dcu, cu, sizeof cu, cudaMemcpyHostToDevice));
+    for (int D = 64; D <= 256; D *= 2) {
+        const int64_t n = (int64_t)T * H * D, first = (int64_t)L0 * H * D;
+        uint16_t *q, *k, *v, *o;
+        float *lse;
+        CHECK_CUDA(cudaMalloc(&q, n * 2));
+        CHECK_CUDA(cudaMalloc(&k, n * 2));
+        CHECK_CUDA(cudaMalloc(&v, n * 2));
+        CHECK_CUDA(cudaMalloc(&o, n * 2));
+        CHECK_CUDA(cudaMalloc(&lse, (size_t)H * T * sizeof(float)));
+        fill(q, n, 51 + D, 1.5f);
+        fill(k, n, 52 + D, 1.f);
+        fill(v, n, 53 + D, 1.f);
+        flashc_tensor tq = flashc_tensor_contiguous(q, FLASHC_DTYPE_BF16, 1, T, H, D);
+        flashc_tensor tk = flashc_tensor_contiguous(k, FLASHC_DTYPE_BF16, 1, T, H, D);
+        flashc_tensor tv = flashc_tensor_contiguous(v, FLASHC_DTYPE_BF16, 1, T, H, D);
+        flashc_tensor to = flashc_tensor_contiguous(o, FLASHC_DTYPE_BF16, 1, T, H, D);
+        flashc_params prm = flashc_params_default();
+        prm.cu_seqlens_q = prm.cu_seqlens_k = dcu;
+        prm.num_seqs = 2;
+        prm.max_seqlen_q = prm.max_seqlen_k = L1;
+        const char *kn = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &tq, &tk, &tv, &prm);
+        const int kernel_ok = kn && strncmp(kn, want, strlen(want)) == 0;
+        uint16_t *ref = (uint16_t *)malloc(first * 2), *got = (uint16_t *)malloc(first * 2);
+        float *lref = (float *)malloc(2 * sizeof(float) * H * T), *lgot = lref + H * T;
+        CHECK_FC(ctx, flashc_forward(ctx, &tq, &tk, &tv, &prm, &to, lse, NULL, 0));
+        CHECK_CUDA(cudaMemcpy(ref, o, first * 2, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(lref, lse, sizeof(float) * H * T, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemset(v + first, 0xff, (n - first) * 2)); /* 0xffff: a NaN in bf16 */
+        CHECK_CUDA(cudaMemset(o, 0, n * 2));
+        CHECK_FC(ctx, flashc_forward(ctx, &tq, &tk, &tv, &prm, &to, lse, NULL, 0));
+        CHECK_CUDA(cudaMemcpy(got, o, first * 2, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(lgot, lse, sizeof(float) * H * T, cudaMemcpyDeviceToHost));
+        int same = memcmp(ref, got, first * 2) == 0;
+        for (int h = 0; h < H; h++) same = same && memcmp(lref + h * T, lgot + h * T, L0 * sizeof(float)) == 0;
+        const int ok = same && kernel_ok;
+        printf("%s varlen_nan_neighbour d%-3d on %s: first sequence %s\n", ok ? "ok  " : "FAIL", D, kn ? kn : "?",
+               same ? "bitwise unchanged" : "CHANGED by the next sequence's NaN values");
+        if (!ok) failures++;
+        free(ref), free(got), free(lref);
+        cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(o), cudaFree(lse);
+    }
+    cudaFree(dcu);
+}
+
 /* Checks that the problem runs on the kernel whose name starts with want (NULL: anything). */
 static void expect_kernel(flashc_context_t ctx, const char *what, problem_buf *pb, const char *want) {
     const char *k = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &pb->tq, &pb->tk, &pb->tv, &pb->prm);
@@ -248,21 +326,31 @@ int main(int argc, char **argv) {
     const char *sm90 = hopper ? "sm90" : "sm80"; /* where the Hopper kernel must take a shape */
 
     kernel_tally kernels = {};
-    run_table(ctx, !quick, 1000, &kernels);
+    feature_tally feats = {};
+    run_table(ctx, !quick, 1000, &kernels, &feats);
     tally_print("table", &kernels);
-    /* The table covers both generations on a Hopper GPU: plain and causal rows on the Hopper kernel, the features
-     * it lacks (softcap, ALiBi, windows, block masks, varlen) on mma.sync. */
+    /* The table covers both generations on a Hopper GPU: plain, causal, window, softcap and ALiBi rows on the Hopper
+     * kernel, the features it lacks (block masks, varlen) and f32 on mma.sync. */
     const int n_sm80 = tally_count(&kernels, "sm80"), n_sm90 = tally_count(&kernels, "sm90");
     /* (The reduced table of --quick, for the sanitizers, is too small to promise both.) */
     const int cover = n_sm80 + n_sm90 == tally_total(&kernels) && (quick || (n_sm80 > 0 && (!hopper || n_sm90 > 0)));
     printf("%s table kernels: %d sm80, %d sm90 of %d cases\n", cover ? "ok  " : "FAIL", n_sm80, n_sm90,
            tally_total(&kernels));
     if (!cover) failures++;
+    if (hopper && !quick)
+        for (int f = 0; f < FEAT_N; f++) {
+            /* Every 16-bit case of a feature the Hopper kernel takes ran on it (the table's layouts are all
+             * TMA-aligned for these cases), and there was at least one. */
+            const int ok = feats.cases[f] > 0 && feats.sm90[f] == feats.cases[f];
+            printf("%s %s cases on sm90: %d of %d\n", ok ? "ok  " : "FAIL", feat_name[f], feats.sm90[f],
+                   feats.cases[f]);
+            if (!ok) failures++;
+        }
     if (!quick) {
         /* The mma.sync forward on its own (FLASHC_CUDA_FWD=sm80), which the Hopper kernel otherwise replaces. */
         flashc_context_t sm80 = gpu_context_with("FLASHC_CUDA_FWD", "sm80");
         kernel_tally k80 = {};
-        run_table(sm80, 0, 3000, &k80);
+        run_table(sm80, 0, 3000, &k80, NULL);
         tally_print("FLASHC_CUDA_FWD=sm80", &k80);
         const int only80 = tally_count(&k80, "sm80") == tally_total(&k80) && tally_total(&k80) > 0;
         printf("%s FLASHC_CUDA_FWD=sm80 runs only sm80 kernels\n", only80 ? "ok  " : "FAIL");
@@ -288,6 +376,7 @@ int main(int argc, char **argv) {
         long_shape(ctx, "persistent_nq_gt_nk_causal", (shape){4, 3000, 700, 8, 8, 128, 1}, 2400, 19, sm90);
         determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100, sm90);
         determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100, sm90);
+        varlen_nan_neighbour(ctx, sm90);
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

@@ -303,6 +303,7 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
     a.B = (int)p->B, a.H = (int)p->H, a.Hkv = (int)p->Hkv, a.Nq = (int)p->Nq, a.Nk = (int)p->Nk, a.D = (int)p->D;
     a.varlen = p->varlen;
     a.total_q = p->varlen ? p->total_q : p->B * p->Nq;
+    a.total_k = p->varlen ? p->total_k : p->B * p->Nk;
     a.cu_q = p->cu_q, a.cu_k = p->cu_k;
     fc_set_scores_and_masks(p, &a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;

@@ -366,27 +366,9 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    /* Row i keeps keys jlo..jhi of the band; the block mask, when it cuts the tile, per key. */
+                    /* Row i keeps keys of the band; the block mask, when it cuts the tile, per key. */
                     const int i = m0 + wr0 + mt * 16 + g + hf * 8;
-                    int jlo, jhi;
-                    fc_row_keys(a, i, diag, nk, jlo, jhi);
-                    const uint8_t *bmr = part && i < nq ? fc_bm_row(a, bmrow, i) : NULL;
-                    const int jd = i + diag - n0 - tig * 2; /* i + diag - j at nt = 0, e = 0 */
-#pragma unroll
-                    for (int nt = 0; nt < NKT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int j = n0 + nt * 8 + tig * 2 + e;
-                            float dcap;
-                            float x = fc_score<fc_fast_math>(a, s[mt][nt][2 * hf + e], dcap);
-                            if (a.alibi) x -= fc_alibi(slope2, jd - nt * 8 - e);
-                            if (need_mask) {
-                                bool vis = j >= jlo && j <= jhi;
-                                if (part) vis = vis && bmr && fc_bm_keeps(a, bmr, j);
-                                if (!vis) x = -INFINITY;
-                            }
-                            s[mt][nt][2 * hf + e] = x;
-                        }
+                    fc_score_row(a, s[mt], hf, i, n0, tig, diag, nq, nk, slope2, need_mask, part, bmrow);
                 }
         }
 

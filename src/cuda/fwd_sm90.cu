@@ -45,9 +45,17 @@
  * Turns: named barrier 1 + c is consumer c's turn, round robin; see fc90_turn_begin. Otherwise the warpgroups
  * synchronize only through the mbarriers; each consumer warp stages its own output rows.
  *
- * Masks: key tiles wholly above the causal diagonal of the block's last row are never loaded; tiles cut by the
- * diagonal or by the end of the keys are masked per element to -inf before the softmax (TMA zero-fills rows
- * past the end of the keys and of the queries; rows past Nq are computed and not written).
+ * Scores and masks (score.cuh's shared step): key tiles outside the band of every row of the query tile (causal
+ * or sliding window, fc_key_tiles) are never loaded; tiles cut by the band or by the end of the keys are masked
+ * per element to -inf before the softmax (TMA zero-fills rows past the end of the keys and of the queries; rows
+ * past Nq are computed and not written). Plain scores stay raw, the scale folded into the exponent; softcap and
+ * ALiBi take every element through fc_score_row, under the P V product in flight like the rest of the softmax
+ * (in kernels of their own, GENERIC, so that the plain kernels keep their registers).
+ *
+ * Varlen: the tensor maps span the packed rows (one batch), a tile's sequence comes from cu_seqlens, and its loads
+ * start at the sequence's first row; query tiles past a sequence's end (max_seqlen_q is the grid's) have no work.
+ * A tile at the end of a sequence reads the next one's rows: its keys are masked like keys past the end, and its
+ * V rows are cleared before P V (fc90_clear_v_tail), so that no value of another sequence reaches the output.
  */
 #include "common.cuh"
 #include "fwd_sm90.h"
@@ -61,6 +69,7 @@ __host__ __device__ constexpr int fc90_consumers(fc90_tile t) { return t.br / 64
 __host__ __device__ constexpr int fc90_threads(fc90_tile t) { return FC90_WG_THREADS * (1 + fc90_consumers(t)); }
 #define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
 #define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
+#define FC90_BAR_VCLEAR 5   /* 5 .. 4 + consumers: one consumer's V tail cleared (varlen, fc90_clear_v_tail) */
 
 /* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging (unless it
  * overlays Q and K), mbarriers. */
@@ -114,6 +123,13 @@ static_assert(fc90_smem_bytes(fc90_tile_for(64)) <= FC90_SMEM_MAX && fc90_smem_b
               "shared memory per block");
 static_assert(fc90_o_bytes(fc90_tile_for(256)) <= fc90_end_v(fc90_tile_for(256)), "aliased staging within Q, K, V");
 
+/* Whether a problem's scores take the generic element step (GENERIC kernels: a score modifier, softcap or ALiBi,
+ * or a scale that the softmax's exponent cannot fold); the raw kernels keep their registers for the plain path
+ * (with the generic step compiled in, the d 64 kernel spilled 96 bytes). */
+static __host__ __device__ __forceinline__ bool fc90_generic(const flashc_fwd_args *a) {
+    return !(fc_score_plain(*a) && a->score_mul > 0.f);
+}
+
 #if FC90_DEVICE
 
 /* ---- the consumer's tile operations ------------------------------------------------------------------------ */
@@ -133,16 +149,16 @@ static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D)
     fc90_wgmma_commit();
 }
 
-/* Keys past the end, or past row i's diagonal + win_right, to -inf (fc_row_keys, fc_mask_row; the kernel takes no
- * left window); i0 is the thread's first row (the second is i0 + 8), n0 the tile's first key. */
+/* Keys past the end or outside row i's band to -inf (fc_row_keys, fc_mask_row); i0 is the thread's first row (the
+ * second is i0 + 8), n0 the tile's first key. */
 template <int BC>
 static __device__ __forceinline__ void fc90_mask(const flashc_fwd_args &a, float (&s)[BC / 2], int i0, int n0, int nk,
                                                  int diag, int tig) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         int jlo, jhi;
-        fc_row_keys<false>(a, i0 + 8 * hf, diag, nk, jlo, jhi);
-        fc_mask_row<false>(s, hf, jlo, jhi, n0, tig);
+        fc_row_keys(a, i0 + 8 * hf, diag, nk, jlo, jhi);
+        fc_mask_row<true>(s, hf, jlo, jhi, n0, tig);
     }
 }
 
@@ -193,12 +209,25 @@ static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_s
     if (row_sum != row_sum) asm volatile("membar.cta;\n" ::: "memory");
 }
 
-/* Keys past the end, or past the band edge, to -inf when either cuts this warpgroup's part of the tile of keys
- * from n0 (rows [w0, w0 + 63]; i0 is the thread's first row). */
+/*
+ * The score and mask step on this warpgroup's part of the tile of keys from n0 (rows [w0, w0 + 63]; i0 is the
+ * thread's first row). Plain scores (generic false) stay raw, the scale folded into the softmax's exponent, and
+ * only the elements outside the band or past the end of the keys go to -inf, when either cuts the tile. With a
+ * score modifier (softcap, ALiBi: generic) every element takes score.cuh's fc_score_row, and the softmax takes
+ * the scores with smul 1.
+ */
 template <int BC>
-static __device__ __forceinline__ void fc90_mask_tile(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
-                                                      int n0, int nk, int diag, int tig) {
-    if (fc_band_cuts<false>(a, w0, w0 + 63, n0, n0 + BC - 1, diag, nk)) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
+static __device__ __forceinline__ void fc90_scores(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
+                                                   int n0, int nq, int nk, int diag, int tig, bool generic,
+                                                   float slope2) {
+    const bool cut = fc_band_cuts(a, w0, w0 + 63, n0, n0 + BC - 1, diag, nk);
+    if (generic) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+            fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut, false, (const uint8_t *)NULL);
+    } else if (cut) {
+        fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
+    }
 }
 
 /* The ping-pong's turn (FA3 section 3.1), a round robin over the NC consumers: consumer cw waits for its turn
@@ -231,14 +260,44 @@ static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk,
     b = (int)(hb / H);
 }
 
-/* Key tiles any row of query tile mblk sees under the band (fc_key_tiles; the kernel takes no left window, so
- * they start at 0). */
+/* Sequence b's rows: its first query and key rows in the (packed, with varlen) tensors, q0 and k0, and its
+ * lengths nq and nk; qb is its batch coordinate in the tensor maps (0 with varlen: one packed batch). */
+struct fc90_seq {
+    int q0, k0, nq, nk, qb;
+};
+static __device__ __forceinline__ fc90_seq fc90_seq_of(const flashc_fwd_args &a, int b) {
+    if (!a.varlen) return {0, 0, a.Nq, a.Nk, b};
+    const int q0 = a.cu_q[b], k0 = a.cu_k[b];
+    return {q0, k0, a.cu_q[b + 1] - q0, a.cu_k[b + 1] - k0, 0};
+}
+
+/* Key tiles [*tb, *te) that some row of query tile mblk sees under the band (fc_key_tiles); none for a tile past
+ * the end of its sequence's queries (varlen: a shorter sequence than max_seqlen_q). */
 template <int BR, int BC>
-static __device__ __forceinline__ int fc90_key_tiles(const flashc_fwd_args &a, int mblk) {
-    const int mlast = min(mblk * BR + BR, a.Nq) - 1;
-    int tb, te;
-    fc_key_tiles<false>(a, mblk * BR, mlast, a.Nk - a.Nq, a.Nk, BC, &tb, &te);
-    return te;
+static __device__ __forceinline__ void fc90_key_tiles(const flashc_fwd_args &a, const fc90_seq &sq, int mblk, int *tb,
+                                                      int *te) {
+    *tb = *te = 0;
+    if (mblk * BR >= sq.nq) return;
+    const int mlast = min(mblk * BR + BR, sq.nq) - 1;
+    fc_key_tiles(a, mblk * BR, mlast, sq.nk - sq.nq, sq.nk, BC, tb, te);
+}
+
+/*
+ * Varlen: the V rows of the tile at the end of a sequence (valid rows of BC) past that end hold the next
+ * sequence's values (TMA zero-fills only past the packed tensor). P is 0 there, but 0 x inf or NaN is NaN, so each
+ * consumer warpgroup clears them (16-byte zeros over whole swizzled rows) before its P V reads the slot, fences
+ * the writes to the async proxy and syncs its 128 threads. The consumers clear the same rows with the same zeros.
+ */
+template <int D, int BC>
+static __device__ __forceinline__ void fc90_clear_v_tail(uint32_t vslot, int valid, int cw, int t) {
+    const int rows = BC - valid, pieces = rows * (D / FC90_SW_COLS) * 8; /* 8 pieces of 16 bytes per chunk row */
+    for (int e = t; e < pieces; e += FC90_WG_THREADS) {
+        const int piece = e % 8, r = valid + (e / 8) % rows, c = e / 8 / rows;
+        const uint32_t addr = vslot + c * BC * FC90_SW_ROW + r * FC90_SW_ROW + piece * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fc90_nbar_sync(FC90_BAR_VCLEAR + cw, FC90_WG_THREADS);
 }
 
 /* The block's shared memory: the operand tiles (shared-memory addresses), the rings of Q (one slot per tile), K
@@ -285,11 +344,15 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
         }
         int mblk, h, b;
         fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
-        const int hk = h / (a.H / a.Hkv), ntiles = fc90_key_tiles<BR, BC>(a, mblk);
+        const fc90_seq sq = fc90_seq_of(a, b);
+        int tb, te;
+        fc90_key_tiles<BR, BC>(a, sq, mblk, &tb, &te);
+        const int hk = h / (a.H / a.Hkv), ntiles = te - tb;
         if (ntiles > 0) {
             sm.qr.expect(nt, fc90_q_bytes(TL));
             for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sm.q + c * BR * FC90_SW_ROW, &tm_q, sm.qr.full_bar(nt), c * FC90_SW_COLS, mblk * BR, h, b);
+                fc90_tma_load(sm.q + c * BR * FC90_SW_ROW, &tm_q, sm.qr.full_bar(nt), c * FC90_SW_COLS,
+                              sq.q0 + mblk * BR, h, sq.qb);
         } else {
             sm.qr.arrive_full(nt);
         }
@@ -300,13 +363,13 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             sm.kr.wait_empty(kv_it);
             sm.kr.expect(kv_it, KV_BYTES);
             for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it), c * FC90_SW_COLS, it * BC,
-                              hk, b);
+                fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it), c * FC90_SW_COLS,
+                              sq.k0 + (tb + it) * BC, hk, sq.qb);
             sm.vr.wait_empty(kv_it);
             sm.vr.expect(kv_it, KV_BYTES);
             for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it), c * FC90_SW_COLS, it * BC,
-                              hk, b);
+                fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it), c * FC90_SW_COLS,
+                              sq.k0 + (tb + it) * BC, hk, sq.qb);
         }
         tile = next;
         if (!PERSIST) break;
@@ -322,17 +385,18 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
 }
 
 /*
- * One consumer warpgroup's products and softmax over the ntiles key tiles of a query tile (rings' uses kv_it ..
- * kv_it + ntiles - 1): O (unnormalized), the row maxima and (thread-partial) sums. Turn it issues S_it = Q K_it^T
+ * One consumer warpgroup's products and softmax over the ntiles key tiles from key tile tb of a query tile (rings'
+ * uses kv_it .. kv_it + ntiles - 1; slope2: the head's ALiBi slope in base 2): O (unnormalized), the row maxima and (thread-partial) sums. Turn it issues S_it = Q K_it^T
  * and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha of softmax it - 1, whose P V is only now
  * added), then runs softmax it on S_it; the softmax starts once S_it is done, while P V still runs (so it must
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
  * live together. Q is released (PERSIST) after the tile's last S.
  */
-template <int D, int BF>
+template <int D, int BF, bool GENERIC>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, uint32_t nt,
-                                                         uint32_t kv_it, int ntiles, int m0, int cw, int row0, int tig,
+                                                         uint32_t kv_it, int tb, int ntiles, float slope2, int nq, int nk,
+                                                         int m0, int cw, int row0, int tig,
                                                          uint64_t dq, uint64_t dk, uint64_t dv, float (&o)[D / 2],
                                                          float (&s)[fc90_tile_for(D).bc / 2], float (&row_m)[2],
                                                          float (&row_l)[2]) {
@@ -340,7 +404,14 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     constexpr int BC = TL.bc, NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
-    const int nk = a.Nk, diag = a.Nk - a.Nq, w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
+    const int diag = nk - nq, w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
+    const int t = threadIdx.x % FC90_WG_THREADS;
+    /* Varlen: before the P V of key tile j (of this query tile), clear V's rows past the sequence's end. */
+    auto clear_v = [&](int j, uint32_t use) {
+        const int n0 = (tb + j) * BC;
+        if (a.varlen && n0 + BC > nk) fc90_clear_v_tail<D, BC>(sm.v + sm.vr.slot(use) * KV_BYTES, nk - n0, cw, t);
+    };
+    const float smul = GENERIC ? 1.f : a.score_mul;
     uint32_t pa[BC / 16][4];
     float alpha[2];
     if (cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
@@ -355,14 +426,15 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(s);
     sm.kr.release(kv_it);
     if (PERSIST && ntiles == 1) sm.qr.release(nt);
-    fc90_mask_tile<BC>(a, s, w0, m0 + row0, 0, nk, diag, tig);
-    fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+    fc90_scores<BC>(a, s, w0, m0 + row0, tb * BC, nq, nk, diag, tig, GENERIC, slope2);
+    fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
     fc90_pack_p<BC, BF>(pa, s);
 
     for (int it = 1; it < ntiles; ++it) {
         const uint32_t kt = kv_it + it; /* K of this turn; V of the one before */
         sm.kr.wait_full(kt);
         sm.vr.wait_full(kt - 1);
+        clear_v(it - 1, kt - 1);
         fc90_turn_begin(cw);
         fc90_rescale<D>(o, alpha);
         fc90_pin(s);
@@ -376,8 +448,8 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(s);
         sm.kr.release(kt);
         if (PERSIST && it == ntiles - 1) sm.qr.release(nt);
-        fc90_mask_tile<BC>(a, s, w0, m0 + row0, it * BC, nk, diag, tig);
-        fc90_online_p<BC>(s, row_m, row_l, alpha, a.score_mul);
+        fc90_scores<BC>(a, s, w0, m0 + row0, (tb + it) * BC, nq, nk, diag, tig, GENERIC, slope2);
+        fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
         fc90_block_end(s, row_l[0]);
         fc90_wgmma_wait<0>();
         fc90_pin(o);
@@ -388,6 +460,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
 
     const uint32_t kt = kv_it + ntiles - 1;
     sm.vr.wait_full(kt);
+    clear_v(ntiles - 1, kt);
     fc90_turn_begin(cw);
     fc90_rescale<D>(o, alpha);
     fc90_pin(o);
@@ -409,12 +482,17 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
 template <int D, int BF>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, float (&o)[D / 2],
-                                                         const float (&row_m)[2], const float (&row_l)[2], int m0, int h,
-                                                         int b, int cw, int warp, int lane) {
+                                                         const float (&row_m)[2], const float (&row_l)[2],
+                                                         const fc90_seq &sq, int m0, int h, int b, int cw, int warp,
+                                                         int lane) {
     constexpr fc90_tile TL = fc90_tile_for(D);
     constexpr int OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr bool ALIASED = fc90_o_aliased(TL);
-    const int nq = a.Nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
+    const int nq = sq.nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
+    /* The sequence's rows in the output and the lse: (B, Nq, H, D) and (B, H, Nq), or with varlen the packed
+     * (total_q, H, D) from row q0 and (H, total_q). */
+    const int64_t ob = a.varlen ? 0 : (int64_t)b * a.o_sb;
+    float *const lse_row = a.lse ? a.lse + (a.varlen ? (int64_t)h * a.total_q + sq.q0 : ((int64_t)b * a.H + h) * nq) : NULL;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float l = row_l[hf];
@@ -427,8 +505,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
             o[4 * j + 2 * hf + 1] *= inv;
         }
         const int i = m0 + row0 + 8 * hf;
-        if (tig == 0 && i < nq && a.lse)
-            a.lse[((int64_t)b * a.H + h) * nq + i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+        if (tig == 0 && i < nq && lse_row) lse_row[i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
     }
 
     const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
@@ -442,7 +519,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
                 *(uint32_t *)(sO + (g + 8 * hf) * OROW + 8 * j + 2 * tig) =
                     fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
         __syncwarp();
-        char *go = (char *)a.out + ((int64_t)b * a.o_sb + (int64_t)(m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
+        char *go = (char *)a.out + (ob + (int64_t)(sq.q0 + m0 + wrow) * a.o_sn + (int64_t)h * a.o_sh) * 2;
 #pragma unroll
         for (int c = lane; c < 16 * (D / 8); c += 32) {
             const int r = c / (D / 8), ch = c % (D / 8);
@@ -455,7 +532,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
         for (int hf = 0; hf < 2; ++hf) {
             const int i = m0 + row0 + 8 * hf;
             if (i >= nq) continue;
-            uint16_t *orow = (uint16_t *)a.out + (int64_t)b * a.o_sb + (int64_t)i * a.o_sn + (int64_t)h * a.o_sh;
+            uint16_t *orow = (uint16_t *)a.out + ob + (int64_t)(sq.q0 + i) * a.o_sn + (int64_t)h * a.o_sh;
 #pragma unroll
             for (int j = 0; j < D / 8; ++j)
                 if (8 * j < a.D) {
@@ -478,7 +555,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
-template <int D, int BF>
+template <int D, int BF, bool GENERIC>
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -532,7 +609,10 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         if (tile < 0) break;
         int mblk, h, b;
         fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
-        const int m0 = mblk * BR, ntiles = fc90_key_tiles<BR, BC>(a, mblk);
+        const fc90_seq sq = fc90_seq_of(a, b);
+        int tb, te;
+        fc90_key_tiles<BR, BC>(a, sq, mblk, &tb, &te);
+        const int m0 = mblk * BR, ntiles = te - tb;
 
         float o[D / 2], s[BC / 2];
 #pragma unroll
@@ -541,9 +621,11 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
-        if (ntiles > 0) fc90_fwd_mainloop<D, BF>(a, sm, nt, kv_it, ntiles, m0, cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
+        if (ntiles > 0)
+            fc90_fwd_mainloop<D, BF, GENERIC>(a, sm, nt, kv_it, tb, ntiles, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0,
+                                              cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
-        fc90_fwd_epilogue<D, BF>(a, sm, o, row_m, row_l, m0, h, b, cw, warp, lane);
+        fc90_fwd_epilogue<D, BF>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
@@ -553,10 +635,15 @@ template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF>>(smem);
+    const bool generic = fc90_generic(k);
+    cudaError_t e = generic ? fc_smem_optin<fc90_fwd_kernel<D, BF, true>>(smem)
+                            : fc_smem_optin<fc90_fwd_kernel<D, BF, false>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF>
-        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
+    const unsigned threads = fc90_threads(fc90_tile_for(D));
+    if (generic)
+        fc90_fwd_kernel<D, BF, true><<<(unsigned)blocks, threads, smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
+    else
+        fc90_fwd_kernel<D, BF, false><<<(unsigned)blocks, threads, smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
 
@@ -592,9 +679,12 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
     unsigned *ctr = persistent ? grid->ctr : NULL;
     const int hg = fc90_head_group(a, grid->l2_bytes);
     CUtensorMap tq, tk, tv;
-    cudaError_t e = fc90_map(&tq, a->q, BF, a->D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.br);
-    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bc);
-    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bc);
+    /* Varlen: one batch of the packed rows (the tensor's batch stride unused). */
+    const int64_t qrows = a->varlen ? a->total_q : a->Nq, krows = a->varlen ? a->total_k : a->Nk;
+    const int64_t nb = a->varlen ? 1 : a->B;
+    cudaError_t e = fc90_map(&tq, a->q, BF, a->D, qrows, a->H, nb, a->q_sn, a->q_sh, a->q_sb, TL.br);
+    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, krows, a->Hkv, nb, a->k_sn, a->k_sh, a->k_sb, TL.bc);
+    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, krows, a->Hkv, nb, a->v_sn, a->v_sh, a->v_sb, TL.bc);
     if (e != cudaSuccess) return e;
     return fc90_launch<D, BF>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
 }
@@ -608,8 +698,8 @@ int flashc_fwd_sm90_available(int device) {
     }
     if (major != 9 || minor != 0) return 0;
     /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
-    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0>, (const void *)fc90_fwd_kernel<64, 1>,
-                              (const void *)fc90_fwd_kernel<128, 0>, (const void *)fc90_fwd_kernel<128, 1>};
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false>, (const void *)fc90_fwd_kernel<64, 1, false>,
+                              (const void *)fc90_fwd_kernel<128, 0, false>, (const void *)fc90_fwd_kernel<128, 1, false>};
     for (int i = 0; i < 4; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
@@ -623,12 +713,11 @@ int flashc_fwd_sm90_available(int device) {
 
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
-    if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->varlen || a->nsplit != 1) return 0;
-    if (!fc_score_plain(*a) || a->bm) return 0;
-    if (!(a->score_mul > 0.f)) return 0; /* the scale folds into the exponent, which needs it positive */
-    if (a->win_left >= 0 || a->win_right > 0) return 0;
+    if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit != 1) return 0;
+    if (a->bm) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
-    const int64_t eq[3] = {a->Nq, a->H, a->B}, ek[3] = {a->Nk, a->Hkv, a->B};
+    const int64_t nb = a->varlen ? 1 : a->B;
+    const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb}, ek[3] = {a->varlen ? a->total_k : a->Nk, a->Hkv, nb};
     const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},
                   sv[3] = {a->v_sn, a->v_sh, a->v_sb};
     return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);

@@ -58,7 +58,7 @@ int flashc_fwd_sm90_available(int device);
 
 /* 1 when the Hopper kernel takes this configuration: a->D == head_dim_compiled (the forward entry cuda.cu picked)
  * in {64, 96, 128, 192, 256}, 16-bit inputs with 16-byte aligned rows (TMA), no
- * varlen, no split-KV, no softcap / ALiBi / block mask, window (-1, -1) or causal (-1, 0). */
+ * split-KV, no block mask; varlen, any window (causal included), softcap and ALiBi. */
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
 
 /*

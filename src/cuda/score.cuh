@@ -75,6 +75,38 @@ static __device__ __forceinline__ void fc_mask_row(Frag &x, int hf, int jlo, int
             if ((LEFT && j * 8 + e < clo) || j * 8 + e > chi) fc_frag(x, j, 2 * hf + e) = -INFINITY;
 }
 
+/*
+ * The forward's element step on row hf of fragment x (keys n0 + 8 j + 2 tig + e) of query row i, for the kernels'
+ * generic path (a score modifier, or a block mask that cuts the tile): the base-2 score (fc_score), minus ALiBi
+ * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the
+ * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. The softmax then
+ * takes the scores with smul 1.
+ */
+template <typename Args, typename Frag>
+static __device__ __forceinline__ void fc_score_row(const Args &a, Frag &x, int hf, int i, int n0, int tig, int diag,
+                                                    int nq, int nk, float slope2, bool mask, bool part,
+                                                    const uint8_t *bmbase) {
+    int jlo, jhi;
+    fc_row_keys(a, i, diag, nk, jlo, jhi);
+    const uint8_t *bmr = part && i < nq ? fc_bm_row(a, bmbase, i) : NULL;
+    const int jd = i + diag - n0 - tig * 2; /* i + diag - j at j = 0, e = 0 */
+#pragma unroll
+    for (int nt = 0; nt < fc_frag_n<Frag>::value; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int j = n0 + nt * 8 + tig * 2 + e;
+            float dcap;
+            float v = fc_score<fc_fast_math>(a, fc_frag(x, nt, 2 * hf + e), dcap);
+            if (a.alibi) v -= fc_alibi(slope2, jd - nt * 8 - e);
+            if (mask) {
+                bool vis = j >= jlo && j <= jhi;
+                if (part) vis = vis && bmr && fc_bm_keeps(a, bmr, j);
+                if (!vis) v = -INFINITY;
+            }
+            fc_frag(x, nt, 2 * hf + e) = v;
+        }
+}
+
 /* ---- the forward's online softmax -------------------------------------------------------------------------- */
 
 /*
