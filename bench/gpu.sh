@@ -90,6 +90,14 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
           python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 --window 300,20 --softcap 30 --alibi --repeat 1
       done
     done
+    # Varlen on both Hopper kernels (ragged sequences: the tails that read the next sequence's rows), causal.
+    for d in 64 128 256; do
+      for tool in memcheck racecheck; do
+        step "$tool sm90 d$d varlen" "$LOG/${tool}_sm90v_d$d.log" "${SANITIZE_LIMIT:-150}" env \
+          FLASHC_CUDA_LOG=1 FLASHC_LIBRARY=build-gpu/libflashc.so compute-sanitizer --tool $tool --error-exitcode 3 \
+          python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 --causal --varlen --repeat 1
+      done
+    done
   fi
   if [ $bench = 1 ]; then
     step "compare_torch.py" "$LOG/bench.log" "${BENCH_LIMIT:-400}" env PYTHONUNBUFFERED=1 python3 bench/compare_torch.py \
@@ -120,7 +128,7 @@ grep -oE "^[0-9]+: flashc: CUDA forward .* on .*" "$LOG/gpu_tests.log" 2>/dev/nu
 echo "== backward kernels in the gpu tests:"
 grep -hoE "CUDA backward .* on .*" "$LOG/gpu_tests.log" 2>/dev/null | sed 's/.* on //' | sort | uniq -c
 for f in memcheck racecheck memcheck_bwd racecheck_bwd memcheck_sm90_d{64,96,128,192,256} racecheck_sm90_d{64,96,128,192,256} \
-  memcheck_sm90g_d{64,128,256} racecheck_sm90g_d{64,128,256}; do
+  memcheck_sm90g_d{64,128,256} racecheck_sm90g_d{64,128,256} memcheck_sm90v_d{64,128,256} racecheck_sm90v_d{64,128,256}; do
   [ -f "$LOG/$f.log" ] && echo "== $f: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED|on sm90" "$LOG/$f.log" | sort | uniq -c | tr '\n' ' ')"
 done
 if [ -f "$LOG/bench.log" ]; then

@@ -28,10 +28,19 @@ def main():
     ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2^(-8 h / H)")
+    ap.add_argument("--varlen", action="store_true", help="B sequences of lengths in [N/2, N] packed (cu_seqlens)")
     args = ap.parse_args()
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     kw = dict(causal=args.causal, window_size=tuple(int(x) for x in args.window.split(",")), softcap=args.softcap)
+    if args.varlen:
+        lens = torch.randint(args.n // 2, args.n + 1, (B,), generator=torch.Generator().manual_seed(0))
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0)
+        total = int(cu[-1])
+        q, k, v, g = (x.reshape(B * args.n, H, args.d)[:total].contiguous() for x in (q, k, v, g))
+        cu = cu.cuda()
+        kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()))
     if args.alibi:
         kw["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
     for _ in range(args.repeat):
@@ -39,7 +48,7 @@ def main():
         if not args.no_bwd:
             flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)
     torch.cuda.synchronize()
-    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, kw))
+    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if "cu_seq" not in x}))
 
 
 if __name__ == "__main__":

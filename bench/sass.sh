@@ -54,7 +54,7 @@ compile() {
             fn != "" && /\/\*/ { print > (out "." fn ".sass") }'
         while read -r a fn r s; do
             local h=none
-            [[ -f "$cubin.$fn.sass" ]] && h=$(md5sum <"$cubin.$fn.sass" | cut -c1-12)
+            [[ -f "$cubin.$fn.sass" ]] && h=$(tr -s " " <"$cubin.$fn.sass" | md5sum | cut -c1-12)
             printf '%-6s %-4s %-6s %s %s\n' "$a" "$r" "$s" "$h" "$fn" >>"$out/table"
         done <"$cubin.res"
     done

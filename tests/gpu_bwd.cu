@@ -30,6 +30,9 @@ static int failures = 0;
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
+/* 16-bit varlen cases without a block mask at the Hopper backward's head dims (64, 128, 256), and how many ran on it. */
+static int varlen_cases, varlen_sm90, varlen_tally; /* counted while varlen_tally is set (the main context's table) */
+
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
@@ -47,6 +50,13 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
             continue;
         }
         tally_add(kernels, r.kernel_bwd);
+        if (varlen_tally && c->varlen && c->dtype != FLASHC_DTYPE_F32 && !c->block_q &&
+            (c->D == 64 || c->D == 128 || c->D == 256)) {
+            const int on90 = r.kernel_bwd && strncmp(r.kernel_bwd, "sm90", 4) == 0;
+            varlen_cases++;
+            varlen_sm90 += on90;
+            if (!on90) printf("     %s: a varlen case the Hopper kernel should take ran on %s\n", c->name, r.kernel_bwd);
+        }
         printf("%s %-26s %-4s %10.3g %10.3g %10.3g %10.3g on %s%s%s\n", r.pass ? "ok  " : "FAIL", c->name,
                flashc_dtype_name(c->dtype), r.err_grad, r.tol_grad, r.err_out, r.tol_out,
                r.kernel_bwd ? r.kernel_bwd : "?", r.message[0] ? " -- " : "", r.message);
@@ -162,6 +172,69 @@ static void determinism(flashc_context_t ctx, const det_case *d, int reruns, uin
     for (int i = 0; i < 3; i++) cudaFree(g[i]);
 }
 
+/*
+ * Varlen on the Hopper kernel: a sequence's last query and key tiles reach into the next sequence's rows (TMA
+ * zero-fills only past the packed tensor). With every input of the next sequence NaN (q, k, v, out, dout, lse),
+ * the first sequence's dK and dV must be bitwise what they are with finite values there, and its dQ (summed by
+ * atomics, in any order) finite and within rounding of it. Sequences of 100 and 300 rows, H 2, bf16.
+ */
+static void varlen_nan_neighbour(flashc_context_t ctx, int hopper) {
+    const int H = 2, L0 = 100, L1 = 300, T = L0 + L1;
+    const int32_t cu[3] = {0, L0, T};
+    int32_t *dcu;
+    CHECK_CUDA(cudaMalloc(&dcu, sizeof cu));
+    CHECK_CUDA(cudaMemcpy(dcu, cu, sizeof cu, cudaMemcpyHostToDevice));
+    for (int D = 64; D <= 256; D *= 2) {
+        const int64_t n = (int64_t)T * H * D, first = (int64_t)L0 * H * D;
+        void *buf[8];
+        for (int i = 0; i < 8; i++) CHECK_CUDA(cudaMalloc(&buf[i], n * 2));
+        float *lse;
+        CHECK_CUDA(cudaMalloc(&lse, (size_t)H * T * sizeof(float)));
+        for (int i = 0; i < 3; i++) fill(buf[i], FLASHC_DTYPE_BF16, n, 71 + 3 * D + i, i ? 1.f : 1.5f);
+        fill(buf[4], FLASHC_DTYPE_BF16, n, 75 + 3 * D, 1.f); /* dout */
+        flashc_tensor t[8];
+        for (int i = 0; i < 8; i++) t[i] = flashc_tensor_contiguous(buf[i], FLASHC_DTYPE_BF16, 1, T, H, D);
+        /* 0 q, 1 k, 2 v, 3 out, 4 dout, 5 dq, 6 dk, 7 dv */
+        flashc_params prm = flashc_params_default();
+        prm.cu_seqlens_q = prm.cu_seqlens_k = dcu;
+        prm.num_seqs = 2;
+        prm.max_seqlen_q = prm.max_seqlen_k = L1;
+        CHECK_FC(ctx, flashc_forward(ctx, &t[0], &t[1], &t[2], &prm, &t[3], lse, NULL, 0));
+        const char *kn = flashc_kernel_name(ctx, FLASHC_OP_BACKWARD, &t[0], &t[1], &t[2], &prm);
+        const int kernel_ok = !hopper || (kn && strncmp(kn, "sm90", 4) == 0);
+        uint16_t *ref = (uint16_t *)malloc(3 * first * 2), *got = (uint16_t *)malloc(3 * first * 2);
+        for (int run = 0; run < 2; run++) {
+            if (run) { /* every input of the second sequence NaN (0xffff in bf16) */
+                for (int i = 0; i < 5; i++) CHECK_CUDA(cudaMemset((uint16_t *)buf[i] + first, 0xff, (n - first) * 2));
+                for (int h = 0; h < H; h++) CHECK_CUDA(cudaMemset(lse + h * T + L0, 0xff, L1 * sizeof(float)));
+            }
+            for (int i = 5; i < 8; i++) CHECK_CUDA(cudaMemset(buf[i], 0, n * 2));
+            CHECK_FC(ctx, flashc_backward(ctx, &t[0], &t[1], &t[2], &t[3], &t[4], lse, &prm, &t[5], &t[6], &t[7],
+                                          NULL, 0));
+            for (int i = 0; i < 3; i++)
+                CHECK_CUDA(cudaMemcpy((run ? got : ref) + i * first, buf[5 + i], first * 2, cudaMemcpyDeviceToHost));
+        }
+        int finite = 1, kv_same = memcmp(ref + first, got + first, 2 * first * 2) == 0;
+        double dq_err = 0, dq_max = 0;
+        for (int64_t i = 0; i < first; i++) {
+            const double a = flashc_bf16_to_f32(ref[i]), b = flashc_bf16_to_f32(got[i]);
+            finite = finite && isfinite(b);
+            dq_err = fmax(dq_err, fabs(a - b));
+            dq_max = fmax(dq_max, fabs(a));
+        }
+        for (int64_t i = first; i < 3 * first; i++) finite = finite && isfinite(flashc_bf16_to_f32(got[i]));
+        const int ok = kernel_ok && finite && kv_same && dq_err <= 1e-2 * dq_max;
+        printf("%s varlen_nan_neighbour d%-3d on %s: dK, dV %s, dQ %s (max diff %.3g of %.3g)\n", ok ? "ok  " : "FAIL", D,
+               kn ? kn : "?", kv_same ? "bitwise unchanged" : "CHANGED", finite ? "finite" : "NOT FINITE", dq_err,
+               dq_max);
+        if (!ok) failures++;
+        free(ref), free(got);
+        for (int i = 0; i < 8; i++) cudaFree(buf[i]);
+        cudaFree(lse);
+    }
+    cudaFree(dcu);
+}
+
 int main(int argc, char **argv) {
     const int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     int devices = 0;
@@ -175,10 +248,12 @@ int main(int argc, char **argv) {
     const int hopper = gpu_is_hopper() && !forced, no90 = forced && !strcmp(forced, "sm80");
 
     kernel_tally kernels = {};
+    varlen_tally = 1;
     run_table(ctx, !quick, 5000, &kernels);
+    varlen_tally = 0;
     tally_print("table", &kernels);
-    /* On a Hopper GPU the table reaches the Hopper dK/dV kernel (with atomic and deterministic dQ) and the mma.sync
-     * kernels (varlen, block masks); the CUDA-core baseline is run on its own below. */
+    /* On a Hopper GPU the table reaches the Hopper dK/dV kernel (with atomic and deterministic dQ; varlen too) and
+     * the mma.sync kernels (block masks, f32); the CUDA-core baseline is run on its own below. */
     const int n_sm90 = tally_count(&kernels, "sm90 (wgmma, TMA, warp-specialized)"),
               n_det = tally_count(&kernels, "sm90 (wgmma, TMA, warp-specialized) dK/dV"),
               n_mma = tally_count(&kernels, "tensor cores (mma.sync)"), n_simt = tally_count(&kernels, "CUDA cores");
@@ -187,6 +262,12 @@ int main(int argc, char **argv) {
     printf("%s table kernels: %d sm90 (%d deterministic), %d mma.sync, %d CUDA cores\n", cover ? "ok  " : "FAIL",
            n_sm90, n_det, n_mma, n_simt);
     if (!cover) failures++;
+    if (hopper && !quick) {
+        const int ok = varlen_cases > 0 && varlen_sm90 == varlen_cases;
+        printf("%s varlen cases on sm90: %d of %d\n", ok ? "ok  " : "FAIL", varlen_sm90, varlen_cases);
+        if (!ok) failures++;
+    }
+    if (!quick) varlen_nan_neighbour(ctx, hopper);
     if (!quick) {
         /* The CUDA-core baseline still runs what the tensor-core kernels do not take (strided head dims); keep it
          * checked on the reduced table, in a context that sends it everything (FLASHC_CUDA_BWD=simt). */

@@ -289,6 +289,7 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->B = (int)p->B, a->H = (int)p->H, a->Hkv = (int)p->Hkv, a->Nq = (int)p->Nq, a->Nk = (int)p->Nk;
     a->D = (int)p->D;
     a->total_q = bwd_rows(p);
+    a->total_k = p->varlen ? p->total_k : p->B * p->Nk;
     a->varlen = p->varlen;
     a->cu_q = p->cu_q, a->cu_k = p->cu_k;
     a->scale = p->scale;

@@ -34,6 +34,8 @@ typedef struct flashc_bwd_args {
     int bf16;      /* tensor-core operand type */
     int n_kblk;    /* key tiles per sequence (dK/dV kernel grid) */
     int n_qblk;    /* query tiles per sequence (dQ kernel grid) */
+    int64_t total_k; /* rows of k and v: B * Nk, or the packed length with varlen (last: the fields before keep
+                      * their offsets in the kernels' parameter space) */
 } flashc_bwd_args;
 
 /*

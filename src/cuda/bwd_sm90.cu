@@ -40,7 +40,14 @@
  * key, its left edge for the last) are skipped; keys past the end and elements outside a row's band get P = 0
  * (so dS = 0) on the tiles an edge or the end cuts. Softcap and ALiBi take the element formula of the mma.sync
  * kernel (fc_bwd_elem), so that P is the forward's. Rows past the end of the queries (zero-filled by TMA) get
- * lse2 = +inf and D = 0, so P = dS = 0 there. Block masks and varlen stay on the mma.sync kernel.
+ * lse2 = +inf and D = 0, so P = dS = 0 there. Block masks stay on the mma.sync kernel.
+ *
+ * Varlen (kernels of their own, VARLEN, so that the fixed-length ones keep their machine code): the tensor maps
+ * span the packed rows, a block's sequence comes from cu_seqlens and its loads, dQ reductions and dK/dV rows start
+ * at the sequence's first rows; key tiles past a shorter sequence have no work. A tile at the end of a sequence
+ * reads the next one's rows: its lse2 and masks make P and dS 0 there, and the consumers clear those rows of K, V,
+ * Q and dO (fc90b_clear_rows) so that no value of another sequence reaches a gradient (0 x NaN); the dQ rows the
+ * last query tile adds past its sequence receive zeros.
  */
 #include "bwd_sm80.cuh" /* fc_bwd_store2; fc_bwd_elem, fc_exp2, fc_pack2 of score.cuh / common.cuh */
 #include "bwd_sm90.h"
@@ -52,6 +59,7 @@
 #define FC90B_CONS_REGS 232 /* setmaxnreg of the consumers: what the producer gives back (168 -> 32) */
 #define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
 #define FC90B_BAR_DQ 2      /* named barriers 2, 3: one consumer's dQ staging (free, then written) */
+#define FC90B_BAR_CLEAR 4   /* named barriers 4, 5: one consumer's varlen tails cleared (fc90b_clear_rows) */
 /* How dQ reaches the fp32 sums (the kernel's DQ parameter): not at all (the deterministic mode's dQ kernel computes
  * it), or staged in shared memory and added by the TMA (at d 256 the staging is the step's Q / dO ring slot). The
  * vector reductions from registers it replaced, at d 64 / 128 and then at d 256, are in lab/bwd90/. */
@@ -107,6 +115,24 @@ static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/*
+ * Varlen: rows [valid, rows) of a tile of `rows` rows and D columns at tile (swizzled, d / 64 chunks) hold the next
+ * sequence's values (TMA zero-fills only past the packed tensor). Their P and dS are 0, but 0 x inf or NaN is NaN,
+ * so each consumer warpgroup clears them (zeros over whole rows) before its products read them, fences the writes
+ * to the async proxy and syncs its 128 threads (named barrier bar). Both consumers clear the same rows with zeros.
+ */
+template <int D>
+static __device__ __forceinline__ void fc90b_clear_rows(uint32_t tile, int rows, int valid, int bar, int t) {
+    const int n = rows - valid, pieces = n * (D / FC90_SW_COLS) * 8; /* 8 pieces of 16 bytes per chunk row */
+    for (int e = t; e < pieces; e += FC90_WG_THREADS) {
+        const int piece = e % 8, r = valid + (e / 8) % n, c = e / 8 / n;
+        const uint32_t addr = tile + (c * rows + r) * FC90_SW_ROW + piece * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fc90_fence_proxy_async();
+    fc90_nbar_sync(bar, FC90_WG_THREADS);
+}
+
 /* Issues acc = A B^T over d (d / 16 k-steps) with A = 64 rows of a bn-row tile and B the bm-row tile, both
  * K-major in 64-column chunks: S^T = K_c Q^T and dP^T = V_c dO^T. One commit group. */
 template <int D, int N, int BF>
@@ -138,7 +164,7 @@ static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[N / 2], con
  * its Q and dO in L2. Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over
  * (d, Nk, Hkv, B) with boxes of 64 x bn. DQ: the dQ product and its reductions are on (a.dq_acc is set).
  */
-template <int D, int BF, int DQ>
+template <int D, int BF, int DQ, bool VARLEN>
 __global__ void __launch_bounds__(FC90B_THREADS, 1)
     fc90_bwd_kernel(const __grid_constant__ flashc_bwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -169,7 +195,11 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int kt = (int)(bid % a.n_kblk);
     bid /= a.n_kblk;
     const int hk = (int)(bid % a.Hkv), b = (int)(bid / a.Hkv);
-    const int nq = a.Nq, nk = a.Nk, diag = nk - nq, wr = a.win_right, wl = a.win_left, group = a.H / a.Hkv;
+    /* The sequence: its first query and key rows sq0, sk0 in the packed tensors (varlen), its lengths, and its batch
+     * coordinate in the tensor maps (0 with varlen: one packed batch). */
+    const int sq0 = VARLEN ? a.cu_q[b] : 0, sk0 = VARLEN ? a.cu_k[b] : 0, qb = VARLEN ? 0 : b;
+    const int nq = VARLEN ? a.cu_q[b + 1] - sq0 : a.Nq, nk = VARLEN ? a.cu_k[b + 1] - sk0 : a.Nk, diag = nk - nq,
+              wr = a.win_right, wl = a.win_left, group = a.H / a.Hkv;
     const int n0 = kt * BN;
     /* Query tiles whose last row reaches this block's first key under the band's right edge. */
     int mb_lo = 0;
@@ -181,7 +211,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     int mb_hi = (nq - 1) / BM;
     if (wl >= 0) mb_hi = min(mb_hi, (min(n0 + BN, nk) - 1 - diag + wl) / BM);
     const int per_head = mb_hi >= mb_lo && (wl < 0 || min(n0 + BN, nk) - 1 - diag + wl >= 0) ? mb_hi - mb_lo + 1 : 0;
-    const int items = per_head * group; /* (head of the group, query tile), the tile fastest */
+    /* (head of the group, query tile), the tile fastest; none for a key tile past a shorter sequence (varlen) */
+    const int items = VARLEN && (n0 >= nk || nq <= 0) ? 0 : per_head * group;
 
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_kv, 1);
@@ -199,27 +230,36 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_tma_prefetch(&tm_q);
             fc90_tma_prefetch(&tm_g);
             fc90_bar_expect(bar_kv, 2 * KVB);
-            for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
-            for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+            /* (The fixed-length kernels keep their own expressions: their machine code stays as it was.) */
+            if constexpr (VARLEN) {
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, 0);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, 0);
+            } else {
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+            }
             for (int it = 0; it < items; ++it) {
                 const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
                 ring.wait_empty(it);
                 ring.expect(it, 2 * QB);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS, m0, h,
-                                  b);
+                    fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS,
+                                  sq0 + m0, h, qb);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS, m0, h,
-                                  b);
+                    fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS,
+                                  sq0 + m0, h, qb);
             }
         } else if (warp == 1) {
             /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
             for (int it = 0; it < items; ++it) {
                 const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
                 ring.wait_empty(it);
-                const int64_t r0 = ((int64_t)b * a.H + h) * nq;
+                /* lse and D_i: (B, H, Nq), or (H, total_q) with varlen */
+                const int64_t r0 = VARLEN ? (int64_t)h * a.total_q + sq0 : ((int64_t)b * a.H + h) * nq;
                 float *ld = sLD + s * 2 * BM;
                 for (int r = lane; r < BM; r += 32) {
                     const int i = m0 + r;
@@ -269,10 +309,22 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     /* SPLIT with TMA dQ: the ring slot whose staged dQ thread 0 still has to see read before giving it back. */
     int staged_slot = -1;
     if (items > 0) fc90_bar_wait(bar_kv, 0);
+    if constexpr (VARLEN) {
+        if (items > 0 && n0 + BN > nk) {
+            fc90b_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+            fc90b_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+        }
+    }
     for (int it = 0; it < items; ++it) {
         const int slot = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
         const uint32_t qoff = (slot * QB) >> 4;
         ring.wait_full(it);
+        if constexpr (VARLEN) {
+            if (m0 + BM > nq) {
+                fc90b_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+                fc90b_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+            }
+        }
 
         fc90_pin(s);
         fc90_pin(dp);
@@ -405,7 +457,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     const uint32_t src = (cw ? sG : sQ) + slot * QB;
 #pragma unroll
                     for (int bx = 0; bx < DQN / 32; ++bx)
-                        fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), col0 + 32 * bx, h, m0, b);
+                        fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), col0 + 32 * bx, h, sq0 + m0, qb);
                     fc90_bulk_commit();
                     staged_slot = slot;
                 } else {
@@ -486,8 +538,13 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     if (t == 0) {
                         const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
                         static_assert(DQN == 64, "two staging boxes of 32 columns");
-                        fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
-                        fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, m0, b);
+                        if constexpr (VARLEN) {
+                            fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, sq0 + m0, 0);
+                            fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, sq0 + m0, 0);
+                        } else {
+                            fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
+                            fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, m0, b);
+                        }
                         fc90_bulk_commit();
                     }
                 }
@@ -533,8 +590,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         for (int c = t; c < 2 * 64 * (DW / 8); c += FC90_WG_THREADS) {
             const int r = c / (DW / 8), piece = c % (DW / 8), which = r / 64, key = n0 + krow + r % 64;
             if (key >= nk) continue;
-            const int64_t off = which ? (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh
-                                      : (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
+            const int64_t off = which ? (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh
+                                      : (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
             *(uint4 *)((uint16_t *)(which ? a.dv : a.dk) + off + col0 + 8 * piece) =
                 *(const uint4 *)(st + r * OROW + 8 * piece);
         }
@@ -543,8 +600,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         for (int hf = 0; hf < 2; ++hf) {
             const int key = key0 + 8 * hf;
             if (key >= nk) continue;
-            const int64_t ok = (int64_t)b * a.dk_sb + (int64_t)key * a.dk_sn + (int64_t)hk * a.dk_sh;
-            const int64_t ov = (int64_t)b * a.dv_sb + (int64_t)key * a.dv_sn + (int64_t)hk * a.dv_sh;
+            const int64_t ok = (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
+            const int64_t ov = (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh;
 #pragma unroll
             for (int j = 0; j < DW / 8; ++j) {
                 const int col = col0 + 8 * j + 2 * tig;
@@ -560,13 +617,20 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
 /* ---- host ------------------------------------------------------------------------------------------------ */
 
+template <int D, int BF, int DQ, bool VARLEN>
+static cudaError_t fc90b_launch_as(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
+    const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
+    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ, VARLEN>>(smem);
+    if (e != cudaSuccess) return e;
+    fc90_bwd_kernel<D, BF, DQ, VARLEN>
+        <<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
+    return cudaGetLastError();
+}
+/* Varlen takes kernels of its own (VARLEN), so that the fixed-length ones keep their machine code. */
 template <int D, int BF, int DQ>
 static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
-    const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ>>(smem);
-    if (e != cudaSuccess) return e;
-    fc90_bwd_kernel<D, BF, DQ><<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
-    return cudaGetLastError();
+    return a->varlen ? fc90b_launch_as<D, BF, DQ, true>(a, tm, blocks, stream)
+                     : fc90b_launch_as<D, BF, DQ, false>(a, tm, blocks, stream);
 }
 
 /* The fp32 dQ sums (rows, H, D) as a (D, H, Nq, B) tensor for the TMA reduction: boxes of 32 columns x 1 head x
@@ -592,11 +656,13 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     const int64_t blocks = (int64_t)k.n_kblk * a->Hkv * a->B;
     if (blocks == 0) return cudaSuccess;
     CUtensorMap tm[5];
-    cudaError_t e = fc90_map(&tm[0], a->q, BF, D, a->Nq, a->H, a->B, a->q_sn, a->q_sh, a->q_sb, TL.bm);
-    if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, a->Nk, a->Hkv, a->B, a->k_sn, a->k_sh, a->k_sb, TL.bn);
-    if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, a->Nk, a->Hkv, a->B, a->v_sn, a->v_sh, a->v_sb, TL.bn);
-    if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, a->Nq, a->H, a->B, a->g_sn, a->g_sh, a->g_sb, TL.bm);
-    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, a->Nq, a->B, TL.bm);
+    /* Varlen: one batch of the packed rows (the tensors' batch strides unused). */
+    const int64_t qr = a->varlen ? a->total_q : a->Nq, kr = a->varlen ? a->total_k : a->Nk, nb = a->varlen ? 1 : a->B;
+    cudaError_t e = fc90_map(&tm[0], a->q, BF, D, qr, a->H, nb, a->q_sn, a->q_sh, a->q_sb, TL.bm);
+    if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, kr, a->Hkv, nb, a->k_sn, a->k_sh, a->k_sb, TL.bn);
+    if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, kr, a->Hkv, nb, a->v_sn, a->v_sh, a->v_sb, TL.bn);
+    if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, qr, a->H, nb, a->g_sn, a->g_sh, a->g_sb, TL.bm);
+    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, (int)qr, (int)nb, TL.bm);
     else tm[4] = tm[0]; /* unused without dQ */
     if (e != cudaSuccess) return e;
     if (a->dq_acc) return fc90b_launch<D, BF, FC90B_DQ_TMA>(&k, tm, blocks, stream);
@@ -611,8 +677,8 @@ int flashc_bwd_sm90_available(int device) {
         return 0;
     }
     if (major != 9 || minor != 0) return 0;
-    const void *kernels[2] = {(const void *)fc90_bwd_kernel<64, 1, FC90B_DQ_TMA>,
-                              (const void *)fc90_bwd_kernel<128, 0, FC90B_DQ_NONE>};
+    const void *kernels[2] = {(const void *)fc90_bwd_kernel<64, 1, FC90B_DQ_TMA, false>,
+                              (const void *)fc90_bwd_kernel<128, 0, FC90B_DQ_NONE, false>};
     for (int i = 0; i < 2; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
@@ -632,10 +698,11 @@ static int fc90b_tma_ok(const void *p, const int64_t e[3], const int64_t s[3]) {
 
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
     if (a->D != 64 && a->D != 128 && a->D != 256) return 0;
-    if (a->in_mode != FC_IN_ASYNC16 || a->varlen || a->bm) return 0;
+    if (a->in_mode != FC_IN_ASYNC16 || a->bm) return 0;
     if (!(a->score_mul > 0.f)) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
-    const int64_t eq[3] = {a->Nq, a->H, a->B}, ek[3] = {a->Nk, a->Hkv, a->B};
+    const int64_t nb = a->varlen ? 1 : a->B;
+    const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb}, ek[3] = {a->varlen ? a->total_k : a->Nk, a->Hkv, nb};
     const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},
                   sv[3] = {a->v_sn, a->v_sh, a->v_sb}, sg[3] = {a->g_sn, a->g_sh, a->g_sb};
     return fc90b_tma_ok(a->q, eq, sq) && fc90b_tma_ok(a->k, ek, sk) && fc90b_tma_ok(a->v, ek, sv) &&

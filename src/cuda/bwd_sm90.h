@@ -44,7 +44,7 @@ __host__ __device__ constexpr fc90_btile fc90_btile_for(int d) {
 int flashc_bwd_sm90_available(int device);
 
 /* 1 when the Hopper backward takes a: head dim exactly 64, 128 or 256, 16-bit inputs with 16-byte aligned rows
- * (TMA), no varlen, no block mask (causal, windows, softcap, ALiBi and GQA are taken). Pointers that are NULL (a
+ * (TMA), no block mask (varlen, causal, windows, softcap, ALiBi and GQA are taken). Pointers that are NULL (a
  * supported() query) are taken as aligned. */
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a);
 

@@ -29,7 +29,6 @@ typedef struct flashc_fwd_args {
     int64_t q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, o_sb, o_sn, o_sh;
     int B, H, Hkv, Nq, Nk, D; /* D: the caller's head dim (the kernel's may be larger: zero padding) */
     int64_t total_q;           /* rows of q: B * Nq, or the packed length with varlen */
-    int64_t total_k;           /* rows of k and v: B * Nk, or the packed length with varlen */
     int varlen;
     const int32_t *cu_q, *cu_k;
     FC_SCORE_FIELDS; /* score_mul, softcap2, the band, ALiBi, the block mask (score.h) */
@@ -39,6 +38,8 @@ typedef struct flashc_fwd_args {
     int bf16;     /* tensor-core operand type: bf16 (also for f32 inputs) or f16 */
     int nsplit;   /* > 1: write partials to ws_*, fc_fwd_combine finishes */
     int n_mblk;   /* query tiles per (sequence, head) */
+    int64_t total_k; /* rows of k and v: B * Nk, or the packed length with varlen (last: the fields before keep
+                      * their offsets in the kernels' parameter space) */
 } flashc_fwd_args;
 
 /*

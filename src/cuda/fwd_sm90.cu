@@ -52,8 +52,9 @@
  * ALiBi take every element through fc_score_row, under the P V product in flight like the rest of the softmax
  * (in kernels of their own, GENERIC, so that the plain kernels keep their registers).
  *
- * Varlen: the tensor maps span the packed rows (one batch), a tile's sequence comes from cu_seqlens, and its loads
- * start at the sequence's first row; query tiles past a sequence's end (max_seqlen_q is the grid's) have no work.
+ * Varlen (kernels of their own, VARLEN): the tensor maps span the packed rows (one batch), a tile's sequence comes
+ * from cu_seqlens, and its loads start at the sequence's first row; query tiles past a sequence's end
+ * (max_seqlen_q is the grid's) have no work.
  * A tile at the end of a sequence reads the next one's rows: its keys are masked like keys past the end, and its
  * V rows are cleared before P V (fc90_clear_v_tail), so that no value of another sequence reaches the output.
  */
@@ -265,19 +266,20 @@ static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk,
 struct fc90_seq {
     int q0, k0, nq, nk, qb;
 };
+template <bool VARLEN>
 static __device__ __forceinline__ fc90_seq fc90_seq_of(const flashc_fwd_args &a, int b) {
-    if (!a.varlen) return {0, 0, a.Nq, a.Nk, b};
+    if constexpr (!VARLEN) return {0, 0, a.Nq, a.Nk, b};
     const int q0 = a.cu_q[b], k0 = a.cu_k[b];
     return {q0, k0, a.cu_q[b + 1] - q0, a.cu_k[b + 1] - k0, 0};
 }
 
 /* Key tiles [*tb, *te) that some row of query tile mblk sees under the band (fc_key_tiles); none for a tile past
  * the end of its sequence's queries (varlen: a shorter sequence than max_seqlen_q). */
-template <int BR, int BC>
+template <int BR, int BC, bool VARLEN>
 static __device__ __forceinline__ void fc90_key_tiles(const flashc_fwd_args &a, const fc90_seq &sq, int mblk, int *tb,
                                                       int *te) {
     *tb = *te = 0;
-    if (mblk * BR >= sq.nq) return;
+    if (VARLEN && mblk * BR >= sq.nq) return;
     const int mlast = min(mblk * BR + BR, sq.nq) - 1;
     fc_key_tiles(a, mblk * BR, mlast, sq.nk - sq.nq, sq.nk, BC, tb, te);
 }
@@ -318,7 +320,7 @@ struct fc90_fwd_smem {
  * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
  * none is left. The last block to finish sets the counters back to zero for the next launch.
  */
-template <int D, int BF>
+template <int D, int BF, bool VARLEN>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
                                                          unsigned *ctr, int hg, const fc90_fwd_smem<fc90_tile_for(D).st> &sm) {
@@ -344,9 +346,9 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
         }
         int mblk, h, b;
         fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
-        const fc90_seq sq = fc90_seq_of(a, b);
+        const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
-        fc90_key_tiles<BR, BC>(a, sq, mblk, &tb, &te);
+        fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, &tb, &te);
         const int hk = h / (a.H / a.Hkv), ntiles = te - tb;
         if (ntiles > 0) {
             sm.qr.expect(nt, fc90_q_bytes(TL));
@@ -392,7 +394,7 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
  * live together. Q is released (PERSIST) after the tile's last S.
  */
-template <int D, int BF, bool GENERIC>
+template <int D, int BF, bool GENERIC, bool VARLEN>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, uint32_t nt,
                                                          uint32_t kv_it, int tb, int ntiles, float slope2, int nq, int nk,
@@ -409,7 +411,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     /* Varlen: before the P V of key tile j (of this query tile), clear V's rows past the sequence's end. */
     auto clear_v = [&](int j, uint32_t use) {
         const int n0 = (tb + j) * BC;
-        if (a.varlen && n0 + BC > nk) fc90_clear_v_tail<D, BC>(sm.v + sm.vr.slot(use) * KV_BYTES, nk - n0, cw, t);
+        if (VARLEN && n0 + BC > nk) fc90_clear_v_tail<D, BC>(sm.v + sm.vr.slot(use) * KV_BYTES, nk - n0, cw, t);
     };
     const float smul = GENERIC ? 1.f : a.score_mul;
     uint32_t pa[BC / 16][4];
@@ -479,7 +481,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
  * (no other warp touches them) and stores 16 bytes per lane; over Q and K (ALIASED) only after every consumer is
  * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
  */
-template <int D, int BF>
+template <int D, int BF, bool VARLEN>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, float (&o)[D / 2],
                                                          const float (&row_m)[2], const float (&row_l)[2],
@@ -491,8 +493,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
     const int nq = sq.nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
     /* The sequence's rows in the output and the lse: (B, Nq, H, D) and (B, H, Nq), or with varlen the packed
      * (total_q, H, D) from row q0 and (H, total_q). */
-    const int64_t ob = a.varlen ? 0 : (int64_t)b * a.o_sb;
-    float *const lse_row = a.lse ? a.lse + (a.varlen ? (int64_t)h * a.total_q + sq.q0 : ((int64_t)b * a.H + h) * nq) : NULL;
+    const int64_t ob = VARLEN ? 0 : (int64_t)b * a.o_sb;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float l = row_l[hf];
@@ -505,7 +506,9 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
             o[4 * j + 2 * hf + 1] *= inv;
         }
         const int i = m0 + row0 + 8 * hf;
-        if (tig == 0 && i < nq && lse_row) lse_row[i] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+        if (tig == 0 && i < nq && a.lse)
+            a.lse[(VARLEN ? (int64_t)h * a.total_q + sq.q0 : ((int64_t)b * a.H + h) * nq) + i] =
+                l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
     }
 
     const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
@@ -555,7 +558,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
-template <int D, int BF, bool GENERIC>
+template <int D, int BF, bool GENERIC, bool VARLEN>
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -590,7 +593,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     if (wg == 0) {
         /* The producer's warpgroup gives its registers back; one thread issues every load. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
-        if (threadIdx.x == 0) fc90_fwd_producer<D, BF>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
+        if (threadIdx.x == 0) fc90_fwd_producer<D, BF, VARLEN>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
         return;
     }
 
@@ -609,9 +612,9 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         if (tile < 0) break;
         int mblk, h, b;
         fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
-        const fc90_seq sq = fc90_seq_of(a, b);
+        const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
-        fc90_key_tiles<BR, BC>(a, sq, mblk, &tb, &te);
+        fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, &tb, &te);
         const int m0 = mblk * BR, ntiles = te - tb;
 
         float o[D / 2], s[BC / 2];
@@ -622,29 +625,35 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
         if (ntiles > 0)
-            fc90_fwd_mainloop<D, BF, GENERIC>(a, sm, nt, kv_it, tb, ntiles, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0,
+            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN>(a, sm, nt, kv_it, tb, ntiles, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0,
                                               cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
-        fc90_fwd_epilogue<D, BF>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
+        fc90_fwd_epilogue<D, BF, VARLEN>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
 }
 
+template <int D, int BF, bool GENERIC, bool VARLEN>
+static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
+                                  const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
+    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
+    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN>>(smem);
+    if (e != cudaSuccess) return e;
+    fc90_fwd_kernel<D, BF, GENERIC, VARLEN>
+        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
+    return cudaGetLastError();
+}
+/* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. */
 template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
-    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
     const bool generic = fc90_generic(k);
-    cudaError_t e = generic ? fc_smem_optin<fc90_fwd_kernel<D, BF, true>>(smem)
-                            : fc_smem_optin<fc90_fwd_kernel<D, BF, false>>(smem);
-    if (e != cudaSuccess) return e;
-    const unsigned threads = fc90_threads(fc90_tile_for(D));
-    if (generic)
-        fc90_fwd_kernel<D, BF, true><<<(unsigned)blocks, threads, smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
-    else
-        fc90_fwd_kernel<D, BF, false><<<(unsigned)blocks, threads, smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
-    return cudaGetLastError();
+    if (k->varlen)
+        return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
+                       : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
+    return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, hg, stream)
+                   : fc90_launch_as<D, BF, false, false>(k, tq, tk, tv, blocks, ctr, hg, stream);
 }
 
 /* Heads per group of the tile order (fc90_tile_of): as many as have their K and V (16-bit, shared by the query
@@ -698,8 +707,10 @@ int flashc_fwd_sm90_available(int device) {
     }
     if (major != 9 || minor != 0) return 0;
     /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
-    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false>, (const void *)fc90_fwd_kernel<64, 1, false>,
-                              (const void *)fc90_fwd_kernel<128, 0, false>, (const void *)fc90_fwd_kernel<128, 1, false>};
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false, false>,
+                              (const void *)fc90_fwd_kernel<64, 1, false, false>,
+                              (const void *)fc90_fwd_kernel<128, 0, false, false>,
+                              (const void *)fc90_fwd_kernel<128, 1, false, false>};
     for (int i = 0; i < 4; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
