@@ -12,6 +12,7 @@
  * row hf of block j is fc_frag(x, j, 2 hf + e) in both.
  *
  * Args is flashc_fwd_args or flashc_bwd_args, which carry score.h's FC_SCORE_FIELDS (launch.h fills them). The
+ * forwards' generic element step on a fragment row is fc_score_row below (both tensor-core forwards). The
  * scores (fc_score, fc_bwd_elem, fc_alibi, fc_score_plain), the band (fc_row_keys, fc_keeps, fc_band_cuts) and
  * the tile ranges (fc_key_tiles, fc_query_rows) are score.h's, shared with the host and the CUDA-core backward.
  * Every kernel forms its scores through fc_score / fc_bwd_elem. One exception is left for masks: the wgmma
