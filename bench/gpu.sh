@@ -82,20 +82,15 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
           python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 --causal --repeat 1
       done
     done
-    # The generic score step of the Hopper forward (softcap, ALiBi) under a sliding window with both sides.
-    for d in 64 128 256; do
-      for tool in memcheck racecheck; do
-        step "$tool sm90 d$d softcap alibi window" "$LOG/${tool}_sm90g_d$d.log" "${SANITIZE_LIMIT:-150}" env \
-          FLASHC_CUDA_LOG=1 FLASHC_LIBRARY=build-gpu/libflashc.so compute-sanitizer --tool $tool --error-exitcode 3 \
-          python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 --window 300,20 --softcap 30 --alibi --repeat 1
-      done
-    done
-    # Varlen on both Hopper kernels (ragged sequences: the tails that read the next sequence's rows), causal.
-    for d in 64 128 256; do
-      for tool in memcheck racecheck; do
-        step "$tool sm90 d$d varlen" "$LOG/${tool}_sm90v_d$d.log" "${SANITIZE_LIMIT:-150}" env \
-          FLASHC_CUDA_LOG=1 FLASHC_LIBRARY=build-gpu/libflashc.so compute-sanitizer --tool $tool --error-exitcode 3 \
-          python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 --causal --varlen --repeat 1
+    # g: the generic score step of the Hopper forward (softcap, ALiBi) under a sliding window with both sides;
+    # v: varlen on both Hopper kernels (ragged sequences: the tails that read the next sequence's rows), causal.
+    for variant in "g:--window 300,20 --softcap 30 --alibi" "v:--causal --varlen"; do
+      for d in 64 128 256; do
+        for tool in memcheck racecheck; do
+          step "$tool sm90 d$d ${variant#*:}" "$LOG/${tool}_sm90${variant%%:*}_d$d.log" "${SANITIZE_LIMIT:-150}" env \
+            FLASHC_CUDA_LOG=1 FLASHC_LIBRARY=build-gpu/libflashc.so compute-sanitizer --tool $tool --error-exitcode 3 \
+            python3 bench/run_once.py --d $d --n 700 --b 4 --h 16 ${variant#*:} --repeat 1
+        done
       done
     done
   fi

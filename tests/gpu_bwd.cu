@@ -179,11 +179,8 @@ static void determinism(flashc_context_t ctx, const det_case *d, int reruns, uin
  * atomics, in any order) finite and within rounding of it. Sequences of 100 and 300 rows, H 2, bf16.
  */
 static void varlen_nan_neighbour(flashc_context_t ctx, int hopper) {
-    const int H = 2, L0 = 100, L1 = 300, T = L0 + L1;
-    const int32_t cu[3] = {0, L0, T};
-    int32_t *dcu;
-    CHECK_CUDA(cudaMalloc(&dcu, sizeof cu));
-    CHECK_CUDA(cudaMemcpy(dcu, cu, sizeof cu, cudaMemcpyHostToDevice));
+    const int H = VL_H, L0 = VL_L0, L1 = VL_L1, T = VL_T;
+    int32_t *dcu = varlen_pair_cu();
     for (int D = 64; D <= 256; D *= 2) {
         const int64_t n = (int64_t)T * H * D, first = (int64_t)L0 * H * D;
         void *buf[8];
@@ -195,10 +192,7 @@ static void varlen_nan_neighbour(flashc_context_t ctx, int hopper) {
         flashc_tensor t[8];
         for (int i = 0; i < 8; i++) t[i] = flashc_tensor_contiguous(buf[i], FLASHC_DTYPE_BF16, 1, T, H, D);
         /* 0 q, 1 k, 2 v, 3 out, 4 dout, 5 dq, 6 dk, 7 dv */
-        flashc_params prm = flashc_params_default();
-        prm.cu_seqlens_q = prm.cu_seqlens_k = dcu;
-        prm.num_seqs = 2;
-        prm.max_seqlen_q = prm.max_seqlen_k = L1;
+        const flashc_params prm = varlen_pair_params(dcu);
         CHECK_FC(ctx, flashc_forward(ctx, &t[0], &t[1], &t[2], &prm, &t[3], lse, NULL, 0));
         const char *kn = flashc_kernel_name(ctx, FLASHC_OP_BACKWARD, &t[0], &t[1], &t[2], &prm);
         const int kernel_ok = !hopper || (kn && strncmp(kn, "sm90", 4) == 0);

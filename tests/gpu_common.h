@@ -54,6 +54,24 @@ static int to_host(void *d, const void *s, size_t n) {
 }
 
 /* A context on GPU 0 whose case runs allocate on the device; prints the device's name. Exits on failure. */
+/* The two-sequence varlen problem of the NaN-neighbour tests (gpu_fwd, gpu_bwd): sequences of VL_L0 and VL_L1 rows
+ * packed into VL_T, VL_H heads; its cu_seqlens on the device, and params naming them for q and k alike. */
+enum { VL_H = 2, VL_L0 = 100, VL_L1 = 300, VL_T = VL_L0 + VL_L1 };
+static int32_t *varlen_pair_cu(void) {
+    const int32_t cu[3] = {0, VL_L0, VL_T};
+    int32_t *dcu;
+    CHECK_CUDA(cudaMalloc(&dcu, sizeof cu));
+    CHECK_CUDA(cudaMemcpy(dcu, cu, sizeof cu, cudaMemcpyHostToDevice));
+    return dcu;
+}
+static flashc_params varlen_pair_params(const int32_t *dcu) {
+    flashc_params prm = flashc_params_default();
+    prm.cu_seqlens_q = prm.cu_seqlens_k = dcu;
+    prm.num_seqs = 2;
+    prm.max_seqlen_q = prm.max_seqlen_k = VL_L1;
+    return prm;
+}
+
 static flashc_context_t gpu_test_context(void) {
     flashc_context_t ctx = NULL;
     CHECK_FC(NULL, flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0));

@@ -205,11 +205,8 @@ static void run_problem(flashc_context_t ctx, problem_buf *pb) {
  * unless the kernel clears them). Sequences of 100 and 300 rows (tiles of 128 keys), H 2, D 64 / 128 / 256.
  */
 static void varlen_nan_neighbour(flashc_context_t ctx, const char *want) {
-    const int H = 2, L0 = 100, L1 = 300, T = L0 + L1;
-    const int32_t cu[3] = {0, L0, T};
-    int32_t *dcu;
-    CHECK_CUDA(cudaMalloc(&dcu, sizeof cu));
-    CHECK_CUDA(cudaMemcpy(dcu, cu, sizeof cu, cudaMemcpyHostToDevice));
+    const int H = VL_H, L0 = VL_L0, T = VL_T;
+    int32_t *dcu = varlen_pair_cu();
     for (int D = 64; D <= 256; D *= 2) {
         const int64_t n = (int64_t)T * H * D, first = (int64_t)L0 * H * D;
         uint16_t *q, *k, *v, *o;
@@ -226,10 +223,7 @@ static void varlen_nan_neighbour(flashc_context_t ctx, const char *want) {
         flashc_tensor tk = flashc_tensor_contiguous(k, FLASHC_DTYPE_BF16, 1, T, H, D);
         flashc_tensor tv = flashc_tensor_contiguous(v, FLASHC_DTYPE_BF16, 1, T, H, D);
         flashc_tensor to = flashc_tensor_contiguous(o, FLASHC_DTYPE_BF16, 1, T, H, D);
-        flashc_params prm = flashc_params_default();
-        prm.cu_seqlens_q = prm.cu_seqlens_k = dcu;
-        prm.num_seqs = 2;
-        prm.max_seqlen_q = prm.max_seqlen_k = L1;
+        const flashc_params prm = varlen_pair_params(dcu);
         const char *kn = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &tq, &tk, &tv, &prm);
         const int kernel_ok = kn && strncmp(kn, want, strlen(want)) == 0;
         uint16_t *ref = (uint16_t *)malloc(first * 2), *got = (uint16_t *)malloc(first * 2);

@@ -46,7 +46,7 @@
  * span the packed rows, a block's sequence comes from cu_seqlens and its loads, dQ reductions and dK/dV rows start
  * at the sequence's first rows; key tiles past a shorter sequence have no work. A tile at the end of a sequence
  * reads the next one's rows: its lse2 and masks make P and dS 0 there, and the consumers clear those rows of K, V,
- * Q and dO (fc90b_clear_rows) so that no value of another sequence reaches a gradient (0 x NaN); the dQ rows the
+ * Q and dO (fc90_clear_rows) so that no value of another sequence reaches a gradient (0 x NaN); the dQ rows the
  * last query tile adds past its sequence receive zeros.
  */
 #include "bwd_sm80.cuh" /* fc_bwd_store2; fc_bwd_elem, fc_exp2, fc_pack2 of score.cuh / common.cuh */
@@ -59,7 +59,7 @@
 #define FC90B_CONS_REGS 232 /* setmaxnreg of the consumers: what the producer gives back (168 -> 32) */
 #define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
 #define FC90B_BAR_DQ 2      /* named barriers 2, 3: one consumer's dQ staging (free, then written) */
-#define FC90B_BAR_CLEAR 4   /* named barriers 4, 5: one consumer's varlen tails cleared (fc90b_clear_rows) */
+#define FC90B_BAR_CLEAR 4   /* named barriers 4, 5: one consumer's varlen tails cleared (fc90_clear_rows) */
 /* How dQ reaches the fp32 sums (the kernel's DQ parameter): not at all (the deterministic mode's dQ kernel computes
  * it), or staged in shared memory and added by the TMA (at d 256 the staging is the step's Q / dO ring slot). The
  * vector reductions from registers it replaced, at d 64 / 128 and then at d 256, are in lab/bwd90/. */
@@ -108,29 +108,6 @@ static __device__ __forceinline__ void fc90_bulk_commit(void) { asm volatile("cp
 /* Returns once this thread's bulk groups have all read their shared-memory sources (the staging may be reused). */
 static __device__ __forceinline__ void fc90_bulk_wait_read(void) {
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
-/* Makes this thread's generic-proxy shared-memory writes (dS^T) visible to later wgmma reads (async proxy). */
-static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-/*
- * Varlen: rows [valid, rows) of a tile of `rows` rows and D columns at tile (swizzled, d / 64 chunks) hold the next
- * sequence's values (TMA zero-fills only past the packed tensor). Their P and dS are 0, but 0 x inf or NaN is NaN,
- * so each consumer warpgroup clears them (zeros over whole rows) before its products read them, fences the writes
- * to the async proxy and syncs its 128 threads (named barrier bar). Both consumers clear the same rows with zeros.
- */
-template <int D>
-static __device__ __forceinline__ void fc90b_clear_rows(uint32_t tile, int rows, int valid, int bar, int t) {
-    const int n = rows - valid, pieces = n * (D / FC90_SW_COLS) * 8; /* 8 pieces of 16 bytes per chunk row */
-    for (int e = t; e < pieces; e += FC90_WG_THREADS) {
-        const int piece = e % 8, r = valid + (e / 8) % n, c = e / 8 / n;
-        const uint32_t addr = tile + (c * rows + r) * FC90_SW_ROW + piece * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-    }
-    fc90_fence_proxy_async();
-    fc90_nbar_sync(bar, FC90_WG_THREADS);
 }
 
 /* Issues acc = A B^T over d (d / 16 k-steps) with A = 64 rows of a bn-row tile and B the bm-row tile, both
@@ -311,8 +288,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     if (items > 0) fc90_bar_wait(bar_kv, 0);
     if constexpr (VARLEN) {
         if (items > 0 && n0 + BN > nk) {
-            fc90b_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
-            fc90b_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+            fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+            fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
         }
     }
     for (int it = 0; it < items; ++it) {
@@ -321,8 +298,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         ring.wait_full(it);
         if constexpr (VARLEN) {
             if (m0 + BM > nq) {
-                fc90b_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
-                fc90b_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+                fc90_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+                fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
             }
         }
 

@@ -54,9 +54,9 @@
  *
  * Varlen (kernels of their own, VARLEN): the tensor maps span the packed rows (one batch), a tile's sequence comes
  * from cu_seqlens, and its loads start at the sequence's first row; query tiles past a sequence's end
- * (max_seqlen_q is the grid's) have no work.
- * A tile at the end of a sequence reads the next one's rows: its keys are masked like keys past the end, and its
- * V rows are cleared before P V (fc90_clear_v_tail), so that no value of another sequence reaches the output.
+ * (max_seqlen_q is the grid's) have no work. A tile at the end of a sequence reads the next one's rows: its keys
+ * are masked like keys past the end, and its V rows are cleared before P V (sm90.cuh's fc90_clear_rows), so that
+ * no value of another sequence reaches the output.
  */
 #include "common.cuh"
 #include "fwd_sm90.h"
@@ -70,7 +70,7 @@ __host__ __device__ constexpr int fc90_consumers(fc90_tile t) { return t.br / 64
 __host__ __device__ constexpr int fc90_threads(fc90_tile t) { return FC90_WG_THREADS * (1 + fc90_consumers(t)); }
 #define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
 #define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
-#define FC90_BAR_VCLEAR 5   /* 5 .. 4 + consumers: one consumer's V tail cleared (varlen, fc90_clear_v_tail) */
+#define FC90_BAR_VCLEAR 5   /* 5 .. 4 + consumers: one consumer's V tail cleared (varlen, fc90_clear_rows) */
 
 /* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging (unless it
  * overlays Q and K), mbarriers. */
@@ -284,23 +284,6 @@ static __device__ __forceinline__ void fc90_key_tiles(const flashc_fwd_args &a, 
     fc_key_tiles(a, mblk * BR, mlast, sq.nk - sq.nq, sq.nk, BC, tb, te);
 }
 
-/*
- * Varlen: the V rows of the tile at the end of a sequence (valid rows of BC) past that end hold the next
- * sequence's values (TMA zero-fills only past the packed tensor). P is 0 there, but 0 x inf or NaN is NaN, so each
- * consumer warpgroup clears them (16-byte zeros over whole swizzled rows) before its P V reads the slot, fences
- * the writes to the async proxy and syncs its 128 threads. The consumers clear the same rows with the same zeros.
- */
-template <int D, int BC>
-static __device__ __forceinline__ void fc90_clear_v_tail(uint32_t vslot, int valid, int cw, int t) {
-    const int rows = BC - valid, pieces = rows * (D / FC90_SW_COLS) * 8; /* 8 pieces of 16 bytes per chunk row */
-    for (int e = t; e < pieces; e += FC90_WG_THREADS) {
-        const int piece = e % 8, r = valid + (e / 8) % rows, c = e / 8 / rows;
-        const uint32_t addr = vslot + c * BC * FC90_SW_ROW + r * FC90_SW_ROW + piece * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-    }
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    fc90_nbar_sync(FC90_BAR_VCLEAR + cw, FC90_WG_THREADS);
-}
 
 /* The block's shared memory: the operand tiles (shared-memory addresses), the rings of Q (one slot per tile), K
  * and V, the output staging and the slot where the producer posts the block's next tile. */
@@ -388,7 +371,8 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
 
 /*
  * One consumer warpgroup's products and softmax over the ntiles key tiles from key tile tb of a query tile (rings'
- * uses kv_it .. kv_it + ntiles - 1; slope2: the head's ALiBi slope in base 2): O (unnormalized), the row maxima and (thread-partial) sums. Turn it issues S_it = Q K_it^T
+ * uses kv_it .. kv_it + ntiles - 1; slope2: the head's ALiBi slope in base 2; nq, nk: its sequence's lengths):
+ * O (unnormalized), the row maxima and (thread-partial) sums. Turn it issues S_it = Q K_it^T
  * and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha of softmax it - 1, whose P V is only now
  * added), then runs softmax it on S_it; the softmax starts once S_it is done, while P V still runs (so it must
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
@@ -411,7 +395,8 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     /* Varlen: before the P V of key tile j (of this query tile), clear V's rows past the sequence's end. */
     auto clear_v = [&](int j, uint32_t use) {
         const int n0 = (tb + j) * BC;
-        if (VARLEN && n0 + BC > nk) fc90_clear_v_tail<D, BC>(sm.v + sm.vr.slot(use) * KV_BYTES, nk - n0, cw, t);
+        if (VARLEN && n0 + BC > nk)
+            fc90_clear_rows<D>(sm.v + sm.vr.slot(use) * KV_BYTES, BC, nk - n0, FC90_BAR_VCLEAR + cw, t);
     };
     const float smul = GENERIC ? 1.f : a.score_mul;
     uint32_t pa[BC / 16][4];

@@ -117,6 +117,32 @@ static __device__ __forceinline__ void fc90_nbar_arrive(int id) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
+/* ---- shared memory written by the threads, read by the async proxy ---------------------------------------- */
+
+/* Makes this thread's generic-proxy shared-memory writes visible to later async-proxy reads (wgmma, TMA stores). */
+static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/*
+ * Varlen: rows [valid, rows) of a swizzled tile of `rows` rows and D columns (D / 64 chunks) at shared address
+ * tile hold the next sequence's values (TMA zero-fills only past the packed tensor). Their P (and dS) are 0, but
+ * 0 x inf or NaN is NaN, so each consumer warpgroup clears them (16-byte zeros over whole rows) before its products
+ * read them, fences the writes to the async proxy and syncs its 128 threads t on named barrier bar. Consumers that
+ * share the tile clear the same rows with the same zeros.
+ */
+template <int D>
+static __device__ __forceinline__ void fc90_clear_rows(uint32_t tile, int rows, int valid, int bar, int t) {
+    const int n = rows - valid, pieces = n * (D / FC90_SW_COLS) * 8; /* 8 pieces of 16 bytes per chunk row */
+    for (int e = t; e < pieces; e += FC90_WG_THREADS) {
+        const int piece = e % 8, r = valid + (e / 8) % n, c = e / 8 / n;
+        const uint32_t addr = tile + c * rows * FC90_SW_ROW + r * FC90_SW_ROW + piece * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fc90_fence_proxy_async();
+    fc90_nbar_sync(bar, FC90_WG_THREADS);
+}
+
 /* ---- TMA ------------------------------------------------------------------------------------------------- */
 
 /* cp.async.bulk.tensor.4d: the box of the tensor map at coordinates (c0 innermost, .., c3) goes to shared memory
