@@ -17,7 +17,7 @@
  *   s = s - slope * |i + Nk - Nq - j|   with ALiBi
  *   causal is bottom-right aligned:     query i sees key j iff j <= i + Nk - Nq
  *   window (left, right), -1 unbounded: key j is kept iff i+Nk-Nq-left <= j <= i+Nk-Nq+right
- *   a row that sees no key has output 0, lse +inf and zero gradients.
+ *   a row that sees no key has output 0, lse +inf and zero gradients (lse = the sink with attention sinks).
  *
  * Memory: every pointer (tensor data, lse, slopes, block mask, cu_seqlens, workspace) lives where the
  * context's backend computes: host memory for the CPU backend, device memory for the CUDA backend.
@@ -64,7 +64,7 @@ extern "C" {
 #endif
 
 #define FLASHC_VERSION_MAJOR 0
-#define FLASHC_VERSION_MINOR 2
+#define FLASHC_VERSION_MINOR 3
 #define FLASHC_VERSION_PATCH 0
 
 /* Status codes. Values are only ever appended. */
@@ -157,6 +157,24 @@ typedef struct flashc_params {
 
     /* Backward only: bitwise-reproducible gradients. */
     int deterministic;
+
+    /* ---- 0.3 ---- */
+
+    /* Keys each sequence uses (flash-attn's seqused_k), int32, one per sequence (B, or num_seqs with varlen):
+     * sequence b attends to its first seqused_k[b] keys as if it had only those, so causal and window bands and
+     * ALiBi distances align to that length; the keys past it are never read into any result (NaN there
+     * included) and get dk = dv = 0. Each value must lie in [0, the sequence's key length]: the CPU backend
+     * refuses others, the CUDA backend (which does not read device memory before its launch) clamps them.
+     * NULL: every key. What a padded or static KV cache needs. */
+    const int32_t *seqused_k;
+
+    /* Attention sinks (as GPT-OSS uses): one fp32 logit per query head (H), in natural-log units and not scaled,
+     * that joins every row's softmax denominator without a value: lse_i = log(exp(sinks[h]) + sum_j exp(s_ij)),
+     * P_ij = exp(s_ij - lse_i), O = P V. softmax_lse includes the sink, so a row that sees no key gets O = 0
+     * and lse = sinks[h]. Sinks must be finite (the CPU backend refuses others; on CUDA they give NaN). NULL: off.
+     * dsinks (backward only): where dL/dsinks is written, H fp32 summed over batch and rows; NULL: not computed. */
+    const float *sinks;
+    float *dsinks;
 } flashc_params;
 
 typedef struct flashc_context *flashc_context_t;

@@ -217,7 +217,8 @@ static const struct params_field {
     PARAMS_FIELD(block_mask_heads, 'q'),  PARAMS_FIELD(cu_seqlens_q, 'p'),     PARAMS_FIELD(cu_seqlens_k, 'p'),
     PARAMS_FIELD(num_seqs, 'q'),          PARAMS_FIELD(max_seqlen_q, 'q'),     PARAMS_FIELD(max_seqlen_k, 'q'),
     PARAMS_FIELD(dropout_p, 'f'),         PARAMS_FIELD(dropout_seed, 'Q'),     PARAMS_FIELD(dropout_offset, 'Q'),
-    PARAMS_FIELD(deterministic, 'i'),
+    PARAMS_FIELD(deterministic, 'i'),     PARAMS_FIELD(seqused_k, 'p'),        PARAMS_FIELD(sinks, 'p'),
+    PARAMS_FIELD(dsinks, 'p'),
 };
 
 int flashc_params_field(int index, const char **name, size_t *offset, size_t *size, char *type) {
@@ -235,8 +236,9 @@ int flashc_params_field(int index, const char **name, size_t *offset, size_t *si
  * Appending a field: add the layout it extends here and move PARAMS_END_NOW to the new last field.
  */
 #define PARAMS_END_0_2 (offsetof(flashc_params, deterministic) + sizeof(int))
-#define PARAMS_END_NOW PARAMS_END_0_2
-static const size_t params_layout_ends[] = {PARAMS_END_0_2};
+#define PARAMS_END_0_3 (offsetof(flashc_params, dsinks) + sizeof(float *))
+#define PARAMS_END_NOW PARAMS_END_0_3
+static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3};
 #define PARAMS_ALIGN _Alignof(flashc_params)
 #define PARAMS_LAYOUT_SIZE(end) (((end) + PARAMS_ALIGN - 1) / PARAMS_ALIGN * PARAMS_ALIGN)
 _Static_assert(sizeof(flashc_params) == PARAMS_LAYOUT_SIZE(PARAMS_END_NOW),
@@ -486,10 +488,10 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "unknown op %d", (int)op);
 
     /* Every buffer of a data call: the views, then lse, cu_seqlens q / k, slopes, block mask. */
-    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, ILSE, ICUQ, ICUK, ISLOPE, IMASK, NRANGE };
+    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, ILSE, ICUQ, ICUK, ISLOPE, IMASK, IUSED, ISINK, IDSINK, NRANGE };
     static const char *names[NRANGE] = {"q",  "k",  "v",           "out",          "dout",        "dq",     "dk",
                                         "dv", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes",
-                                        "block_mask"};
+                                        "block_mask", "seqused_k", "sinks", "dsinks"};
     uintptr_t lo[NRANGE] = {0}, hi[NRANGE] = {0};
     FLASHC_TRY(check_view(ctx, "q", q, need, 0, &lo[IQ], &hi[IQ]));
     FLASHC_TRY(check_view(ctx, "k", k, need, 0, &lo[IK], &hi[IK]));
@@ -609,6 +611,13 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     if (p->win_left >= p->Nk) p->win_left = -1;
     if (p->win_right >= p->Nq) p->win_right = -1;
 
+    /* used keys per sequence, sinks */
+    p->seqused_k = params->seqused_k;
+    p->sinks = params->sinks;
+    if (params->dsinks && !params->sinks)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "dsinks is set but sinks is NULL");
+    if (op == FLASHC_OP_BACKWARD) p->dsinks = params->dsinks;
+
     /* block-sparse mask */
     if (params->block_mask) {
         if (params->block_mask_q <= 0 || params->block_mask_k <= 0)
@@ -654,6 +663,8 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
                               (long long)p->alibi_batch_stride);
         FLASHC_TRY(byte_range(ctx, "alibi_slopes", p->alibi, n, 4, &lo[ISLOPE], &hi[ISLOPE]));
     }
+    if (p->seqused_k) FLASHC_TRY(byte_range(ctx, "seqused_k", p->seqused_k, p->B, 4, &lo[IUSED], &hi[IUSED]));
+    if (p->sinks) FLASHC_TRY(byte_range(ctx, "sinks", p->sinks, p->H, 4, &lo[ISINK], &hi[ISINK]));
     if (lse) {
         int64_t n; /* (B, H, Nq), varlen (H, total_q) */
         if (!flashc_mul_i64(p->H, p->total_q, &n) || !flashc_mul_i64(n, p->varlen ? 1 : p->B, &n))
@@ -662,7 +673,7 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     }
 
     /* outputs and backward inputs */
-    int outputs[4], nout = 0;
+    int outputs[5], nout = 0;
     if (op == FLASHC_OP_FORWARD) {
         FLASHC_TRY(check_view(ctx, "out", out, 1, 1, &lo[IO], &hi[IO]));
         if (!same_shape(out, q) || out->dtype != q->dtype)
@@ -697,6 +708,10 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         outputs[nout++] = IDQ;
         outputs[nout++] = IDK;
         outputs[nout++] = IDV;
+        if (p->dsinks) {
+            FLASHC_TRY(byte_range(ctx, "dsinks", p->dsinks, p->H, 4, &lo[IDSINK], &hi[IDSINK]));
+            outputs[nout++] = IDSINK;
+        }
     }
     /* An output shares no byte with any other buffer of the call: inputs would change under the kernels' feet and
      * two outputs would race. (Inputs may overlap each other: they are only read.) */

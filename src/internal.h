@@ -75,6 +75,9 @@ typedef struct flashc_problem {
     const uint8_t *block_mask;
     int64_t bm_q, bm_k, bm_batch, bm_heads, bm_nqb, bm_nkb;
     const int32_t *cu_q, *cu_k;
+    const int32_t *seqused_k; /* keys each sequence uses (NULL: all); the CUDA kernels clamp, the CPU checked */
+    const float *sinks;       /* per query head; NULL: none */
+    float *dsinks;            /* backward: the sinks' gradient (H), NULL: not asked for */
     float dropout_p;
     uint64_t dropout_seed, dropout_offset;
     int deterministic;
@@ -88,7 +91,7 @@ typedef struct flashc_problem {
     /* Front only: the byte ranges [lo, hi) of every buffer a data call reads or writes (views, lse, cu_seqlens,
      * slopes, block mask), so that a caller's workspace can be checked against them too. */
     int nranges;
-    uintptr_t range_lo[12], range_hi[12];
+    uintptr_t range_lo[16], range_hi[16];
 } flashc_problem;
 
 struct flashc_context;
@@ -188,20 +191,38 @@ extern const flashc_backend_ops flashc_cuda_ops;
 
 static inline size_t flashc_dtype_size(flashc_dtype t) { return t == FLASHC_DTYPE_F32 ? 4 : 2; }
 
-/* Sequence b's row range inside the (possibly packed) tensors. */
+/* Sequence b's key rows inside the (possibly packed) tensors: from *k0, *rows of them. */
+static inline void flashc_seq_key_rows(const flashc_problem *p, int64_t b, int64_t *k0, int64_t *rows) {
+    *k0 = p->varlen ? p->cu_k[b] : 0;
+    *rows = p->varlen ? (int64_t)p->cu_k[b + 1] - p->cu_k[b] : p->Nk;
+}
+
+/* Sequence b's row range inside the (possibly packed) tensors: queries [q0, q0 + nq) and the keys it uses,
+ * [k0, k0 + nk): its key rows, or the first seqused_k[b] of them (clamped to [0, rows], as the CUDA kernels do;
+ * the CPU backend refuses values outside). */
 static inline void flashc_seq_bounds(const flashc_problem *p, int64_t b, int64_t *q0, int64_t *nq, int64_t *k0,
                                      int64_t *nk) {
-    if (p->varlen) {
-        *q0 = p->cu_q[b];
-        *nq = (int64_t)p->cu_q[b + 1] - p->cu_q[b];
-        *k0 = p->cu_k[b];
-        *nk = (int64_t)p->cu_k[b + 1] - p->cu_k[b];
-    } else {
-        *q0 = 0;
-        *nq = p->Nq;
-        *k0 = 0;
-        *nk = p->Nk;
+    *q0 = p->varlen ? p->cu_q[b] : 0;
+    *nq = p->varlen ? (int64_t)p->cu_q[b + 1] - p->cu_q[b] : p->Nq;
+    flashc_seq_key_rows(p, b, k0, nk);
+    if (p->seqused_k) {
+        const int64_t used = p->seqused_k[b];
+        *nk = used < 0 ? 0 : used < *nk ? used : *nk;
     }
+}
+
+/* Attention sinks: the end of a row's softmax, m2 the max of its base-2 scores and l the sum of 2^(x - m2) (0: the
+ * row saw no key), with the sink's logit (natural log) joining the denominator. Returns the factor the row's
+ * unnormalized output takes (in place of 1 / l) and sets its natural-log lse (the sink itself when l is 0). */
+static inline float flashc_sink_fold(float sink, float m2, float l, float *lse) {
+    if (l == 0.0f) {
+        *lse = sink;
+        return 0.0f;
+    }
+    const float s2 = sink * 1.4426950408889634f, mx = m2 > s2 ? m2 : s2;
+    const float em = exp2f(m2 - mx), lt = l * em + exp2f(s2 - mx);
+    *lse = (mx + log2f(lt)) * 0.6931471805599453f;
+    return em / lt;
 }
 
 /* Visible key range [lo, hi) of query row i (0-based within a sequence of nq queries and nk keys) from the

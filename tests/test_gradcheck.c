@@ -1,6 +1,6 @@
 /*
  * test_gradcheck: the oracle's backward against central differences of the oracle's forward, in fp64, on
- * small shapes with every masking and scoring option; then the library's fp32 CPU forward and backward against
+ * small shapes with every masking and scoring option (attention sinks' gradient included); then the library's fp32 CPU forward and backward against
  * the oracle on the same problems.
  *
  * The loss is L = sum(out * dout) for a random dout, so dL/dq, dL/dk, dL/dv are exactly what the backward
@@ -26,32 +26,40 @@ typedef struct gcase {
     int alibi;          /* 0, 1 per head, 2 per (batch, head) */
     int64_t bq, bk;     /* block mask block sizes, 0 = none */
     const int32_t *lens; /* varlen: B (nq, nk) pairs, NULL = not varlen */
+    const int32_t *used; /* seqused_k: B values, NULL = every key */
+    int sinks;           /* 1: attention sinks, their gradient checked too */
 } gcase;
 
 static const int32_t lens_a[] = {3, 5, 0, 4, 6, 2};
 static const int32_t lens_b[] = {4, 4, 2, 0, 5, 7};
+static const int32_t used_a[] = {5, 0, 7};
+static const int32_t used_b[] = {2, 3, 0}; /* within lens_a's key lengths 5, 4, 2 */
 
 static const gcase cases[] = {
-    {"plain", 2, 5, 7, 2, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, NULL},
-    {"causal_nq>nk", 1, 9, 6, 2, 1, 5, 1, -1, -1, 0, 0, 0, 0, 0, NULL},
-    {"causal_nq<nk", 1, 5, 9, 2, 2, 4, 1, -1, -1, 0, 0, 0, 0, 0, NULL},
-    {"window_2_1", 1, 8, 8, 2, 2, 4, 0, 2, 1, 0, 0, 0, 0, 0, NULL},
-    {"window_inf_0_nq<nk", 1, 6, 9, 1, 1, 3, 0, -1, 0, 0, 0, 0, 0, 0, NULL},
-    {"softcap", 2, 6, 7, 2, 2, 4, 0, -1, -1, 1.0f, 1.5f, 0, 0, 0, NULL},
-    {"alibi_head", 2, 6, 7, 2, 2, 4, 0, -1, -1, 0, 0, 1, 0, 0, NULL},
-    {"alibi_batch_causal", 2, 7, 6, 2, 1, 4, 1, -1, -1, 0, 0, 2, 0, 0, NULL},
-    {"gqa_h4_kv2", 1, 5, 6, 4, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, NULL},
-    {"mqa_h3_kv1", 2, 4, 5, 3, 1, 3, 0, -1, -1, 0, 0, 0, 0, 0, NULL},
-    {"varlen", 3, 6, 5, 2, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, lens_a},
-    {"varlen_causal_gqa", 3, 5, 7, 4, 2, 3, 1, -1, -1, 0, 0, 0, 0, 0, lens_b},
-    {"block_mask", 2, 7, 8, 2, 2, 4, 0, -1, -1, 0, 0, 0, 2, 3, NULL},
-    {"all", 3, 6, 7, 4, 2, 4, 1, 3, -1, 0.8f, 2.0f, 2, 2, 3, lens_a},
+    {"plain", 2, 5, 7, 2, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"causal_nq>nk", 1, 9, 6, 2, 1, 5, 1, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"causal_nq<nk", 1, 5, 9, 2, 2, 4, 1, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"window_2_1", 1, 8, 8, 2, 2, 4, 0, 2, 1, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"window_inf_0_nq<nk", 1, 6, 9, 1, 1, 3, 0, -1, 0, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"softcap", 2, 6, 7, 2, 2, 4, 0, -1, -1, 1.0f, 1.5f, 0, 0, 0, NULL, NULL, 0},
+    {"alibi_head", 2, 6, 7, 2, 2, 4, 0, -1, -1, 0, 0, 1, 0, 0, NULL, NULL, 0},
+    {"alibi_batch_causal", 2, 7, 6, 2, 1, 4, 1, -1, -1, 0, 0, 2, 0, 0, NULL, NULL, 0},
+    {"gqa_h4_kv2", 1, 5, 6, 4, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"mqa_h3_kv1", 2, 4, 5, 3, 1, 3, 0, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 0},
+    {"varlen", 3, 6, 5, 2, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, lens_a, NULL, 0},
+    {"varlen_causal_gqa", 3, 5, 7, 4, 2, 3, 1, -1, -1, 0, 0, 0, 0, 0, lens_b, NULL, 0},
+    {"block_mask", 2, 7, 8, 2, 2, 4, 0, -1, -1, 0, 0, 0, 2, 3, NULL, NULL, 0},
+    {"all", 3, 6, 7, 4, 2, 4, 1, 3, -1, 0.8f, 2.0f, 2, 2, 3, lens_a, NULL, 0},
+    {"used_k_causal", 3, 4, 7, 2, 1, 4, 1, -1, -1, 0, 0, 0, 0, 0, NULL, used_a, 0},
+    {"sinks", 2, 5, 7, 4, 2, 4, 0, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 1},
+    {"sinks_causal_empty", 1, 8, 5, 2, 2, 4, 1, -1, -1, 0, 0, 0, 0, 0, NULL, NULL, 1}, /* rows 0-2 see no key */
+    {"all_used_sinks", 3, 6, 7, 4, 2, 4, 1, 3, -1, 0.8f, 2.0f, 2, 2, 3, lens_a, used_b, 1},
 };
 
 typedef struct setup {
     int64_t nb, rows_q, rows_k;
     int64_t nq_el, nk_el, lse_n;
-    float *q, *k, *v, *out, *dout, *dq, *dk, *dv, *lse, *slopes;
+    float *q, *k, *v, *out, *dout, *dq, *dk, *dv, *lse, *slopes, sinks[8], dsinks[8];
     uint8_t *mask;
     int32_t cu_q[8], cu_k[8];
     flashc_tensor tq, tk, tv, tout, tdout, tdq, tdk, tdv;
@@ -131,6 +139,12 @@ static int setup_case(const gcase *c, uint64_t *rng, setup *s) {
         p->block_mask_k = c->bk;
         p->block_mask_batch = c->B;
         p->block_mask_heads = c->H;
+    }
+    if (c->used) p->seqused_k = c->used;
+    if (c->sinks) {
+        for (int64_t h = 0; h < c->H; h++) s->sinks[h] = grid_normal(rng);
+        p->sinks = s->sinks;
+        p->dsinks = s->dsinks;
     }
     if (c->lens) {
         p->cu_seqlens_q = s->cu_q;
@@ -245,6 +259,27 @@ int main(void) {
             err_fd[t] = rel_max(fd[t], ref[t], n_el[t]);
         }
 
+        /* the sinks' gradient: the oracle's against central differences of its forward */
+        double err_sink_fd = 0, err_sink_lib = 0, dsink_ref[8];
+        if (c->sinks) {
+            double fd_s[8];
+            if (flashc_ref_sinks_grad(&p, dsink_ref, NULL) != 0) {
+                printf("%-20s could not be set up\n", c->name);
+                failed++;
+                goto next;
+            }
+            for (int64_t hh = 0; hh < c->H; hh++) {
+                const float x = s.sinks[hh];
+                s.sinks[hh] = x + h;
+                const double lp = loss(&p, &s, out);
+                s.sinks[hh] = x - h;
+                const double lm = loss(&p, &s, out);
+                s.sinks[hh] = x;
+                fd_s[hh] = (lp - lm) / (2.0 * (double)h);
+            }
+            err_sink_fd = rel_max(fd_s, dsink_ref, c->H);
+        }
+
         /* the library's fp32 forward and backward */
         double err_lib[4] = {INFINITY, INFINITY, INFINITY, INFINITY};
         flashc_status st = flashc_forward(ctx, &s.tq, &s.tk, &s.tv, &s.prm, &s.tout, s.lse, NULL, 0);
@@ -256,13 +291,17 @@ int main(void) {
             err_lib[1] = rel_norm_f(s.dq, ref[0], s.nq_el);
             err_lib[2] = rel_norm_f(s.dk, ref[1], s.nk_el);
             err_lib[3] = rel_norm_f(s.dv, ref[2], s.nk_el);
+            if (c->sinks) err_sink_lib = rel_norm_f(s.dsinks, dsink_ref, c->H);
         }
         int pass = st == FLASHC_STATUS_OK;
         for (int t = 0; t < 3; t++) pass &= err_fd[t] <= fd_tol;
         pass &= err_lib[0] <= lib_out_tol;
         for (int t = 1; t < 4; t++) pass &= err_lib[t] <= lib_grad_tol;
+        pass &= err_sink_fd <= fd_tol && err_sink_lib <= lib_grad_tol;
         printf("%-20s %10.2e %10.2e %10.2e   %10.2e %10.2e %10.2e %10.2e  %s\n", c->name, err_fd[0], err_fd[1],
                err_fd[2], err_lib[0], err_lib[1], err_lib[2], err_lib[3], pass ? "PASS" : "FAIL");
+        if (c->sinks)
+            printf("    dsinks: finite differences %.2e, library %.2e\n", err_sink_fd, err_sink_lib);
         if (st != FLASHC_STATUS_OK)
             printf("    library: %s: %s\n", flashc_status_string(st), flashc_context_last_error(ctx));
         failed += !pass;

@@ -32,7 +32,8 @@ static const struct {
     FIELD(block_mask_heads, 'q'), FIELD(cu_seqlens_q, 'p'),     FIELD(cu_seqlens_k, 'p'),
     FIELD(num_seqs, 'q'),         FIELD(max_seqlen_q, 'q'),     FIELD(max_seqlen_k, 'q'),
     FIELD(dropout_p, 'f'),        FIELD(dropout_seed, 'Q'),     FIELD(dropout_offset, 'Q'),
-    FIELD(deterministic, 'i'),
+    FIELD(deterministic, 'i'),    FIELD(seqused_k, 'p'),        FIELD(sinks, 'p'),
+    FIELD(dsinks, 'p'),
 };
 #define NFIELDS (sizeof expected / sizeof expected[0])
 
@@ -102,6 +103,16 @@ static void test_growth(void) {
     check("a newer layout that sets no newer field: forward runs",
           flashc_forward(ctx, &tq, &tq, &tq, &np.known, &to, lse, NULL, 0) == FLASHC_STATUS_OK);
     check("  ... and reads the fields this library knows", !memcmp(out, want, EL * sizeof(float)));
+
+    /* A caller built against 0.2's flashc.h: its struct ends before seqused_k; whatever lies past it is not its. */
+    flashc_params old = prm;
+    old.struct_size = (uint32_t)offsetof(flashc_params, seqused_k);
+    old.seqused_k = (const int32_t *)(uintptr_t)1; /* garbage a 0.2 caller never wrote */
+    old.sinks = (const float *)(uintptr_t)1;
+    memset(out, 0, EL * sizeof(float));
+    check("the 0.2 layout: forward runs, the 0.3 fields at their defaults",
+          flashc_forward(ctx, &tq, &tq, &tq, &old, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
+              !memcmp(out, want, EL * sizeof(float)));
 
     np.later[2] = 1;
     memset(out, 0x7f, EL * sizeof(float));

@@ -162,7 +162,7 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
     }
 }
 
-/* Normalizes O by l and writes out and lse; rows that saw no key get 0 and +inf. */
+/* Normalizes O by l (and the sink) and writes out and lse; rows that saw no key get 0 and +inf (the sink). */
 static void forward_store(const flashc_problem *p, const layout *L, float *o, const float *m, const float *l,
                           int64_t b, int64_t h, int64_t i0, int rows) {
     int64_t q0, nq, k0, nk;
@@ -171,6 +171,13 @@ static void forward_store(const flashc_problem *p, const layout *L, float *o, co
     float *lse = p->lse ? p->lse + flashc_cpu_lse_offset(p, b, h, q0) + i0 : NULL;
     for (int r = 0; r < rows; r++) {
         float *orow = o + (size_t)r * dp;
+        if (p->sinks) { /* the sink joins the denominator */
+            float lse_r;
+            const float f = flashc_sink_fold(p->sinks[h], m[r], l[r], &lse_r);
+            for (int d = 0; d < D; d++) orow[d] = f == 0.0f ? 0.0f : orow[d] * f;
+            if (lse) lse[r] = lse_r;
+            continue;
+        }
         if (l[r] == 0.0f) {
             memset(orow, 0, sizeof(float) * (size_t)D);
             if (lse) lse[r] = INFINITY;
@@ -512,6 +519,33 @@ static void reduce_group(const flashc_problem *p, const layout *L, const float *
         }
 }
 
+/* dk = dv = 0 on the key rows of sequence b, kv head hk, past the ones it uses (seqused_k). zero: D zeros. */
+static void unused_keys_zero(const flashc_problem *p, const float *zero, int64_t b, int64_t hk) {
+    int64_t q0, nq, k0, nk, rows;
+    flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+    flashc_seq_key_rows(p, b, &k0, &rows);
+    const int64_t tb = flashc_cpu_tensor_batch(p, b);
+    for (int64_t j = nk; j < rows; j++) {
+        flashc_cpu_store_rows(&p->dk, tb, k0 + j, 1, hk, p->D, zero, p->D, 1.0f);
+        flashc_cpu_store_rows(&p->dv, tb, k0 + j, 1, hk, p->D, zero, p->D, 1.0f);
+    }
+}
+
+/* The sinks' gradient: lse includes the sink, so P_sink,i = exp(sink_h - lse_i), and dL/dsink_h = -sum over the
+ * rows of (b, h) of P_sink,i D_i (D_i = rowsum(dO o O) = sum_j P_ij dP_ij). In a fixed order (reproducible). */
+static void sinks_grad(const flashc_problem *p, const float *dvec) {
+    for (int64_t h = 0; h < p->H; h++) {
+        double acc = 0.0;
+        for (int64_t b = 0; b < p->B; b++) {
+            int64_t q0, nq, k0, nk;
+            flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+            const int64_t off = flashc_cpu_lse_offset(p, b, h, q0);
+            for (int64_t i = 0; i < nq; i++) acc -= exp((double)p->sinks[h] - p->lse[off + i]) * dvec[off + i];
+        }
+        p->dsinks[h] = (float)acc;
+    }
+}
+
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     const layout L = make_layout(p, 1);
     const int single = single_pass(p, nthreads);
@@ -560,6 +594,16 @@ void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern
 #  pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t task = 0; task < (single ? 0 : p->B * p->H * L.nqb); task++) dq_task(p, kern, &L, &t, dvec, task);
+        if (p->seqused_k) { /* keys past a sequence's used ones get no gradient */
+            float *zero = t.dk;
+            memset(zero, 0, sizeof(float) * (size_t)L.dp);
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+            for (int64_t bh = 0; bh < p->B * p->Hkv; bh++)
+                unused_keys_zero(p, zero, bh / p->Hkv, bh % p->Hkv);
+        }
     }
+    if (p->dsinks) sinks_grad(p, dvec);
     (void)nthreads;
 }

@@ -139,8 +139,10 @@ static int cpu_threads(const struct flashc_context *ctx) {
 
 /* ---- the table ----------------------------------------------------------------------------------------- */
 
-/* What lives in host memory, which only a backend that reads it can check: cu_seqlens against the problem, and
- * the ALiBi slopes. */
+static flashc_status check_seqlens(struct flashc_context *ctx, const flashc_problem *p);
+
+/* What lives in host memory, which only a backend that reads it can check: cu_seqlens and seqused_k against the
+ * problem, the ALiBi slopes and the sinks. */
 static flashc_status check_inputs(struct flashc_context *ctx, const flashc_problem *p) {
     /* A non-finite slope is refused like a non-finite scale: it would turn every score of its head to NaN or
      * infinity, which no caller means. (The CUDA backend cannot read device memory without a synchronizing
@@ -154,6 +156,26 @@ static flashc_status check_inputs(struct flashc_context *ctx, const flashc_probl
                                       "alibi slope of batch %lld, head %lld is %g: slopes must be finite",
                                       (long long)b, (long long)h, (double)m);
             }
+    if (p->sinks)
+        for (int64_t h = 0; h < p->H; h++)
+            if (!isfinite(p->sinks[h]))
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "sink of head %lld is %g: sinks must be finite",
+                                  (long long)h, (double)p->sinks[h]);
+    FLASHC_TRY(check_seqlens(ctx, p));
+    if (p->seqused_k)
+        for (int64_t b = 0; b < p->B; b++) {
+            int64_t k0, rows;
+            flashc_seq_key_rows(p, b, &k0, &rows);
+            if (p->seqused_k[b] < 0 || p->seqused_k[b] > rows)
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                  "seqused_k[%lld] is %d: it must lie in [0, %lld], the sequence's key rows",
+                                  (long long)b, (int)p->seqused_k[b], (long long)rows);
+        }
+    return FLASHC_STATUS_OK;
+}
+
+/* cu_seqlens against the problem: starting at 0, non-decreasing, within max_seqlen and the packed rows. */
+static flashc_status check_seqlens(struct flashc_context *ctx, const flashc_problem *p) {
     if (!p->varlen) return FLASHC_STATUS_OK;
     if (p->cu_q[0] != 0 || p->cu_k[0] != 0)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens must start at 0 (got %d, %d)",

@@ -48,7 +48,10 @@ static int64_t rand_below(uint64_t *state, int64_t n) { return n <= 1 ? 0 : (int
 /* name, dtype, B, Nq, Nk, H, Hkv, D, causal, window (left, right), softcap, alibi, block (q, k), varlen, layout,
  * backward */
 #define CASE(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd) \
-    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd}
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, 0, 0}
+/* ... and the two later columns: seqused_k, sinks */
+#define CASE2(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks) \
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks}
 
 /* Sizes are kept so that the whole table, naive fp64 oracle included, runs in about a minute on two cores:
  * the oracle costs O(Nq * Nk * D) per head, so long sequences and wide heads get small B and H. */
@@ -174,6 +177,20 @@ static const flashc_case full_table[] = {
     CASE("large_bf16_mqa_d128", BF16, 1, 1023, 1023, 4, 1, 128, 0, -1, -1, 0, 0, 0, 0, 0, BHND, 1),
     CASE("large_f16_varlen_all", F16, 4, 1023, 1023, 2, 2, 64, 1, 256, -1, 30.0f, 2, 64, 128, 1, BNHD, 1),
 
+    /* used keys per sequence (a static KV cache) and attention sinks */
+    CASE2("used_k", F32, 3, 64, 200, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0),
+    CASE2("used_k_bf16_causal_gqa", BF16, 4, 17, 255, 4, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0),
+    CASE2("used_k_f16_n1_window", F16, 4, 1, 300, 4, 1, 64, 0, 100, 0, 0, 0, 0, 0, 0, BNHD, 1, 1, 0),
+    CASE2("used_k_varlen_bf16", BF16, 4, 128, 255, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 1, 0),
+    CASE2("used_k_d256_f16", F16, 3, 100, 255, 2, 1, 256, 0, -1, -1, 0, 1, 0, 0, 0, BHND, 1, 1, 0),
+    CASE2("sinks", F32, 2, 113, 128, 4, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1),
+    CASE2("sinks_bf16_causal", BF16, 2, 255, 255, 4, 4, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1),
+    CASE2("sinks_f16_window_gqa", F16, 2, 255, 255, 8, 2, 64, 0, 64, 0, 0, 0, 0, 0, 0, BNHD, 1, 0, 1),
+    CASE2("sinks_varlen_bf16", BF16, 4, 128, 255, 4, 2, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 1),
+    CASE2("sinks_n1x1023_bf16", BF16, 2, 1, 1023, 8, 2, 128, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1),
+    CASE2("sinks_d256_softcap_f16", F16, 1, 128, 200, 2, 2, 256, 0, -1, -1, 10.0f, 0, 0, 0, 0, BNHD, 1, 0, 1),
+    CASE2("used_sinks_bf16_mask", BF16, 3, 100, 255, 4, 2, 64, 1, 80, -1, 0, 0, 32, 48, 0, BNHD, 1, 1, 1),
+
     /* everything at once */
     CASE("all_bf16", BF16, 3, 255, 255, 4, 2, 64, 1, 90, -1, 8.0f, 2, 19, 29, 1, PAD, 1),
     CASE("all_f32", F32, 3, 128, 255, 4, 1, 96, 0, 60, 20, 8.0f, 2, 29, 19, 1, BHND, 1),
@@ -197,6 +214,7 @@ static const flashc_case quick_table[] = {
     CASE("q_bhnd", F32, 2, 35, 35, 2, 2, 96, 1, -1, -1, 0, 0, 0, 0, 0, BHND, 1),
     CASE("q_padded", F16, 2, 37, 29, 2, 1, 80, 0, -1, -1, 0, 0, 0, 0, 0, PAD, 1),
     CASE("q_all", F32, 3, 45, 61, 4, 2, 48, 1, 20, -1, 5.0f, 2, 11, 7, 1, PAD, 1),
+    CASE2("q_used_sinks", BF16, 3, 33, 70, 4, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 1),
 };
 
 const flashc_case *flashc_case_table(int full, size_t *count) {
@@ -464,7 +482,7 @@ static int judge(flashc_case_result *res, const char *name, const check *c) {
 
 /* ---- the runner ------------------------------------------------------------------------------------------ */
 
-enum { BQ, BK, BV, BOUT, BLSE, BDOUT, BDQ, BDK, BDV, BSLOPES, BMASK, BCUQ, BCUK, BWS, NBUF };
+enum { BQ, BK, BV, BOUT, BLSE, BDOUT, BDQ, BDK, BDV, BSLOPES, BMASK, BCUQ, BCUK, BWS, BUSED, BSINK, BDSINK, NBUF };
 
 static void set_status(flashc_case_result *res, flashc_status st, const char *what, flashc_context_t ctx) {
     res->status = st;
@@ -530,6 +548,29 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
     fill_view(&buf[BK], &tk, &rng, 0);
     fill_view(&buf[BV], &tv, &rng, 0);
     if (c->backward) fill_view(&buf[BDOUT], &tdout, &rng, 0);
+    if (c->seqused) {
+        /* keys each sequence uses: one none, one all, the others at random; the unused rows of k and v hold NaN,
+         * which must reach no result */
+        if (buf_alloc(&buf[BUSED], (size_t)B * sizeof(int32_t))) goto done;
+        int32_t *used = buf[BUSED].host;
+        const int64_t none = rand_below(&rng, B), all = (none + 1) % B;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t k0 = cu_k ? cu_k[b] : 0, rows = cu_k ? cu_k[b + 1] - cu_k[b] : c->Nk;
+            used[b] = (int32_t)(b == none ? 0 : b == all ? rows : rand_below(&rng, rows + 1));
+            for (int64_t j = used[b]; j < rows; j++)
+                for (int64_t h = 0; h < c->Hkv; h++)
+                    for (int64_t d = 0; d < c->D; d++) {
+                        set_elem(buf[BK].host, c->dtype, view_offset(&tk, cu_k ? 0 : b, k0 + j, h, d), NAN);
+                        set_elem(buf[BV].host, c->dtype, view_offset(&tv, cu_k ? 0 : b, k0 + j, h, d), NAN);
+                    }
+        }
+    }
+    if (c->sinks) { /* one logit per head, some of them large enough to take most of a row's mass */
+        if (buf_alloc(&buf[BSINK], (size_t)c->H * sizeof(float))) goto done;
+        float *sk = buf[BSINK].host;
+        for (int64_t h = 0; h < c->H; h++) sk[h] = (float)(h % 3 == 2 ? 6.0 : 1.5 * flashc_rand_normal(&rng));
+        if (c->backward && buf_alloc(&buf[BDSINK], (size_t)c->H * sizeof(float))) goto done;
+    }
 
     /* parameters */
     flashc_params prm = flashc_params_default();
@@ -576,8 +617,16 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
     prm.block_mask = buf[BMASK].dev;
     prm.cu_seqlens_q = buf[BCUQ].dev;
     prm.cu_seqlens_k = buf[BCUK].dev;
+    hprm.seqused_k = buf[BUSED].host;
+    hprm.sinks = buf[BSINK].host;
+    hprm.dsinks = buf[BDSINK].host;
+    prm.seqused_k = buf[BUSED].dev;
+    prm.sinks = buf[BSINK].dev;
+    prm.dsinks = buf[BDSINK].dev;
     for (int i = 0; i < NBUF; i++)
-        if (i != BOUT && i != BLSE && i != BDQ && i != BDK && i != BDV && buf[i].host && buf_upload(&buf[i])) goto done;
+        if (i != BOUT && i != BLSE && i != BDQ && i != BDK && i != BDV && i != BDSINK && buf[i].host &&
+            buf_upload(&buf[i]))
+            goto done;
 
     flashc_tensor dq_ = tq, dk_ = tk, dv_ = tv, dout_ = tdout, out_ = tout; /* device views */
     flashc_tensor q_ = tq, k_ = tk, v_ = tv;
@@ -652,6 +701,7 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
         }
         for (int i = BDQ; i <= BDV; i++)
             if (buf_download(&buf[i])) goto done;
+        if (buf[BDSINK].host && buf_download(&buf[BDSINK])) goto done;
         if (prm.deterministic) { /* a second run must reproduce every bit */
             for (int i = 0; i < 3; i++) {
                 first[i] = malloc(buf[BDQ + i].bytes ? buf[BDQ + i].bytes : 1);
@@ -723,6 +773,24 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
                 res->tol_grad = cg.tol;
             }
         }
+    }
+    if (c->backward && c->sinks) { /* the sinks' gradient against the oracle's, relative to its terms' scale */
+        double *dref = malloc((size_t)c->H * 2 * sizeof(double));
+        if (!dref || flashc_ref_sinks_grad(&p, dref, dref + c->H)) {
+            free(dref);
+            goto done;
+        }
+        const float *got = buf[BDSINK].host;
+        for (int64_t h = 0; h < c->H; h++) {
+            const double tol = (lp ? 2e-2 : 1e-4) * dref[c->H + h] + 1e-5;
+            if (!(fabs(got[h] - dref[h]) <= tol)) {
+                append(res, "dsinks[%lld]: %.6g, expected %.6g (bound %.2g)", (long long)h, (double)got[h], dref[h],
+                       tol);
+                ok = 0;
+                break;
+            }
+        }
+        free(dref);
     }
     if (nondet) {
         append(res, "deterministic backward: two runs differ");

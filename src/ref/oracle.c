@@ -4,8 +4,10 @@
  * For each (sequence, head) it materializes the whole score matrix S = scale * Q K^T (softcap, ALiBi and the
  * causal / window / block-sparse masks applied), P = softmax(S) row by row, O = P V, and for the backward
  * dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(P o dP)), dQ = scale * dS K, dK = scale * dS^T Q, with the
- * softcap's chain rule (d/dx c*tanh(x/c) = 1 - tanh^2(x/c)) folded into dS. Nothing is tiled or fused, so
- * the code can be checked against the formulas line by line.
+ * softcap's chain rule (d/dx c*tanh(x/c) = 1 - tanh^2(x/c)) folded into dS. A sequence's keys are its first
+ * seqused_k[b] when that is set (flashc_seq_bounds); an attention sink is one more term of each row's softmax
+ * denominator, and its gradient is flashc_ref_sinks_grad's. Nothing is tiled or fused, so the code can be
+ * checked against the formulas line by line.
  *
  * round == F32: every step in fp64 (the reference).
  * round == F16 / BF16: the same algorithm the way a framework runs it on low-precision tensors: every
@@ -182,10 +184,15 @@ static void scores_and_probs(oracle *o, int64_t b, int64_t h, int64_t nq, int64_
         }
         if (m == -INFINITY) {
             for (int64_t j = 0; j < nk; j++) pr[j] = 0.0;
-            o->lse[i] = INFINITY;
+            o->lse[i] = p->sinks ? (double)p->sinks[h] : INFINITY;
             continue;
         }
         double sum = 0.0;
+        if (p->sinks) { /* the sink joins the denominator: one more term, exp(sink - m), without a value */
+            const double sink = p->sinks[h];
+            if (sink > m) m = sink;
+            sum = accum(o, exp(accum(o, sink - m)));
+        }
         for (int64_t j = 0; j < nk; j++) {
             pr[j] = accum(o, exp(accum(o, s[j] - m))); /* exp(-inf) = 0 for masked keys */
             sum = accum(o, sum + pr[j]);
@@ -324,6 +331,42 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
     }
     if (!dk) free(sum_dk);
     if (!dv) free(sum_dv);
+    oracle_free(&o);
+    return 0;
+}
+
+int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag) {
+    if (!p->sinks || p->dropout_p > 0) return -1;
+    oracle o;
+    if (oracle_init(&o, p, FLASHC_DTYPE_F32) != 0) return -1;
+    const int64_t H = p->H, D = p->D, group = p->H / p->Hkv;
+    for (int64_t h = 0; h < H; h++) {
+        dsinks[h] = 0.0;
+        if (mag) mag[h] = 0.0;
+    }
+    for (int64_t b = 0; b < p->B; b++) {
+        int64_t q0, nq, k0, nk;
+        flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+        const int64_t tb = p->varlen ? 0 : b;
+        if (nq == 0) continue;
+        for (int64_t h = 0; h < H; h++) {
+            gather(&o, &p->q, tb, q0, nq, h, D, o.q);
+            gather(&o, &p->k, tb, k0, nk, h / group, D, o.k);
+            gather(&o, &p->v, tb, k0, nk, h / group, D, o.v);
+            gather(&o, &p->dout, tb, q0, nq, h, D, o.dout);
+            scores_and_probs(&o, b, h, nq, nk);
+            for (int64_t i = 0; i < nq; i++) {
+                /* d sink = -P_sink D_i, P_sink = exp(sink - lse_i), D_i = sum_j P_ij dP_ij, dP_ij = dO_i . V_j */
+                const double *pr = o.pm + i * nk;
+                double di = 0.0;
+                for (int64_t j = 0; j < nk; j++)
+                    if (pr[j] != 0.0) di += pr[j] * dot(&o, o.dout + i * D, o.v + j * D, D);
+                const double term = exp((double)p->sinks[h] - o.lse[i]) * di;
+                dsinks[h] -= term;
+                if (mag) mag[h] += fabs(term);
+            }
+        }
+    }
     oracle_free(&o);
     return 0;
 }

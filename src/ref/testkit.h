@@ -32,6 +32,9 @@ extern "C" {
  */
 int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out, double *lse);
 int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq, double *dk, double *dv);
+/* With attention sinks: dL/dsinks (H doubles, fp64) for the problem's dout, and (mag, may be NULL) the sum of its
+ * terms' magnitudes per head, the scale of its rounding error. Returns -1 without sinks. */
+int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag);
 
 /* Layout of the test tensors. */
 typedef enum flashc_case_layout {
@@ -53,6 +56,8 @@ typedef struct flashc_case {
     int varlen;                        /* 1: B sequences of random lengths <= Nq/Nk packed, one of length 0 */
     flashc_case_layout layout;
     int backward;                      /* 1: also check gradients */
+    int seqused;                       /* 1: seqused_k, one sequence using no key, one all, NaN in the unused */
+    int sinks;                         /* 1: attention sinks (and their gradient with backward) */
 } flashc_case;
 
 /* Result of running one case against the fp64 oracle: relative Frobenius errors for fp32 (an identically zero
