@@ -27,7 +27,7 @@ from .flash_attn_interface import (
     flash_attn_with_kvcache,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "FlashcError", "FlashcCopyWarning", "attention", "attention_backward", "scaled_dot_product_attention",
@@ -54,7 +54,7 @@ def _is_torch(x):
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, dropout_p=0.0, deterministic=False):
+              max_seqlen_k=None, dropout_p=0.0, deterministic=False, seqused_k=None, sinks=None):
     """Attention forward: returns (out, softmax_lse).
 
     q (B, Nq, H, D), k and v (B, Nk, Hkv, D), any strides; or, with cu_seqlens_q / cu_seqlens_k (int32, B + 1
@@ -66,13 +66,18 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     or (B, H) fp32, s -= slope * |i + Nk - Nq - j|. block_mask: bytes (nqb, nkb), (H, nqb, nkb) or
     (B, H, nqb, nkb) with block_size=(rows, keys) per byte; 0 skips the block. max_seqlen_*: computed from
     cu_seqlens when left out. deterministic: bitwise-reproducible backward (torch autograd).
+    seqused_k: int32 (B,) (varlen: one per sequence), the keys each sequence uses: sequence b attends to its first
+    seqused_k[b] keys as if it had only those (causal, window and ALiBi align to that length); the keys past it are
+    never read and get zero gradients. sinks: (H,) attention sinks, one logit per query head (natural log, not
+    scaled) that joins every row's softmax denominator without a value; differentiable with torch tensors.
 
     out has q's shape and dtype ((B, Nq, H, D) or (total_q, H, D)); softmax_lse is fp32 (B, H, Nq) or (H, total_q),
-    natural log; rows that see no key get out 0 and lse +inf.
+    natural log, the sink included; rows that see no key get out 0 and lse +inf (with sinks: the head's sink).
     """
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
               alibi_slopes=alibi_slopes, block_mask=block_mask, block_size=block_size, cu_seqlens_q=cu_seqlens_q,
-              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p)
+              cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+              seqused_k=seqused_k, sinks=sinks)
     if _is_torch(q):
         from . import _torch
 
@@ -86,14 +91,16 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 
 def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, deterministic=False):
+                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, deterministic=False,
+                       seqused_k=None, sinks=None):
     """Attention backward: returns (dq, dk, dv) for the upstream gradient dout, given attention()'s out and
     softmax_lse and the same options (numpy arrays or torch tensors, no autograd). With GQA, dk/dv sum the
-    gradients of the query heads that share a kv head."""
+    gradients of the query heads that share a kv head. With sinks it returns (dq, dk, dv, dsinks), dsinks (H,)
+    summed over the batch and rows (fp32; with torch, in the sinks tensor's dtype)."""
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
               alibi_slopes=alibi_slopes, block_mask=block_mask, block_size=block_size, cu_seqlens_q=cu_seqlens_q,
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-              deterministic=deterministic)
+              deterministic=deterministic, seqused_k=seqused_k, sinks=sinks)
     if _is_torch(q):
         from . import _torch
 

@@ -65,9 +65,41 @@ def check_mask_shape(shape, bq, bk, nq, nk):
             % (bq, bk, want, tuple(shape[-2:])))
 
 
+def check_seqused_k_shape(shape, b, varlen):
+    if tuple(shape) != (b,):
+        raise ValueError("flashc: seqused_k must be 1-d with one entry per sequence, (%s,) = (%d,), got shape %s"
+                         % ("num_seqs" if varlen else "B", b, tuple(shape)))
+
+
+def check_sinks_shape(shape, h):
+    if tuple(shape) != (h,):
+        raise ValueError("flashc: sinks must be 1-d with one fp32 logit per query head, (H,) = (%d,), got shape %s"
+                         % (h, tuple(shape)))
+
+
+def check_int32_range(name, values):
+    """Host index values that int32 cannot hold would wrap on conversion into other, valid-looking ones."""
+    if len(values) and (int(values.min()) < -2**31 or int(values.max()) >= 2**31):
+        raise ValueError("flashc: %s holds values outside int32's range" % name)
+
+
+# Fields flashc_params gained after 0.2: a library older than them lacks the field, and setting an attribute that is
+# not a field of the ctypes struct would be silently ignored, so such calls are refused here.
+_FIELDS = frozenset(name for name, _ in _lib.Params._fields_)
+
+
+def _set_field(p, name, value, feature):
+    if name not in _FIELDS:
+        raise NotImplementedError(
+            "flashc: %s needs libflashc 0.3 or later; the loaded %s (version %s) has no flashc_params.%s"
+            % (feature, _lib.library_path, _lib.version(), name))
+    setattr(p, name, value)
+
+
 def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi_ptr=None,
                 alibi_batch_stride=0, block_mask_ptr=None, block_size=(0, 0), block_mask_dims=(1, 1),
-                cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False):
+                cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
+                seqused_k_ptr=None, sinks_ptr=None, dsinks_ptr=None):
     p = _lib.lib.flashc_params_default()
     # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
     # softmax_scale=None means everywhere in this package.
@@ -89,6 +121,12 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
         p.max_seqlen_q = max_seqlen_q
         p.max_seqlen_k = max_seqlen_k
     p.deterministic = 1 if deterministic else 0
+    if seqused_k_ptr:
+        _set_field(p, "seqused_k", seqused_k_ptr, "seqused_k")
+    if sinks_ptr:
+        _set_field(p, "sinks", sinks_ptr, "attention sinks")
+    if dsinks_ptr:
+        _set_field(p, "dsinks", dsinks_ptr, "the attention sinks' gradient")
     return p
 
 

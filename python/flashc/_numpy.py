@@ -43,7 +43,8 @@ class _Options:
     """Everything besides the tensors, converted once into what flashc_params points at (kept alive here)."""
 
     def __init__(self, q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
-                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic=False):
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic=False,
+                 seqused_k=None, sinks=None, dsinks=None):
         _core.check_dropout(dropout_p)
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.keep = []
@@ -81,10 +82,33 @@ class _Options:
             _core.check_mask_shape(m.shape, bq, bk, self.Nq, self.Nk)
             self.keep.append(m)
             kw.update(block_mask_ptr=m.ctypes.data, block_size=(bq, bk), block_mask_dims=_core.mask_dims(m.shape))
+        if seqused_k is not None:
+            u = np.asarray(seqused_k)
+            if u.dtype.kind not in "iu":
+                raise TypeError("flashc: seqused_k must be an integer array (int32), got %s" % u.dtype)
+            _core.check_seqused_k_shape(u.shape, self.B, self.varlen)
+            _core.check_int32_range("seqused_k", u)
+            u = np.ascontiguousarray(u, dtype=np.int32)
+            self.keep.append(u)
+            kw.update(seqused_k_ptr=u.ctypes.data)
+        self.sinks = None
+        if sinks is not None:
+            s = np.asarray(sinks)
+            _core.check_sinks_shape(s.shape, self.H)
+            self.sinks = s = np.ascontiguousarray(s, dtype=np.float32)
+            kw.update(sinks_ptr=s.ctypes.data)
+            if dsinks is not None:
+                kw.update(dsinks_ptr=dsinks.ctypes.data)
         self.params = _core.make_params(**kw)
 
     def lse_shape(self, q4):
         return (self.H, q4.shape[1]) if self.varlen else (q4.shape[0], self.H, q4.shape[1])
+
+    def empty_lse(self):
+        """lse of rows that see no key, broadcastable to lse_shape: +inf, or each head's sink."""
+        if self.sinks is None:
+            return np.inf
+        return self.sinks[:, None] if self.varlen else self.sinks[None, :, None]
 
 
 def _as4(a, varlen):
@@ -98,7 +122,7 @@ def _empty_problem(q4, k4):
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, dropout_p=0.0):
+              max_seqlen_k=None, dropout_p=0.0, seqused_k=None, sinks=None):
     """out, softmax_lse = attention(q, k, v, ...) on numpy arrays (see flashc.attention)."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     nd = 3 if varlen else 4
@@ -107,12 +131,13 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         _dtype(n, a)
     q4, k4, v4 = _as4(q, varlen), _as4(k, varlen), _as4(v, varlen)
     opts = _Options(q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seqused_k=seqused_k,
+                    sinks=sinks)
     out4 = np.empty(q4.shape, dtype=q.dtype)
     lse = np.empty(opts.lse_shape(q4), dtype=np.float32)
     if _empty_problem(q4, k4):
         out4.fill(0)
-        lse.fill(np.inf)
+        lse[...] = opts.empty_lse()
     else:
         ctx = _lib.context(_lib.BACKEND_CPU, 0)
         tq, q4 = _view(q4)
@@ -127,17 +152,20 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                       deterministic=False):
+                       deterministic=False, seqused_k=None, sinks=None):
     """dq, dk, dv = attention_backward(dout, q, k, v, out, softmax_lse, ...): the gradients of attention() for
-    the upstream gradient dout, given attention()'s out and softmax_lse and the same options."""
+    the upstream gradient dout, given attention()'s out and softmax_lse and the same options. With sinks it
+    returns dq, dk, dv, dsinks (fp32, (H,))."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     nd = 3 if varlen else 4
     arrs = [_array(n, a, nd) for n, a in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))]
     for n, a in zip(("dout", "q", "k", "v", "out"), arrs):
         _dtype(n, a)
     do4, q4, k4, v4, o4 = (_as4(a, varlen) for a in arrs)
+    dsinks = None if sinks is None else np.zeros(q4.shape[2], dtype=np.float32)
     opts = _Options(q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic)
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic,
+                    seqused_k=seqused_k, sinks=sinks, dsinks=dsinks)
     lse = np.ascontiguousarray(softmax_lse, dtype=np.float32)
     if lse.shape != opts.lse_shape(q4):
         raise ValueError("flashc: softmax_lse must have shape %s (from the forward), got %s"
@@ -146,6 +174,7 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
     dk4 = np.empty(k4.shape, dtype=q.dtype)
     dv4 = np.empty(v4.shape, dtype=q.dtype)
     if _empty_problem(q4, k4):
+        # dsinks stays 0 too: every row's output is 0, so the sinks do not move the loss
         for g in (dq4, dk4, dv4):
             g.fill(0)
     else:
@@ -157,6 +186,5 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
         tq, tk, tv, to, tdo, tdq, tdk, tdv = (t for t, _ in views)
         _lib.check(_core.backward_status(ctx, tq, tk, tv, to, tdo, lse.ctypes.data, opts.params, tdq, tdk, tdv),
                    "flashc_backward", ctx.handle)
-    if varlen:
-        return dq4[0], dk4[0], dv4[0]
-    return dq4, dk4, dv4
+    grads = (dq4[0], dk4[0], dv4[0]) if varlen else (dq4, dk4, dv4)
+    return grads if dsinks is None else grads + (dsinks,)

@@ -71,12 +71,12 @@ class _Options:
 
     def __init__(self, q4, k4, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, deterministic=False):
+                 max_seqlen_q=None, max_seqlen_k=None, deterministic=False, seqused_k=None, sinks=None):
         device = q4.device
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.kw = dict(softmax_scale=softmax_scale, causal=bool(causal), window=_core.window_pair(window_size),
                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
-        self.alibi = self.mask = self.cu_q = self.cu_k = None
+        self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = None
         if self.varlen:
             if cu_seqlens_q is None or cu_seqlens_k is None:
                 raise ValueError("flashc: varlen needs both cu_seqlens_q and cu_seqlens_k")
@@ -106,17 +106,40 @@ class _Options:
             _core.check_mask_shape(tuple(m.shape), bq, bk, self.Nq, self.Nk)
             self.mask = m
             self.kw.update(block_size=(bq, bk), block_mask_dims=_core.mask_dims(tuple(m.shape)))
+        if seqused_k is not None:
+            u = torch.as_tensor(seqused_k)
+            _core.check_seqused_k_shape(u.shape, self.B, self.varlen)
+            if u.device.type == "cpu" and u.dtype == torch.int64:
+                _core.check_int32_range("seqused_k", u)
+            self.used = _index_tensor("seqused_k", u, device)
+        if sinks is not None:
+            s = torch.as_tensor(sinks)
+            _core.check_sinks_shape(s.shape, self.H)
+            # the library reads fp32 (H,) where it computes; a tensor that already is one is used as it is
+            self.sinks = s.detach().to(device=device, dtype=torch.float32).contiguous()
 
-    def params(self):
+    def params(self, dsinks=None):
+        """flashc_params pointing at this call's tensors; dsinks (fp32 (H,), backward only): where the library
+        writes the sinks' gradient."""
         return _core.make_params(
             alibi_ptr=self.alibi.data_ptr() if self.alibi is not None else None,
             block_mask_ptr=self.mask.data_ptr() if self.mask is not None else None,
             cu_q_ptr=self.cu_q.data_ptr() if self.cu_q is not None else None,
             cu_k_ptr=self.cu_k.data_ptr() if self.cu_k is not None else None,
+            seqused_k_ptr=self.used.data_ptr() if self.used is not None else None,
+            sinks_ptr=self.sinks.data_ptr() if self.sinks is not None else None,
+            dsinks_ptr=dsinks.data_ptr() if dsinks is not None else None,
             **self.kw)
 
     def lse_shape(self, q4):
         return (self.H, q4.shape[1]) if self.varlen else (q4.shape[0], self.H, q4.shape[1])
+
+    def fill_empty_lse(self, lse):
+        """lse of a problem whose rows see no key: +inf, or each head's sink (the library's rule)."""
+        if self.sinks is None:
+            lse.fill_(float("inf"))
+        else:
+            lse.copy_((self.sinks[:, None] if self.varlen else self.sinks[None, :, None]).expand(lse.shape))
 
 
 def _index_tensor(name, t, device):
@@ -140,7 +163,7 @@ def _forward(q4, k4, v4, opts):
     lse = torch.empty(opts.lse_shape(q4), dtype=torch.float32, device=device)
     if _empty_problem(q4, k4):
         out4.zero_()
-        lse.fill_(float("inf"))
+        opts.fill_empty_lse(lse)
         return out4, lse
     params = opts.params()
     lib = _lib.lib
@@ -167,14 +190,16 @@ def _forward(q4, k4, v4, opts):
     return out4, lse
 
 
-def _backward(dout4, q4, k4, v4, out4, lse, opts, dq4, dk4, dv4):
-    """Writes dq4, dk4, dv4 (any non-overlapping strided views)."""
+def _backward(dout4, q4, k4, v4, out4, lse, opts, dq4, dk4, dv4, dsinks=None):
+    """Writes dq4, dk4, dv4 (any non-overlapping strided views), and dsinks (fp32 (H,), contiguous, on the
+    tensors' device) when given."""
     device = q4.device
     if _empty_problem(q4, k4):
-        for g in (dq4, dk4, dv4):
+        # every output row is 0, so the sinks do not move the loss either
+        for g in (dq4, dk4, dv4) + (() if dsinks is None else (dsinks,)):
             g.zero_()
         return
-    params = opts.params()
+    params = opts.params(dsinks)
     lib = _lib.lib
 
     def call(ins, outs):
@@ -259,19 +284,23 @@ class _Layout:
 
 
 class _AttentionFunction(torch.autograd.Function):
+    """sinks: None, or the fp32 (H,) tensor on the inputs' device that opts.sinks views (the conversion from the
+    caller's dtype and device happens before, in autograd, which casts the gradient back)."""
+
     @staticmethod
-    def forward(ctx, opts, layout, *inputs):
+    def forward(ctx, opts, layout, sinks, *inputs):
         q4, k4, v4 = layout.unpack(inputs)
         out4, lse = _forward(q4, k4, v4, opts)
         out = out4[0] if layout.varlen else out4
-        ctx.save_for_backward(*inputs, out, lse)
+        # sinks is saved so that an in-place change of it before the backward is caught by autograd
+        ctx.save_for_backward(sinks, *inputs, out, lse)
         ctx.opts, ctx.layout = opts, layout
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        *inputs, out, lse = ctx.saved_tensors
+        sinks, *inputs, out, lse = ctx.saved_tensors
         layout = ctx.layout
         q4, k4, v4 = layout.unpack(inputs)
         grads, (dq4, dk4, dv4) = layout.grads(inputs)
@@ -279,12 +308,16 @@ class _AttentionFunction(torch.autograd.Function):
             out, dout = out.unsqueeze(0), dout.unsqueeze(0)
         if dout.dtype != out.dtype:
             dout = dout.to(out.dtype)
-        _backward(dout, q4, k4, v4, out, lse, ctx.opts, dq4, dk4, dv4)
-        return (None, None) + grads
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[2]:
+            dsinks = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
+        _backward(dout, q4, k4, v4, out, lse, ctx.opts, dq4, dk4, dv4, dsinks)
+        return (None, None, dsinks) + grads
 
 
-def apply(kind, inputs, varlen=False, dropout_p=0.0, **options):
-    """(out, lse) with autograd for inputs laid out as `kind` (see _Layout); options go to _Options."""
+def apply(kind, inputs, varlen=False, dropout_p=0.0, sinks=None, **options):
+    """(out, lse) with autograd for inputs laid out as `kind` (see _Layout), differentiable w.r.t. the inputs and
+    sinks (a tensor of H logits); options go to _Options."""
     _core.check_dropout(dropout_p)
     names = {"q,k,v": ("q", "k", "v"), "qkv": ("qkv",), "q,kv": ("q", "kv")}[kind]
     device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
@@ -303,17 +336,24 @@ def apply(kind, inputs, varlen=False, dropout_p=0.0, **options):
                              % (n, 3 if n == "qkv" else 2, tuple(t.shape)))
     layout = _Layout(kind, varlen)
     q4, k4, v4 = layout.unpack(inputs)
-    opts = _Options(q4, k4, **options)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return _AttentionFunction.apply(opts, layout, *inputs)
+    s32 = None
+    if sinks is not None:
+        s32 = torch.as_tensor(sinks)
+        _core.check_sinks_shape(s32.shape, q4.shape[2])
+        # In autograd: a sinks tensor of another dtype or device gets its gradient back in its own.
+        s32 = s32.to(device=q4.device, dtype=torch.float32).contiguous()
+    opts = _Options(q4, k4, sinks=s32, **options)
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or (s32 is not None and s32.requires_grad)):
+        return _AttentionFunction.apply(opts, layout, s32, *inputs)
     # Nothing to differentiate (inference, torch.no_grad()): the same forward without an autograd node.
     out4, lse = _forward(q4, k4, v4, opts)
     return (out4[0] if varlen else out4), lse
 
 
 def attention_backward(dout, q, k, v, out, softmax_lse, *, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       **options):
-    """dq, dk, dv for torch tensors without autograd (see flashc.attention_backward)."""
+                       sinks=None, **options):
+    """dq, dk, dv for torch tensors without autograd (see flashc.attention_backward); with sinks also dsinks, in
+    the sinks' dtype and on their device when they are a floating-point tensor (else fp32 on q's device)."""
     _core.check_dropout(dropout_p)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     device = q.device
@@ -325,14 +365,19 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, dropout_p=0.0, cu_seq
     layout = _Layout("q,k,v", varlen)
     q4, k4, v4 = layout.unpack((q, k, v))
     out4, do4 = (out.unsqueeze(0), dout.unsqueeze(0)) if varlen else (out, dout)
-    opts = _Options(q4, k4, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options)
+    opts = _Options(q4, k4, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks, **options)
     lse = softmax_lse
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != opts.lse_shape(q4):
         raise ValueError("flashc: softmax_lse must be a tensor of shape %s (from the forward)" % (opts.lse_shape(q4),))
     lse = lse.to(device=device, dtype=torch.float32).contiguous()
     grads, (dq4, dk4, dv4) = layout.grads((q, k, v))
-    _backward(do4, q4, k4, v4, out4, lse, opts, dq4, dk4, dv4)
-    return grads
+    dsinks = None if sinks is None else torch.empty(opts.H, dtype=torch.float32, device=device)
+    _backward(do4, q4, k4, v4, out4, lse, opts, dq4, dk4, dv4, dsinks)
+    if dsinks is None:
+        return grads
+    if isinstance(sinks, torch.Tensor) and sinks.is_floating_point():
+        dsinks = dsinks.to(device=sinks.device, dtype=sinks.dtype)
+    return grads + (dsinks,)
 
 
 # ---- torch.nn.functional.scaled_dot_product_attention's interface --------------------------------------------------

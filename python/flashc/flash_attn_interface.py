@@ -9,6 +9,17 @@ tensors drop the batch dimension and pack the sequences along the first one, des
 fp32 (B, H, Nq) or varlen (H, total_q) and S_dmask is None: flashc never materializes the attention probabilities
 (flash-attn documents its S_dmask as "for testing only", meaningful with dropout, which flashc does not have yet).
 
+Two keyword-only arguments of flashc's own follow flash-attn's on every function (its positional order is kept):
+
+* seqused_k: int32 (B,) (varlen: one per sequence), the keys each sequence uses, as flash-attn's C API and
+  flash-attn 3 have it: sequence b attends to its first seqused_k[b] keys as if it had only those (causal and window
+  bands, ALiBi distances align to that length), the keys past it are never read (NaN there included) and get
+  dk = dv = 0. A padded or static KV cache needs it.
+* sinks: (H,) attention sinks (GPT-OSS style), one logit per query head, natural-log units and not scaled, that
+  joins every row's softmax denominator without a value: lse_i = log(exp(sinks[h]) + sum_j exp(s_ij)). The
+  returned softmax_lse includes it (a row that sees no key gets out 0 and lse = sinks[h]). Differentiable: the
+  gradient comes back in the sinks' dtype; computed in fp32.
+
 Not supported yet, each raising NotImplementedError that names it: dropout_p > 0, the KV cache
 (flash_attn_with_kvcache) and paged KV (block_table). torch is imported on the first call, not at import.
 """
@@ -20,12 +31,12 @@ __all__ = [
 
 
 def _run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-         return_attn_probs, **varlen_args):
+         return_attn_probs, seqused_k, sinks, **varlen_args):
     from . import _torch
 
     out, lse = _torch.apply(kind, inputs, varlen=varlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
                             causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                            deterministic=deterministic, **varlen_args)
+                            deterministic=deterministic, seqused_k=seqused_k, sinks=sinks, **varlen_args)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -39,10 +50,13 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    seqused_k=None,
+    sinks=None,
 ):
     """qkv (B, N, 3, H, D) -> out (B, N, H, D). The gradient comes back as one (B, N, 3, H, D) tensor."""
     return _run("qkv", (qkv,), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs)
+                deterministic, return_attn_probs, seqused_k, sinks)
 
 
 def flash_attn_kvpacked_func(
@@ -56,10 +70,13 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    seqused_k=None,
+    sinks=None,
 ):
     """q (B, Nq, H, D), kv (B, Nk, 2, Hkv, D) -> out (B, Nq, H, D)."""
     return _run("q,kv", (q, kv), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs)
+                deterministic, return_attn_probs, seqused_k, sinks)
 
 
 def flash_attn_func(
@@ -74,15 +91,20 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    seqused_k=None,
+    sinks=None,
 ):
     """q (B, Nq, H, D), k and v (B, Nk, Hkv, D) -> out (B, Nq, H, D).
 
     causal is bottom-right aligned (query i sees key j iff j <= i + Nk - Nq); window_size (left, right) keeps
     keys i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1: unbounded); softcap > 0 applies
     softcap * tanh(s / softcap); alibi_slopes (H,) or (B, H) fp32 subtract slope * |i + Nk - Nq - j|.
+    seqused_k (B,) int32: batch b uses its first seqused_k[b] keys (Nk becomes seqused_k[b] for the masks);
+    sinks (H,): attention sinks (see the module's docstring).
     """
     return _run("q,k,v", (q, k, v), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs)
+                deterministic, return_attn_probs, seqused_k, sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -97,10 +119,13 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    seqused_k=None,
+    sinks=None,
 ):
     """qkv (total, 3, H, D), cu_seqlens int32 (B + 1) -> out (total, H, D)."""
     return _run("qkv", (qkv,), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                 max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
 
 
@@ -119,11 +144,14 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    seqused_k=None,
+    sinks=None,
 ):
     """q (total_q, H, D), kv (total_k, 2, Hkv, D) -> out (total_q, H, D)."""
     return _run("q,kv", (q, kv), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def flash_attn_varlen_func(
@@ -143,14 +171,19 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    seqused_k=None,
+    sinks=None,
 ):
     """q (total_q, H, D), k and v (total_k, Hkv, D) -> out (total_q, H, D). Sequence b is rows
-    cu_seqlens[b] .. cu_seqlens[b + 1] - 1; masks and ALiBi positions count from each sequence's start."""
+    cu_seqlens[b] .. cu_seqlens[b + 1] - 1; masks and ALiBi positions count from each sequence's start.
+    seqused_k (num_seqs,) int32: sequence b uses the first seqused_k[b] of its keys; sinks (H,): attention sinks
+    (see the module's docstring)."""
     if block_table is not None:
         raise NotImplementedError("flashc: paged KV cache (block_table) is not supported yet")
     return _run("q,k,v", (q, k, v), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def flash_attn_with_kvcache(

@@ -4,6 +4,9 @@ Semantics follow CONVENTIONS.md: bottom-right aligned causal and window, softcap
 distance |i + Nk - Nq - j|, block mask bytes per (query block, key block), rows with no visible key give out 0,
 lse +inf and zero gradients. The backward is written out by hand (dV = P^T dO, dS = P * (dP - rowsum(dO * O)),
 softcap's chain rule, GQA sums), independently of the library's code.
+
+An attention sink is one more term of each row's softmax denominator, exp(sink_h), without a value: lse includes it,
+a row that sees no key gets out 0 and lse = sink_h, and dL/dsink_h = -sum_i exp(sink_h - lse_i) rowsum(dO * O)_i.
 """
 
 import numpy as np
@@ -29,8 +32,9 @@ def visible(nq, nk, causal=False, window=(-1, -1)):
     return keep
 
 
-def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask, block_size, rnd):
-    """One sequence: q (Nq, H, D), k/v (Nk, Hkv, D), do like q or None -> out, lse (H, Nq), grads."""
+def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask, block_size, rnd, sinks=None):
+    """One sequence: q (Nq, H, D), k/v (Nk, Hkv, D), do like q or None -> out, lse (H, Nq), grads (with sinks:
+    dq, dk, dv and this sequence's dsinks (H,))."""
     nq, h, d = q.shape
     nk, hkv, _ = k.shape
     g = h // hkv
@@ -56,8 +60,13 @@ def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask,
     s = np.where(keep, s, -np.inf)
     empty = ~keep.any(axis=-1)  # (h, nq)
     mx = np.where(empty, 0.0, s.max(axis=-1, initial=-np.inf))
+    if sinks is not None:
+        mx = np.where(empty, sinks[:, None], np.maximum(mx, sinks[:, None]))
     e = np.where(keep, np.exp(s - mx[..., None]), 0.0)
     den = e.sum(axis=-1)
+    if sinks is not None:
+        den = den + np.exp(sinks[:, None] - mx)  # the sink's term: empty rows get den 1, lse = sink
+        empty = np.zeros_like(empty)
     with np.errstate(divide="ignore"):
         lse = np.where(empty, np.inf, mx + np.log(np.where(empty, 1.0, den)))
     p = rnd(e / np.where(empty, 1.0, den)[..., None])
@@ -75,19 +84,24 @@ def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask,
     # The group sum is a stage of its own (the backward of repeating k/v over the heads), rounded like the others.
     dk = rnd(dkr.reshape(nk, hkv, g, d).sum(axis=2))
     dv = rnd(dvr.reshape(nk, hkv, g, d).sum(axis=2))
-    return out, lse, (dq, dk, dv)
+    if sinks is None:
+        return out, lse, (dq, dk, dv)
+    dsinks = -(np.exp(sinks[:, None] - lse) * di).sum(axis=-1)
+    return out, lse, (dq, dk, dv, dsinks)
 
 
 def attention(q, k, v, dout=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              rnd=_identity):
+              rnd=_identity, sinks=None):
     """(out, lse, grads or None) in fp64 for the layouts of flashc.attention: (B, N, H, D), or (total, H, D)
-    with cu_seqlens. rnd rounds after each materialized stage (identity: the fp64 oracle)."""
+    with cu_seqlens. rnd rounds after each materialized stage (identity: the fp64 oracle). With sinks, grads is
+    (dq, dk, dv, dsinks)."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     do = None if dout is None else np.asarray(dout, dtype=np.float64)
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
     alibi = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+    sinks = None if sinks is None else np.asarray(sinks, dtype=np.float64)
     if isinstance(block_size, int):
         block_size = (block_size, block_size)
     varlen = cu_seqlens_q is not None
@@ -101,24 +115,30 @@ def attention(q, k, v, dout=None, softmax_scale=None, causal=False, window_size=
         out = np.zeros(q.shape)
         lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]))
     grads = None if do is None else (np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape))
+    if grads is not None and sinks is not None:
+        grads += (np.zeros(sinks.shape),)
     for b, (sq, sk) in enumerate(seqs):
         qb, kb, vb = q[sq], k[sk], v[sk]
         if qb.shape[0] == 0:
             continue
         if kb.shape[0] == 0:
             lse_b = np.full((q.shape[-2], qb.shape[0]), np.inf)
+            if sinks is not None:
+                lse_b[:] = sinks[:, None]
             o, g = np.zeros(qb.shape), None
         else:
             o, lse_b, g = _sequence(qb, kb, vb, None if do is None else do[sq], b, scale, causal, window_size,
-                                    softcap, alibi, block_mask, block_size, rnd)
+                                    softcap, alibi, block_mask, block_size, rnd, sinks)
         out[sq] = o
         if varlen:
             lse[:, sq] = lse_b
         else:
             lse[b] = lse_b
         if g is not None:
-            for acc, gi, s in zip(grads, g, (sq, sk, sk)):
+            for acc, gi, s in zip(grads, g[:3], (sq, sk, sk)):
                 acc[s] = gi
+            if sinks is not None:
+                grads[3][:] += g[3]
     return out, lse, grads
 
 

@@ -4,6 +4,9 @@ arguments) and torch's scaled_dot_product_attention must bind to flashc's functi
 The expected signatures are flash-attn 2.x's public interface (flash_attn/flash_attn_interface.py, the 2.6+
 versions that have softcap) and torch.nn.functional.scaled_dot_product_attention's documented one. When the real
 flash_attn package is importable, its functions are compared too. No torch needed: flashc imports torch lazily.
+
+flashc's own arguments (seqused_k, sinks) follow flash-attn's as keyword-only ones, so no positional call binds
+differently.
 """
 
 import importlib
@@ -34,19 +37,26 @@ FLASH_ATTN = {
         ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
         ("return_softmax_lse", False)],
 }
+# flashc's keyword-only additions, after flash-attn's arguments (flash_attn_with_kvcache has none: not supported).
+FLASHC_EXTRA = [("seqused_k", None), ("sinks", None)]
 
 
-def params(fn):
-    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+def extra(name):
+    return [] if name == "flash_attn_with_kvcache" else FLASHC_EXTRA
+
+
+def params(fn, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind == kind]
 
 
 @pytest.mark.parametrize("name", sorted(FLASH_ATTN))
 def test_flash_attn_signature(name):
     for where in (flashc, fai):
         fn = getattr(where, name)
+        # flash-attn's arguments bind by position too, in its order; flashc's own only by keyword, after them
         assert params(fn) == FLASH_ATTN[name], "%s.%s" % (where.__name__, name)
-        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
-        assert kinds == {inspect.Parameter.POSITIONAL_OR_KEYWORD}, "flash-attn's arguments bind by position too"
+        assert params(fn, inspect.Parameter.KEYWORD_ONLY) == extra(name), "%s.%s" % (where.__name__, name)
+        assert len(inspect.signature(fn).parameters) == len(FLASH_ATTN[name]) + len(extra(name))
 
 
 def test_flash_attn_interface_exports_everything():
@@ -88,5 +98,5 @@ def test_against_installed_flash_attn():
         if hasattr(real, name):
             theirs = params(getattr(real, name))
             ours = params(getattr(flashc, name))
-            # newer flash-attn versions append arguments; everything flashc has must agree with theirs
+            # newer flash-attn versions append arguments; everything flashc has by position must agree with theirs
             assert ours[:len(theirs)] == theirs[:len(ours)], name

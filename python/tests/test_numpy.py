@@ -276,6 +276,7 @@ def test_params_default_read_through_the_mirror():
     assert p.window_left == -1 and p.window_right == -1
     assert not p.alibi_slopes and not p.block_mask and not p.cu_seqlens_q and not p.cu_seqlens_k
     assert p.dropout_p == 0.0 and p.deterministic == 0
+    assert not p.seqused_k and not p.sinks and not p.dsinks
     t = _lib.lib.flashc_tensor_contiguous(None, _lib.DTYPE_BF16, 2, 3, 4, 5)
     assert t.dtype == _lib.DTYPE_BF16 and list(t.shape) == [2, 3, 4, 5] and list(t.stride) == [60, 20, 5, 1]
 
@@ -377,3 +378,231 @@ def test_reference_gradients_by_finite_differences(rng):
             fm = (refattn.attention(*[minus if i == which else a for i, a in enumerate(args)], **opts)[0] * do).sum()
             num[idx] = (fp - fm) / (2 * eps)
         assert np.abs(num - g).max() <= 1e-6 * max(1.0, np.abs(g).max()), "qkv"[which]
+
+
+# ---- seqused_k and attention sinks (flashc_params 0.3) ---------------------------------------------------------------
+def make_sinks(rng, h):
+    """Sinks around a row's own lse (log Nk + a little), so that the sink takes a real share of every row."""
+    return (rng.standard_normal(h) + 3.0).astype(np.float32)
+
+
+def lse_with_sink(lse_plain, sinks, varlen=False):
+    """lse = logsumexp over [scores..., sink], from the reference's lse without sinks (+inf where no key is seen,
+    which is -inf's place in a logsumexp)."""
+    s = sinks[:, None] if varlen else sinks[None, :, None]
+    s = np.broadcast_to(s.astype(np.float64), lse_plain.shape)
+    return np.where(np.isinf(lse_plain), s, np.logaddexp(np.where(np.isinf(lse_plain), -np.inf, lse_plain), s))
+
+
+SINK_CASES = [c for c in CASES if c[0] in ("plain", "causal_q_gt_k", "window_causal", "softcap", "alibi_h", "gqa",
+                                           "mqa", "block_mask")]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=[c[0] for c in SINK_CASES])
+def test_sinks_forward_backward(case, rng):
+    """out, lse (logsumexp over the scores and the sink) and dq, dk, dv, dsinks against the fp64 reference."""
+    _, b, nq, nk, h, hkv, d, opts = case
+    opts = resolve(opts, rng, b, nq, nk, h)
+    q, k, v, do = make_inputs(rng, (b, nq, h, d), (b, nk, hkv, d), np.float32)
+    sinks = make_sinks(rng, h)
+    out, lse = flashc.attention(q, k, v, sinks=sinks, **opts)
+    ref_out, ref_lse, ref_g = refattn.attention(q, k, v, do, sinks=sinks, **opts)
+    _, plain_lse, _ = refattn.attention(q, k, v, **opts)
+    np.testing.assert_allclose(ref_lse, lse_with_sink(plain_lse, sinks), rtol=1e-12, atol=1e-12)
+    assert np.all(np.isfinite(lse)), "with a sink every row has a finite lse"
+    assert refattn.rel_err(out, ref_out) <= 1e-5
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    plain_out, _ = flashc.attention(q, k, v, **opts)
+    assert refattn.rel_err(plain_out, ref_out) > 1e-2, "the sinks change the output: the comparison is not vacuous"
+    grads = flashc.attention_backward(do, q, k, v, out, lse, sinks=sinks, **opts)
+    assert len(grads) == 4 and grads[3].shape == (h,) and grads[3].dtype == np.float32
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, ref_g):
+        assert got.shape == want.shape
+        assert refattn.rel_err(got, want) <= 1e-5, name
+    empty = np.isinf(plain_lse)  # rows that see no key: out 0, lse = the head's sink
+    if empty.any():
+        assert np.all(out[empty.transpose(0, 2, 1)] == 0)
+        assert np.array_equal(lse[empty], np.broadcast_to(sinks[None, :, None], lse.shape)[empty])
+
+
+def test_sinks_f16(rng):
+    """fp16 with sinks: CONVENTIONS.md's rule against the naive algorithm in fp16 (the sink's term in fp32, as
+    given)."""
+    b, nq, nk, h, hkv, d = 2, 40, 56, 4, 2, 64
+    q, k, v, do = make_inputs(rng, (b, nq, h, d), (b, nk, hkv, d), np.float16)
+    sinks = make_sinks(rng, h)
+    out, lse = flashc.attention(q, k, v, causal=True, sinks=sinks)
+    ref_out, ref_lse, ref_g = refattn.attention(q, k, v, do, causal=True, sinks=sinks)
+    low_out, _, low_g = refattn.attention(q, k, v, do, causal=True, sinks=sinks, rnd=refattn.rounder(np.float16))
+    refattn.check_lowp("out", out, ref_out, low_out, 2)
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-5, atol=2e-5)
+    grads = flashc.attention_backward(do, q, k, v, out, lse, causal=True, sinks=sinks)
+    for name, got, want, low in zip(("dq", "dk", "dv"), grads, ref_g, low_g):
+        refattn.check_lowp(name, got, want, low, 3)
+    # dsinks is accumulated in fp32 from the stored fp16 out and dout: held to the naive fp16 error as well
+    refattn.check_lowp("dsinks", grads[3], ref_g[3], low_g[3], 3)
+
+
+def poison_unused(k, v, used, cu_k=None):
+    """NaN in every key / value row past a sequence's used ones (the library must never read them)."""
+    k, v = k.copy(), v.copy()
+    for b, u in enumerate(used):
+        rows = slice(cu_k[b] + u, cu_k[b + 1]) if cu_k is not None else (b, slice(u, None))
+        k[rows] = np.nan
+        v[rows] = np.nan
+    return k, v
+
+
+SEQUSED_OPTS = [dict(), dict(causal=True), dict(window_size=(6, 2), softcap=3.0),
+                dict(alibi_slopes=np.array([0.5, 0.3, 0.2, 0.1], np.float32), causal=True)]
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("opts", SEQUSED_OPTS, ids=["plain", "causal", "window_softcap", "alibi_causal"])
+def test_seqused_k_fixed_length(opts, with_sinks, rng):
+    """Batch b uses its first seqused_k[b] keys: the result equals the reference run on those keys alone (so causal,
+    window and ALiBi align to the used length), NaN in the unused rows never shows, and their dk, dv are 0."""
+    b, nq, nk, h, hkv, d = 4, 20, 37, 4, 2, 32
+    used = np.array([37, 20, 0, 9], np.int32)  # all keys, as many as queries, none, fewer than the queries
+    q, k, v, do = make_inputs(rng, (b, nq, h, d), (b, nk, hkv, d), np.float32)
+    k, v = poison_unused(k, v, used)
+    sinks = make_sinks(rng, h) if with_sinks else None
+    out, lse = flashc.attention(q, k, v, seqused_k=used, sinks=sinks, **opts)
+    assert np.all(np.isfinite(out))
+    grads = flashc.attention_backward(do, q, k, v, out, lse, seqused_k=used, sinks=sinks, **opts)
+    dsinks_ref = np.zeros(h)
+    for i, u in enumerate(used):
+        ref_out, ref_lse, ref_g = refattn.attention(q[i:i + 1], k[i:i + 1, :u], v[i:i + 1, :u], do[i:i + 1],
+                                                    sinks=sinks, **opts)
+        assert refattn.rel_err(out[i], ref_out[0]) <= 1e-5, i
+        assert np.array_equal(np.isinf(lse[i]), np.isinf(ref_lse[0]))
+        fin = np.isfinite(ref_lse[0])
+        np.testing.assert_allclose(lse[i][fin], ref_lse[0][fin], rtol=1e-5, atol=1e-5)
+        assert refattn.rel_err(grads[0][i], ref_g[0][0]) <= 1e-5, ("dq", i)
+        for name, got, want in (("dk", grads[1], ref_g[1]), ("dv", grads[2], ref_g[2])):
+            assert refattn.rel_err(got[i, :u], want[0]) <= 1e-5, (name, i)
+            assert np.all(got[i, u:] == 0), "%s of batch %d past its %d used keys must be exactly 0" % (name, i, u)
+        if with_sinks:
+            dsinks_ref += ref_g[3]
+    if with_sinks:
+        assert refattn.rel_err(grads[3], dsinks_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_seqused_k_varlen(with_sinks, rng):
+    """Varlen with seqused_k: the same as packing only the used keys of each sequence."""
+    lens_q = [5, 0, 17, 33, 1, 12]
+    lens_k = [9, 4, 17, 20, 0, 30]
+    used = np.array([9, 2, 0, 11, 0, 30], np.int32)
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    cu_used = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
+    h, hkv, d = 4, 2, 32
+    q, k, v, do = make_inputs(rng, (cq[-1], h, d), (ck[-1], hkv, d), np.float32)
+    k, v = poison_unused(k, v, used, ck)
+    kept = np.concatenate([np.arange(ck[i], ck[i] + u) for i, u in enumerate(used)])
+    sinks = make_sinks(rng, h) if with_sinks else None
+    for opts in SEQUSED_OPTS:
+        kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, seqused_k=used, sinks=sinks, **opts)
+        out, lse = flashc.attention(q, k, v, **kw)
+        assert np.all(np.isfinite(out))
+        ref_out, ref_lse, ref_g = refattn.attention(q, k[kept], v[kept], do, cu_seqlens_q=cq, cu_seqlens_k=cu_used,
+                                                    sinks=sinks, **opts)
+        assert refattn.rel_err(out, ref_out) <= 1e-5, opts
+        assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+        fin = np.isfinite(ref_lse)
+        np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+        grads = flashc.attention_backward(do, q, k, v, out, lse, **kw)
+        assert refattn.rel_err(grads[0], ref_g[0]) <= 1e-5, ("dq", opts)
+        unused = np.setdiff1d(np.arange(ck[-1]), kept)
+        for name, got, want in (("dk", grads[1], ref_g[1]), ("dv", grads[2], ref_g[2])):
+            assert refattn.rel_err(got[kept], want) <= 1e-5, (name, opts)
+            assert np.all(got[unused] == 0), name
+        if with_sinks:
+            assert refattn.rel_err(grads[3], ref_g[3]) <= 1e-5, ("dsinks", opts)
+
+
+def test_sinks_without_keys(rng):
+    """No keys at all (answered without the library): out 0, lse the heads' sinks, zero gradients."""
+    q, k, v, do = make_inputs(rng, (2, 5, 3, 16), (2, 0, 3, 16), np.float32, n_outliers=0)
+    sinks = np.array([0.5, -1.0, 2.0], np.float32)
+    out, lse = flashc.attention(q, k, v, sinks=sinks)
+    assert np.all(out == 0) and np.array_equal(lse, np.broadcast_to(sinks[None, :, None], (2, 3, 5)))
+    dq, dk, dv, dsinks = flashc.attention_backward(do, q, k, v, out, lse, sinks=sinks)
+    assert np.all(dq == 0) and dk.shape == k.shape and np.all(dsinks == 0)
+    cu = np.array([0, 5], np.int32)
+    out, lse = flashc.attention(q[0], k[0], v[0], sinks=sinks, cu_seqlens_q=cu,
+                                cu_seqlens_k=np.array([0, 0], np.int32))
+    assert np.array_equal(lse, np.broadcast_to(sinks[:, None], (3, 5)))
+
+
+def test_seqused_k_and_sinks_errors(monkeypatch):
+    """Shapes and dtypes are checked in Python before any library call; values the library refuses come back as
+    its INVALID_ARGUMENT with its message."""
+    q, k, v = _qkv()  # (1, 8, 4, 32)
+    cu = np.array([0, 3, 8], np.int32)
+
+    def no_call(*args):
+        raise AssertionError("the library was called")
+
+    with monkeypatch.context() as m:
+        m.setattr(_core, "forward_status", no_call)
+        with pytest.raises(ValueError, match=r"sinks must be 1-d .*\(H,\) = \(4,\), got shape \(3,\)"):
+            flashc.attention(q, k, v, sinks=np.zeros(3, np.float32))
+        with pytest.raises(ValueError, match="sinks"):
+            flashc.attention(q, k, v, sinks=np.zeros((1, 4), np.float32))
+        with pytest.raises(ValueError, match="sinks"):
+            flashc.attention(q, k, v, sinks=0.5)
+        with pytest.raises(ValueError, match=r"seqused_k must be 1-d .*\(B,\) = \(1,\), got shape \(2,\)"):
+            flashc.attention(q, k, v, seqused_k=np.array([8, 8], np.int32))
+        with pytest.raises(ValueError, match=r"seqused_k .*\(num_seqs,\) = \(2,\)"):
+            flashc.attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=np.array([3], np.int32))
+        with pytest.raises(TypeError, match="seqused_k must be an integer"):
+            flashc.attention(q, k, v, seqused_k=np.array([4.0]))
+        with pytest.raises(ValueError, match="int32"):
+            flashc.attention(q, k, v, seqused_k=np.array([2**32 + 3], np.int64))
+    with pytest.raises(ValueError, match="sinks"):
+        flashc.attention_backward(q, q, k, v, q, np.zeros((1, 4, 8), np.float32), sinks=np.zeros(5, np.float32))
+    for bad in ([9], [-1]):
+        with pytest.raises(flashc.FlashcError, match="seqused_k") as e:
+            flashc.attention(q, k, v, seqused_k=np.array(bad, np.int32))
+        assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+    with pytest.raises(flashc.FlashcError, match=r"seqused_k\[1\] is 6") as e:
+        flashc.attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_k=np.array([3, 6], np.int32))
+    with pytest.raises(flashc.FlashcError, match="sinks must be finite") as e:
+        flashc.attention(q, k, v, sinks=np.array([0, np.inf, 0, 0], np.float32))
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+
+
+def test_new_fields_need_a_library_that_has_them(monkeypatch):
+    """Against a libflashc older than 0.3 (no flashc_params.sinks / seqused_k) the options are refused, never
+    silently dropped (a ctypes attribute that is not a field would be)."""
+    q, k, v = _qkv()
+    monkeypatch.setattr(_core, "_FIELDS", _core._FIELDS - {"seqused_k", "sinks", "dsinks"})
+    with pytest.raises(NotImplementedError, match="sinks needs libflashc 0.3"):
+        flashc.attention(q, k, v, sinks=np.zeros(4, np.float32))
+    with pytest.raises(NotImplementedError, match="seqused_k needs libflashc 0.3"):
+        flashc.attention(q, k, v, seqused_k=np.array([3], np.int32))
+
+
+def test_reference_sinks_gradient_by_finite_differences(rng):
+    """The oracle's sinks (and its q, k, v gradients with a sink) against central differences of its own forward."""
+    q, k, v, do = (a.astype(np.float64) for a in make_inputs(rng, (2, 6, 4, 8), (2, 7, 2, 8), np.float64))
+    sinks = rng.standard_normal(4)
+    opts = dict(softcap=1.5, window_size=(3, 1), causal=True)
+    _, _, grads = refattn.attention(q, k, v, do, sinks=sinks, **opts)
+    eps = 1e-6
+    args = [q, k, v, sinks]
+    for which, g in enumerate(grads):
+        num = np.zeros_like(args[which])
+        for idx in np.ndindex(num.shape):
+            plus, minus = args[which].copy(), args[which].copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+
+            def loss(x):
+                a = [x if i == which else t for i, t in enumerate(args)]
+                return (refattn.attention(*a[:3], sinks=a[3], **opts)[0] * do).sum()
+
+            num[idx] = (loss(plus) - loss(minus)) / (2 * eps)
+        assert np.abs(num - g).max() <= 1e-6 * max(1.0, np.abs(g).max()), "q k v sinks".split()[which]

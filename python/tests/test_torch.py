@@ -54,10 +54,20 @@ def keep_mask(nq, nk, causal, window, device):
 
 
 def attn_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-             upcast=True, keep=None):
+             upcast=True, keep=None, sinks=None, seqused_k=None):
     """(B, Nq, H, D) attention materialized in fp64 (upcast) or in the inputs' dtype (the naive low-precision
-    algorithm); differentiable. keep: an explicit (Nq, Nk) boolean mask instead of causal/window. Returns out,
-    lse (B, H, Nq)."""
+    algorithm); differentiable. keep: an explicit (Nq, Nk) boolean mask instead of causal/window. sinks (H,): one
+    more column of every row's scores, without a value (lse = logsumexp over [scores..., sink]). seqused_k (B,):
+    batch b is run on its first seqused_k[b] keys alone (sliced). Returns out, lse (B, H, Nq)."""
+    if seqused_k is not None:
+        outs, lses = [], []
+        for b, u in enumerate(seqused_k.tolist()):
+            al = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+            o, lse = attn_ref(q[b:b + 1], k[b:b + 1, :u], v[b:b + 1, :u], softmax_scale, causal, window_size,
+                              softcap, al, upcast, keep, sinks)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
     dt = torch.float64 if upcast else q.dtype
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     b, nq, h, d = q.shape
@@ -76,17 +86,24 @@ def attn_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), so
     if keep is None:
         keep = keep_mask(nq, nk, causal, window_size, q.device)
     s = s.masked_fill(~keep, float("-inf"))
-    empty = ~keep.any(-1)  # (Nq,)
-    p = torch.softmax(s, dim=-1).masked_fill(empty[:, None], 0.0)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(dt)[None, :, None, None].expand(b, h, nq, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+        lse = torch.logsumexp(s.double(), dim=-1)
+    else:
+        empty = ~keep.any(-1)  # (Nq,)
+        p = torch.softmax(s, dim=-1).masked_fill(empty[:, None], 0.0)
+        lse = torch.logsumexp(s.double(), dim=-1).masked_fill(empty, float("inf"))
     out = torch.einsum("bhij,bjhd->bihd", p, v)
-    lse = torch.logsumexp(s.double(), dim=-1).masked_fill(empty, float("inf"))
     return out, lse
 
 
-def ref_with_grads(q, k, v, dout, upcast=True, **opts):
-    """out, lse, (dq, dk, dv) of the reference."""
+def ref_with_grads(q, k, v, dout, upcast=True, sinks=None, **opts):
+    """out, lse, (dq, dk, dv) of the reference; with sinks (dq, dk, dv, dsinks)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attn_ref(*leaves, upcast=upcast, **opts)
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
+    out, lse = attn_ref(*leaves[:3], upcast=upcast, sinks=leaves[3] if sinks is not None else None, **opts)
     out.backward(dout.to(out.dtype))
     return out.detach(), lse.detach(), tuple(t.grad for t in leaves)
 
@@ -122,6 +139,13 @@ CASES = [
     ("window_softcap", 1, 96, 96, 2, 1, 128, dict(window_size=(20, 5), softcap=4.0)),
     ("alibi_causal", 2, 40, 72, 4, 4, 32, dict(causal=True, alibi="h")),
     ("alibi_bh_scale", 2, 33, 33, 2, 2, 96, dict(alibi="bh", softmax_scale=0.2)),
+    # attention sinks (one logit per query head) and seqused_k (the keys each batch uses; NaN in the others)
+    ("sinks_causal_q_gt_k", 2, 70, 33, 6, 2, 64, dict(causal=True, sinks="h")),
+    ("sinks_window_softcap_alibi", 2, 64, 80, 4, 2, 32, dict(window_size=(20, 5), softcap=4.0, alibi="h",
+                                                              sinks="h")),
+    ("seqused_causal", 3, 40, 72, 4, 2, 64, dict(causal=True, seqused_k=[72, 31, 0])),
+    ("seqused_window_sinks", 2, 33, 50, 4, 4, 32, dict(window_size=(8, 3), seqused_k=[17, 50], sinks="h")),
+    ("seqused_alibi_bh", 2, 30, 45, 2, 2, 32, dict(alibi="bh", causal=True, seqused_k=[12, 40])),
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -133,7 +157,24 @@ def resolve(opts, b, h, device):
     elif opts.get("alibi") == "bh":
         opts["alibi_slopes"] = torch.rand(b, h, device=device) * 0.5
     opts.pop("alibi", None)
+    if opts.get("sinks") == "h":
+        opts["sinks"] = make_sinks(h, device)
+    if "seqused_k" in opts:
+        opts["seqused_k"] = torch.tensor(opts["seqused_k"], dtype=torch.int32, device=device)
     return opts
+
+
+def make_sinks(h, device):
+    """Sinks around a row's own lse (log Nk + a little), so that the sink takes a real share of every row."""
+    return torch.randn(h, device=device) + 3.0
+
+
+def poison_unused(k, v, used, cu_k=None):
+    """NaN in the key / value rows past each sequence's used ones, in place (the library must never read them)."""
+    for b, u in enumerate(used.tolist()):
+        rows = slice(int(cu_k[b]) + u, int(cu_k[b + 1])) if cu_k is not None else (b, slice(u, None))
+        k[rows] = float("nan")
+        v[rows] = float("nan")
 
 
 def rule_dtype(dtype, device):
@@ -160,16 +201,24 @@ def run_flash_attn_case(case, dtype, device):
     _, b, nq, nk, h, hkv, d, opts = case
     opts = resolve(opts, b, h, device)
     q, k, v, do = inputs((b, nq, h, d), (b, nk, hkv, d), dtype, device)
+    used = opts.get("seqused_k")
+    if used is not None:
+        poison_unused(k, v, used)
     low = rule_dtype(dtype, device)
     lq, lk, lv, ldo = (t.to(low) for t in (q, k, v, do))
+    sinks = opts.pop("sinks", None)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.clone().requires_grad_())
     with backend_may_refuse(device):
-        out, lse, s_dmask = flashc.flash_attn_func(*leaves, return_attn_probs=True, **opts)
+        out, lse, s_dmask = flashc.flash_attn_func(*leaves[:3], return_attn_probs=True,
+                                                   sinks=leaves[3] if sinks is not None else None, **opts)
     assert s_dmask is None
     assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
     assert lse.shape == (b, h, nq) and lse.dtype == torch.float32
-    ref_out, ref_lse, ref_g = ref_with_grads(q, k, v, do, **opts)
-    low_out, low_lse, low_g = ref_with_grads(lq, lk, lv, ldo, upcast=False, **opts)
+    assert torch.isfinite(out).all()
+    ref_out, ref_lse, ref_g = ref_with_grads(q, k, v, do, sinks=sinks, **opts)
+    low_out, low_lse, low_g = ref_with_grads(lq, lk, lv, ldo, upcast=False, sinks=sinks, **opts)
     check_close("out", out, ref_out, low_out, low, 2)
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isinf(lse), ~fin)
@@ -180,9 +229,13 @@ def run_flash_attn_case(case, dtype, device):
         check_close("lse", lse[fin], ref_lse[fin], low_lse[fin], low, 2)
     with backend_may_refuse(device):
         out.backward(do)
-    for name, leaf, want, lw in zip(("dq", "dk", "dv"), leaves, ref_g, low_g):
-        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == dtype
+    for name, leaf, want, lw in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_g, low_g):
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
         check_close(name, leaf.grad, want, lw, low, 3)
+    if used is not None:
+        for i, u in enumerate(used.tolist()):
+            assert (leaves[1].grad[i, u:] == 0).all() and (leaves[2].grad[i, u:] == 0).all(), \
+                "dk, dv of batch %d past its %d used keys must be exactly 0" % (i, u)
 
 
 # ---- CPU -------------------------------------------------------------------------------------------------------
@@ -225,16 +278,26 @@ def varlen_case(device, dtype):
     return lens_q, lens_k, cq, ck
 
 
-def varlen_ref(q, k, v, do, cq, ck, **opts):
-    outs, lses, grads = [], [], [[], [], []]
+def varlen_ref(q, k, v, do, cq, ck, upcast=True, sinks=None, seqused_k=None, **opts):
+    """Per-sequence references on slices of the packed tensors, differentiated together: out, lse (H, total_q),
+    [dq, dk, dv] (and dsinks with sinks). With seqused_k, sequence b is sliced to its first seqused_k[b] keys (the
+    others get zero gradients)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().clone().requires_grad_())
+    outs, lses = [], []
     for b in range(len(cq) - 1):
-        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        o, lse, g = ref_with_grads(q[None, sq], k[None, sk], v[None, sk], do[None, sq], **opts)
+        k0, k1 = int(ck[b]), int(ck[b + 1])
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[b])
+        sq = slice(int(cq[b]), int(cq[b + 1]))
+        o, lse = attn_ref(leaves[0][None, sq], leaves[1][None, k0:k1], leaves[2][None, k0:k1], upcast=upcast,
+                          sinks=leaves[3] if sinks is not None else None, **opts)
         outs.append(o[0])
         lses.append(lse[0])
-        for acc, gi in zip(grads, g):
-            acc.append(gi[0])
-    return torch.cat(outs), torch.cat(lses, dim=1), [torch.cat(g) for g in grads]
+    out = torch.cat(outs)
+    out.backward(do.to(out.dtype))
+    return out.detach(), torch.cat(lses, dim=1).detach(), [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
@@ -370,6 +433,8 @@ def test_no_hidden_copies_cpu(gen):
     assert no_copy_ops(lambda: flashc.flash_attn_func(x, x, x, causal=True)) == []
     qkv = torch.randn(2, 32, 3, 4, 64)
     assert no_copy_ops(lambda: flashc.flash_attn_qkvpacked_func(qkv)) == []
+    sinks, used = torch.randn(4), torch.tensor([30, 32], dtype=torch.int32)  # fp32 and int32 as the library wants
+    assert no_copy_ops(lambda: flashc.flash_attn_func(x, x, x, sinks=sinks, seqused_k=used)) == []
 
 
 def test_finite_differences_cpu(gen):
@@ -468,6 +533,188 @@ def test_errors_torch(gen):
         flashc.flash_attn_func(q.double(), q.double(), q.double())
     with pytest.raises(ValueError, match="4-d"):
         flashc.flash_attn_func(q[0], q[0], q[0])
+
+
+# ---- seqused_k and attention sinks ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_varlen_seqused_k_sinks(device, gen):
+    """The three varlen functions with seqused_k (NaN in every unused key row) and sinks, against per-sequence
+    references on the used keys alone: out, lse, and the gradients of q, k, v and the sinks (zero dk, dv past the
+    used keys)."""
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    lens_q = [7, 30, 1, 19, 12]
+    lens_k = [12, 30, 5, 3, 40]
+    used = torch.tensor([12, 11, 0, 2, 25], dtype=torch.int32, device=device)
+    cq = torch.tensor([0] + np.cumsum(lens_q).tolist(), dtype=torch.int32, device=device)
+    ck = torch.tensor([0] + np.cumsum(lens_k).tolist(), dtype=torch.int32, device=device)
+    h, hkv, d = 4, 2, 64
+    nq, nk = int(cq[-1]), int(ck[-1])
+    q, k, v, do = (t[0] for t in inputs((1, nq, h, d), (1, nk, hkv, d), dtype, device))
+    poison_unused(k, v, used, ck)
+    kv = torch.stack([k, v], dim=1)
+    sinks = make_sinks(h, device)
+    runs = []  # (name, out, lse, grads of q, k, v, sinks, reference inputs, cu_k, options)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse, _ = flashc.flash_attn_varlen_func(*leaves[:3], cq, ck, max(lens_q), max(lens_k), causal=True,
+                                                return_attn_probs=True, seqused_k=used, sinks=leaves[3])
+    assert out.shape == q.shape and lse.shape == (h, nq)
+    runs.append(("varlen", out, lse, lambda: [t.grad for t in leaves], (q, k, v), ck, dict(causal=True)))
+    qq, b, sk = q.clone().requires_grad_(), kv.clone().requires_grad_(), sinks.clone().requires_grad_()
+    out = flashc.flash_attn_varlen_kvpacked_func(qq, b, cq, ck, max(lens_q), max(lens_k), window_size=(3, 1),
+                                                 seqused_k=used, sinks=sk)
+    runs.append(("kvpacked", out, None, lambda: [qq.grad, b.grad[:, 0], b.grad[:, 1], sk.grad], (q, k, v), ck,
+                 dict(window_size=(3, 1))))
+    # qkv-packed: q, k and v share cu_seqlens; only the k and v parts of the unused rows are NaN
+    qkv = torch.randn(nq, 3, h, d, device=device).to(dtype)
+    used_q = torch.tensor([5, 30, 1, 0, 9], dtype=torch.int32, device=device)
+    rk, rv = qkv[:, 1].clone(), qkv[:, 2].clone()
+    poison_unused(rk, rv, used_q, cq)
+    qkv[:, 1], qkv[:, 2] = rk, rv
+    a = qkv.clone().requires_grad_()
+    out = flashc.flash_attn_varlen_qkvpacked_func(a, cq, max(lens_q), causal=True, seqused_k=used_q)
+    runs.append(("qkvpacked", out, None, lambda: [a.grad[:, i] for i in range(3)], (qkv[:, 0], rk, rv), cq,
+                 dict(causal=True)))
+
+    refs = []
+    for name, out, lse, _, (rq, rk, rv), cuk, opts in runs:
+        assert torch.isfinite(out).all(), name
+        used_here = used_q if name == "qkvpacked" else used
+        s_here = None if name == "qkvpacked" else sinks
+        ref_out, ref_lse, ref_g = varlen_ref(rq, rk, rv, do, cq, cuk, sinks=s_here, seqused_k=used_here, **opts)
+        low_out, _, low_g = varlen_ref(rq, rk, rv, do, cq, cuk, upcast=False, sinks=s_here, seqused_k=used_here,
+                                       **opts)
+        check_close(name + " out", out, ref_out, low_out, dtype, 2)
+        if lse is not None:
+            assert torch.isfinite(lse).all()
+            torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
+        refs.append((ref_g, low_g, used_here, cuk))
+    for (name, out, _, grads, _, _, _), (ref_g, low_g, used_here, cuk) in zip(runs, refs):
+        with backend_may_refuse(device):
+            out.backward(do)
+        got = grads()
+        for gname, g, want, low in zip(("dq", "dk", "dv", "dsinks"), got, ref_g, low_g):
+            check_close("%s %s" % (name, gname), g, want, low, dtype, 3)
+        for i, u in enumerate(used_here.tolist()):
+            rows = slice(int(cuk[i]) + u, int(cuk[i + 1]))
+            assert (got[1][rows] == 0).all() and (got[2][rows] == 0).all(), (name, i)
+
+
+def test_sinks_gradient_dtypes_and_leaves_cpu(gen):
+    """sinks in another dtype are computed in fp32 and get their gradient back in their own dtype; sinks may be
+    the only leaf that wants a gradient; sinks without requires_grad (or a plain list) take no gradient."""
+    q, k, v, do = inputs((2, 24, 4, 32), (2, 30, 2, 32), torch.float32, "cpu")
+    base = make_sinks(4, "cpu")
+    s32 = base.clone().requires_grad_()
+    out32 = flashc.flash_attn_func(q, k, v, causal=True, sinks=s32)
+    assert out32.grad_fn is not None, "sinks alone requiring a gradient make the output differentiable"
+    out32.backward(do)
+    _, _, ref_g = ref_with_grads(q, k, v, do, causal=True, sinks=base)
+    assert rel_err(s32.grad, ref_g[3]) <= 1e-5
+    for dt in (torch.float64, torch.bfloat16, torch.float16):
+        s = base.to(dt).requires_grad_()
+        out = flashc.flash_attn_func(q, k, v, causal=True, sinks=s)
+        out.backward(do)
+        assert s.grad.dtype == dt and s.grad.shape == (4,)
+        # the same fp32 computation on the sinks rounded to dt
+        s_ref = s.detach().float().requires_grad_()
+        flashc.flash_attn_func(q, k, v, causal=True, sinks=s_ref).backward(do)
+        torch.testing.assert_close(s.grad, s_ref.grad.to(dt), rtol=0, atol=0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fixed = base.clone()  # no requires_grad: the backward runs without dsinks
+    out = flashc.flash_attn_func(*leaves, sinks=fixed)
+    out.backward(do)
+    assert fixed.grad is None and all(t.grad is not None for t in leaves)
+    out_list = flashc.flash_attn_func(q, k, v, sinks=base.tolist())
+    torch.testing.assert_close(out_list, out.detach(), rtol=0, atol=0)
+
+
+def test_attention_api_sinks_seqused_k_cpu(gen):
+    """flashc.attention / attention_backward with sinks and seqused_k: the explicit backward returns dsinks equal to
+    autograd's; the numpy API agrees."""
+    q, k, v, do = inputs((3, 20, 4, 32), (3, 28, 2, 32), torch.float32, "cpu")
+    used = torch.tensor([28, 5, 0], dtype=torch.int32)
+    poison_unused(k, v, used)
+    sinks = make_sinks(4, "cpu")
+    opts = dict(causal=True, seqused_k=used)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = flashc.attention(*leaves[:3], sinks=leaves[3], **opts)
+    out.backward(do)
+    grads = flashc.attention_backward(do, q, k, v, out.detach(), lse, sinks=sinks, deterministic=True, **opts)
+    assert len(grads) == 4
+    for got, want in zip(grads, leaves):
+        torch.testing.assert_close(got, want.grad, rtol=1e-6, atol=1e-6)
+    dsinks64 = flashc.attention_backward(do, q, k, v, out.detach(), lse, sinks=sinks.double(), **opts)[3]
+    assert dsinks64.dtype == torch.float64
+    np_out, np_lse = flashc.attention(q.numpy(), k.numpy(), v.numpy(), sinks=sinks.numpy(), causal=True,
+                                      seqused_k=used.numpy())
+    np.testing.assert_allclose(np_out, out.detach().numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np_lse, lse.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_sinks_without_keys_torch(gen):
+    """No keys (answered without the library): out 0, lse the heads' sinks, zero gradients, dsinks 0."""
+    q = torch.randn(2, 5, 3, 16, requires_grad=True)
+    k = torch.randn(2, 0, 3, 16, requires_grad=True)
+    sinks = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    out, lse, _ = flashc.flash_attn_func(q, k, k, sinks=sinks, return_attn_probs=True)
+    assert (out == 0).all() and torch.equal(lse, sinks.detach()[None, :, None].expand(2, 3, 5))
+    out.backward(torch.randn_like(out))
+    assert (q.grad == 0).all() and (sinks.grad == 0).all()
+
+
+def test_finite_differences_sinks_cpu(gen):
+    """The sinks' autograd wiring on its own: central differences of flashc's forward along a random direction."""
+    b, nq, nk, h, hkv, d = 2, 9, 11, 4, 2, 16
+    opts = dict(causal=True, softcap=2.0, seqused_k=torch.tensor([11, 6], dtype=torch.int32))
+    q, k, v = (torch.randn(s) for s in ((b, nq, h, d), (b, nk, hkv, d), (b, nk, hkv, d)))
+    w = torch.randn(b, nq, h, d)
+    sinks = make_sinks(h, "cpu").requires_grad_()
+    (flashc.flash_attn_func(q, k, v, sinks=sinks, **opts) * w).sum().backward()
+    eps = 1e-2
+    u = torch.randn(h)
+    fd = ((flashc.flash_attn_func(q, k, v, sinks=sinks.detach() + eps * u, **opts) * w).sum().double()
+          - (flashc.flash_attn_func(q, k, v, sinks=sinks.detach() - eps * u, **opts) * w).sum().double()) / (2 * eps)
+    an = (sinks.grad.double() * u.double()).sum()
+    assert abs(fd - an) <= 1e-2 * max(1.0, abs(an.item())), (fd.item(), an.item())
+
+
+def test_seqused_k_and_sinks_errors_torch(gen, monkeypatch):
+    """Wrong shapes and dtypes raise in Python before any library call; values the library refuses come back as
+    its INVALID_ARGUMENT with its message."""
+    from flashc import _core
+
+    q = torch.randn(2, 8, 4, 32)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+    def no_call(*args):
+        raise AssertionError("the library was called")
+
+    with monkeypatch.context() as m:
+        m.setattr(_core, "forward_status", no_call)
+        with pytest.raises(ValueError, match=r"sinks must be 1-d .*\(H,\) = \(4,\), got shape \(3,\)"):
+            flashc.flash_attn_func(q, q, q, sinks=torch.zeros(3))
+        with pytest.raises(ValueError, match="sinks"):
+            flashc.flash_attn_func(q, q, q, sinks=torch.zeros(2, 4, requires_grad=True))
+        with pytest.raises(ValueError, match="sinks"):
+            flashc.attention(q, q, q, sinks=torch.tensor(1.0))
+        with pytest.raises(ValueError, match=r"seqused_k must be 1-d .*\(B,\) = \(2,\), got shape \(1,\)"):
+            flashc.flash_attn_func(q, q, q, seqused_k=torch.tensor([8], dtype=torch.int32))
+        with pytest.raises(ValueError, match=r"seqused_k .*\(num_seqs,\) = \(2,\)"):
+            flashc.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5, seqused_k=torch.tensor([3, 5, 0]))
+        with pytest.raises(TypeError, match="seqused_k must be an integer"):
+            flashc.flash_attn_func(q, q, q, seqused_k=torch.tensor([4.0, 4.0]))
+        with pytest.raises(ValueError, match="int32"):
+            flashc.flash_attn_func(q, q, q, seqused_k=torch.tensor([2**32 + 3, 1]))
+        with pytest.raises(TypeError):
+            flashc.flash_attn_func(q, q, q, 0.0, None, False, (-1, -1), 0.0, None, False, False, None)
+    with pytest.raises(ValueError, match="sinks"):
+        flashc.attention_backward(q, q, q, q, q, torch.zeros(2, 4, 8), sinks=torch.zeros(5))
+    with pytest.raises(flashc.FlashcError, match="seqused_k") as e:
+        flashc.flash_attn_func(q, q, q, seqused_k=torch.tensor([9, 8], dtype=torch.int32))
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+    with pytest.raises(flashc.FlashcError, match="sinks must be finite") as e:
+        flashc.flash_attn_func(q, q, q, sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0]))
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
 
 
 # ---- CUDA ------------------------------------------------------------------------------------------------------
