@@ -48,8 +48,10 @@ int fc_sync_or(int x) {
     return any;
 }
 
+static double g_part[FC_BWD_NT]; /* the sinks' block sums (the kernel's shared array) */
+
 typedef struct launch {
-    int kernel; /* 0 dvec, 1 dkdv, 2 dq */
+    int kernel; /* 0 dvec, 1 dkdv, 2 dq, 3 unused keys' zeros, 4 sinks' gradient */
     int64_t blocks;
     const flashc_problem *p;
     const fc_bwd_args *a;
@@ -60,7 +62,9 @@ template <typename T, int NDC>
 static void run_block(const launch *l, int64_t bid, int tid) {
     if (l->kernel == 0) fc_bwd_dvec_body<T>(*l->a, bid * FC_BWD_NT + tid);
     else if (l->kernel == 1) fc_bwd_dkdv_body<T, NDC>(*l->a, *l->sm, bid, tid);
-    else fc_bwd_dq_body<T, NDC>(*l->a, *l->sm, bid, tid);
+    else if (l->kernel == 2) fc_bwd_dq_body<T, NDC>(*l->a, *l->sm, bid, tid);
+    else if (l->kernel == 3) fc_bwd_unused_body<T>(*l->a, bid * FC_BWD_NT + tid);
+    else fc_bwd_sinks_body(*l->a, g_part, bid, tid);
 }
 
 template <typename T>
@@ -135,9 +139,10 @@ static flashc_status emu_backward(struct flashc_context *ctx, const flashc_probl
     fc_bwd_args a = fc_bwd_make_args(p, workspace);
     if (!g_gpu_numerics) a.qkv_bf16 = 0; /* the CPU forward's fp32 operands: fp32 gradients, held to the fp32 rule */
     static fc_bwd_smem sm;
-    int64_t grids[3];
+    int64_t grids[5];
     fc_bwd_grids(p, &grids[0], &grids[1], &grids[2]);
-    for (int k = 0; k < 3; ++k) {
+    fc_bwd_post_grids(p, &grids[3], &grids[4]);
+    for (int k = 0; k < 5; ++k) {
         const launch l = {k, grids[k], p, &a, &sm};
         if (run_grid(&l)) return FLASHC_ERR(ctx, FLASHC_STATUS_INTERNAL, "barrier set-up failed");
         g_launches += grids[k] > 0;

@@ -30,7 +30,8 @@ static int failures = 0;
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
-/* 16-bit varlen cases without a block mask at the Hopper backward's head dims (64, 128, 256), and how many ran on it. */
+/* 16-bit cases with per-sequence lengths (varlen, seqused_k) or sinks, without a block mask, at the Hopper backward's
+ * head dims (64, 128, 256), and how many ran on it. */
 static int varlen_cases, varlen_sm90, varlen_tally; /* counted while varlen_tally is set (the main context's table) */
 
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels) {
@@ -50,12 +51,14 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
             continue;
         }
         tally_add(kernels, r.kernel_bwd);
-        if (varlen_tally && c->varlen && c->dtype != FLASHC_DTYPE_F32 && !c->block_q &&
+        if (varlen_tally && (c->varlen || c->seqused || c->sinks) && c->dtype != FLASHC_DTYPE_F32 && !c->block_q &&
             (c->D == 64 || c->D == 128 || c->D == 256)) {
             const int on90 = r.kernel_bwd && strncmp(r.kernel_bwd, "sm90", 4) == 0;
             varlen_cases++;
             varlen_sm90 += on90;
-            if (!on90) printf("     %s: a varlen case the Hopper kernel should take ran on %s\n", c->name, r.kernel_bwd);
+            if (!on90)
+                printf("     %s: a varlen / seqused_k / sinks case the Hopper kernel should take ran on %s\n", c->name,
+                       r.kernel_bwd);
         }
         printf("%s %-26s %-4s %10.3g %10.3g %10.3g %10.3g on %s%s%s\n", r.pass ? "ok  " : "FAIL", c->name,
                flashc_dtype_name(c->dtype), r.err_grad, r.tol_grad, r.err_out, r.tol_out,
@@ -258,7 +261,8 @@ int main(int argc, char **argv) {
     if (!cover) failures++;
     if (hopper && !quick) {
         const int ok = varlen_cases > 0 && varlen_sm90 == varlen_cases;
-        printf("%s varlen cases on sm90: %d of %d\n", ok ? "ok  " : "FAIL", varlen_sm90, varlen_cases);
+        printf("%s varlen, seqused_k and sinks cases on sm90: %d of %d\n", ok ? "ok  " : "FAIL", varlen_sm90,
+               varlen_cases);
         if (!ok) failures++;
     }
     if (!quick) varlen_nan_neighbour(ctx, hopper);

@@ -27,8 +27,8 @@ static int failures = 0;
 
 /* The cases of the table with each score modifier or mask on 16-bit inputs, which the Hopper kernel takes (when
  * they are neither varlen nor block-sparse), and how many of them ran on it. */
-enum { FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_N };
-static const char *const feat_name[FEAT_N] = {"window", "softcap", "alibi", "varlen"};
+enum { FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_USED, FEAT_SINKS, FEAT_N };
+static const char *const feat_name[FEAT_N] = {"window", "softcap", "alibi", "varlen", "seqused_k", "sinks"};
 typedef struct feature_tally {
     int cases[FEAT_N], sm90[FEAT_N];
 } feature_tally;
@@ -38,7 +38,7 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
     if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
     if (kernel && strstr(kernel, "split-KV")) return; /* few blocks: the keys are split, on mma.sync by design */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
-                             c->alibi != 0, c->varlen != 0};
+                             c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0};
     for (int f = 0; f < FEAT_N; f++)
         if (has[f]) {
             ft->cases[f]++;

@@ -5,7 +5,8 @@
  * conversion of those sums into dq after.
  *
  * Launch order on the stream: fc_bwd_pre, then fc_bwd_kv_kernel (dK, dV; and dQ by atomics unless
- * deterministic), then fc_bwd_dq_convert or, in deterministic mode, fc_bwd_q_kernel.
+ * deterministic), then fc_bwd_dq_convert or, in deterministic mode, fc_bwd_q_kernel; last, on every path, the
+ * zeros of unused keys' dk, dv (seqused_k) and the sinks' gradient (bwd_simt.cu's flashc_cuda_bwd_post_launch).
  */
 #include "bwd.h"
 #include "bwd_sm80.h"
@@ -292,6 +293,7 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->total_k = p->varlen ? p->total_k : p->B * p->Nk;
     a->varlen = p->varlen;
     a->cu_q = p->cu_q, a->cu_k = p->cu_k;
+    a->seqused_k = p->seqused_k;
     a->scale = p->scale;
     fc_set_scores_and_masks(p, a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
@@ -308,11 +310,22 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->n_qblk = (int)((p->Nq + t.qbr - 1) / t.qbr);
 }
 
+static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_plan *plan, float *dvec,
+                                          void *workspace, cudaStream_t stream);
+
 cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, const flashc_plan *plan, void *workspace,
                                    cudaStream_t stream) {
     if (plan->workspace > 0 && (!workspace || (uintptr_t)workspace % sizeof(float))) return cudaErrorInvalidValue;
     float *dvec = (float *)workspace;
-    if (plan->path == FC_BWD_SIMT) return flashc_cuda_bwd_simt_launch(p, dvec, stream);
+    cudaError_t err = plan->path == FC_BWD_SIMT ? flashc_cuda_bwd_simt_launch(p, dvec, stream)
+                                                : bwd_tensor_core_launch(p, plan, dvec, workspace, stream);
+    if (err != cudaSuccess) return err;
+    return flashc_cuda_bwd_post_launch(p, dvec, stream);
+}
+
+/* The tensor-core paths: D_i, the dK/dV (and atomic dQ) kernel, then dq. */
+static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_plan *plan, float *dvec,
+                                          void *workspace, cudaStream_t stream) {
 
     const int e = plan->entry;
     const fc_btile t = fc_btile_for(bwd_entries[e].d);

@@ -36,5 +36,8 @@ cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, const flashc_plan *p
  * H floats of workspace for D_i. */
 const char *flashc_cuda_bwd_simt_unsupported(const flashc_problem *p);
 cudaError_t flashc_cuda_bwd_simt_launch(const flashc_problem *p, float *dvec, cudaStream_t stream);
+/* What runs after every path (bwd_simt.cu): dk = dv = 0 on key rows past seqused_k, and the sinks' gradient from
+ * lse and D_i (dvec) into p->dsinks. Nothing to do without those. */
+cudaError_t flashc_cuda_bwd_post_launch(const flashc_problem *p, float *dvec, cudaStream_t stream);
 
 #endif /* FLASHC_CUDA_BWD_H */

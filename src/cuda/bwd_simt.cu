@@ -85,6 +85,9 @@ typedef struct fc_bwd_args {
     FC_SCORE_FIELDS; /* score_mul, softcap2, the band, ALiBi, the block mask (score.h), as the forward's */
     int64_t n_qt, n_kt; /* query / key tiles per sequence of the max lengths */
     int qkv_bf16;       /* read q, k, v rounded to bf16 (fp32 inputs: the forward's operands) */
+    const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
+    const float *sinks;       /* attention sinks per head; NULL: none */
+    float *dsinks;            /* their gradient (H); NULL: not asked for */
 } fc_bwd_args;
 
 /* Shared memory of a block: the chunks of the current tile pair, its P and dS, and its rows' lse and D_i. The +1
@@ -129,6 +132,7 @@ FC_BWD_FN fc_seq fc_seq_of(const fc_bwd_args &a, int64_t b) {
         s.nk = a.Nk;
         s.bb = b;
     }
+    s.nk = fc_used_keys(a, b, s.nk);
     return s;
 }
 
@@ -220,6 +224,47 @@ FC_BWD_FN void fc_bwd_tile(const fc_bwd_args &a, fc_bwd_smem &sm, const fc_seq &
         fc_bwd_elem<fc_exact_math>(a, p, ds, lse2, di, a.alibi ? fc_alibi(slope2, i + diag - j) : 0.f, vis);
         sm.p[r][c] = p;
         sm.ds[r][c] = ds;
+    }
+}
+
+/*
+ * After every backward path (bwd.cu runs these last, whatever kernels ran before):
+ * fc_bwd_unused_body: dk = dv = 0 on the key rows a sequence holds but does not use (seqused_k), which no kernel
+ *   writes; one thread per (sequence, key row of the max length, kv head), x = (b Nk + j) Hkv + hk.
+ * fc_bwd_sinks_body: the sinks' gradient, one block per head h. The lse includes the sink, so P_sink,i = e^(sink -
+ *   lse_i), and dL/dsink = -sum_i P_sink,i D_i over every query row of the head (D_i = sum_j P_ij dP_ij). Each
+ *   thread sums its rows (stride NT) in order, then thread 0 the threads' sums in order: reproducible bitwise.
+ *   part: NT doubles of the block's shared memory.
+ */
+template <typename T>
+FC_BWD_FN void fc_bwd_unused_body(const fc_bwd_args &a, int64_t x) {
+    if (x >= a.B * a.Nk * a.Hkv) return;
+    const int64_t hk = x % a.Hkv, j = (x / a.Hkv) % a.Nk, b = x / (a.Hkv * a.Nk);
+    const fc_seq s = fc_seq_of(a, b); /* s.nk: the keys it uses */
+    const int64_t rows = a.varlen ? (int64_t)a.cu_k[b + 1] - a.cu_k[b] : a.Nk;
+    if (j < s.nk || j >= rows) return;
+    T *dk = (T *)a.dk.data + s.bb * a.dk.sb + (s.k0 + j) * a.dk.sn + hk * a.dk.sh;
+    T *dv = (T *)a.dv.data + s.bb * a.dv.sb + (s.k0 + j) * a.dv.sn + hk * a.dv.sh;
+    for (int64_t d = 0; d < a.D; ++d) {
+        fc_store(dk + d * a.dk.sd, 0.f);
+        fc_store(dv + d * a.dv.sd, 0.f);
+    }
+}
+
+FC_BWD_FN void fc_bwd_sinks_body(const fc_bwd_args &a, double *part, int64_t h, int tid) {
+    const int64_t rows = a.varlen ? (int64_t)a.cu_q[a.B] : a.B * a.Nq; /* varlen: the sequences' rows only */
+    const float sink = a.sinks[h];
+    double acc = 0.0;
+    for (int64_t r = tid; r < rows; r += FC_BWD_NT) {
+        const int64_t idx = a.varlen ? h * a.total_q + r : ((r / a.Nq) * a.H + h) * a.Nq + r % a.Nq;
+        acc -= (double)expf(sink - a.lse[idx]) * (double)a.dvec[idx];
+    }
+    part[tid] = acc;
+    fc_sync();
+    if (tid == 0) {
+        double sum = 0.0;
+        for (int t = 0; t < FC_BWD_NT; ++t) sum += part[t];
+        a.dsinks[h] = (float)sum;
     }
 }
 
@@ -383,6 +428,13 @@ const char *flashc_cuda_bwd_simt_unsupported(const flashc_problem *p) {
     return NULL;
 }
 
+/* The grids of the steps after every backward path: the unused keys' zeros (0 without seqused_k) and the
+ * sinks' gradient (0 without dsinks). */
+static void fc_bwd_post_grids(const flashc_problem *p, int64_t *unused_blocks, int64_t *sink_blocks) {
+    *unused_blocks = p->seqused_k ? (p->B * p->Nk * p->Hkv + FC_BWD_NT - 1) / FC_BWD_NT : 0;
+    *sink_blocks = p->dsinks ? p->H : 0;
+}
+
 static fc_bwd_tensor fc_bwd_view(const flashc_tensor *t) {
     fc_bwd_tensor v;
     v.data = t->data;
@@ -402,6 +454,8 @@ static fc_bwd_args fc_bwd_make_args(const flashc_problem *p, void *workspace) {
     a.total_q = p->varlen ? p->total_q : p->B * p->Nq;
     a.varlen = p->varlen;
     a.cu_q = p->cu_q, a.cu_k = p->cu_k;
+    a.seqused_k = p->seqused_k;
+    a.sinks = p->sinks, a.dsinks = p->dsinks;
     a.scale = p->scale;
     fc_set_scores_and_masks(p, &a);
     a.n_qt = (p->Nq + FC_BWD_BR - 1) / FC_BWD_BR;
@@ -461,6 +515,37 @@ static cudaError_t fc_bwd_run_dtype(const flashc_problem *p, const fc_bwd_args &
     case 2: return fc_bwd_run<T, 2>(p, a, stream);
     default: return fc_bwd_run<T, 4>(p, a, stream);
     }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(FC_BWD_NT) fc_bwd_unused(const __grid_constant__ fc_bwd_args a) {
+    fc_bwd_unused_body<T>(a, (int64_t)blockIdx.x * FC_BWD_NT + threadIdx.x);
+}
+
+__global__ void __launch_bounds__(FC_BWD_NT) fc_bwd_sinks(const __grid_constant__ fc_bwd_args a) {
+    __shared__ double part[FC_BWD_NT];
+    fc_bwd_sinks_body(a, part, blockIdx.x, threadIdx.x);
+}
+
+cudaError_t flashc_cuda_bwd_post_launch(const flashc_problem *p, float *dvec, cudaStream_t stream) {
+    int64_t gu, gs;
+    fc_bwd_post_grids(p, &gu, &gs);
+    if (gu > INT_MAX) return cudaErrorInvalidConfiguration;
+    const fc_bwd_args a = fc_bwd_make_args(p, dvec);
+    cudaError_t e;
+    if (gu > 0) {
+        switch (p->dtype) {
+        case FLASHC_DTYPE_F32: fc_bwd_unused<float><<<(unsigned)gu, FC_BWD_NT, 0, stream>>>(a); break;
+        case FLASHC_DTYPE_F16: fc_bwd_unused<__half><<<(unsigned)gu, FC_BWD_NT, 0, stream>>>(a); break;
+        case FLASHC_DTYPE_BF16: fc_bwd_unused<__nv_bfloat16><<<(unsigned)gu, FC_BWD_NT, 0, stream>>>(a); break;
+        }
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    if (gs > 0) {
+        fc_bwd_sinks<<<(unsigned)gs, FC_BWD_NT, 0, stream>>>(a);
+        if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    }
+    return cudaSuccess;
 }
 
 cudaError_t flashc_cuda_bwd_simt_launch(const flashc_problem *p, float *dvec, cudaStream_t stream) {

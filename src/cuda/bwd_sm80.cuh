@@ -104,6 +104,7 @@ static __device__ __forceinline__ fc_bseq fc_bwd_seq(const flashc_bwd_args &a, i
         s.nk = a.Nk;
         s.bb = b;
     }
+    s.nk = fc_used_keys(a, b, s.nk);
     return s;
 }
 

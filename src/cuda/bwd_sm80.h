@@ -36,6 +36,7 @@ typedef struct flashc_bwd_args {
     int n_qblk;    /* query tiles per sequence (dQ kernel grid) */
     int64_t total_k; /* rows of k and v: B * Nk, or the packed length with varlen (last: the fields before keep
                       * their offsets in the kernels' parameter space) */
+    const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
 } flashc_bwd_args;
 
 /*

@@ -174,8 +174,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int hk = (int)(bid % a.Hkv), b = (int)(bid / a.Hkv);
     /* The sequence: its first query and key rows sq0, sk0 in the packed tensors (varlen), its lengths, and its batch
      * coordinate in the tensor maps (0 with varlen: one packed batch). */
-    const int sq0 = VARLEN ? a.cu_q[b] : 0, sk0 = VARLEN ? a.cu_k[b] : 0, qb = VARLEN ? 0 : b;
-    const int nq = VARLEN ? a.cu_q[b + 1] - sq0 : a.Nq, nk = VARLEN ? a.cu_k[b + 1] - sk0 : a.Nk, diag = nk - nq,
+    const bool packed = VARLEN && a.varlen; /* VARLEN kernels also run fixed-length problems with seqused_k */
+    const int sq0 = packed ? a.cu_q[b] : 0, sk0 = packed ? a.cu_k[b] : 0, qb = packed ? 0 : b;
+    const int nq = packed ? a.cu_q[b + 1] - sq0 : a.Nq,
+              nk = VARLEN ? fc_used_keys(a, b, packed ? a.cu_k[b + 1] - sk0 : a.Nk) : a.Nk, diag = nk - nq,
               wr = a.win_right, wl = a.win_left, group = a.H / a.Hkv;
     const int n0 = kt * BN;
     /* Query tiles whose last row reaches this block's first key under the band's right edge. */
@@ -210,9 +212,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             /* (The fixed-length kernels keep their own expressions: their machine code stays as it was.) */
             if constexpr (VARLEN) {
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, 0);
+                    fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, qb);
                 for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, 0);
+                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, qb);
             } else {
                 for (int c = 0; c < NCH; ++c)
                     fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
                 ring.wait_empty(it);
                 /* lse and D_i: (B, H, Nq), or (H, total_q) with varlen */
-                const int64_t r0 = VARLEN ? (int64_t)h * a.total_q + sq0 : ((int64_t)b * a.H + h) * nq;
+                const int64_t r0 = packed ? (int64_t)h * a.total_q + sq0 : ((int64_t)b * a.H + h) * nq;
                 float *ld = sLD + s * 2 * BM;
                 for (int r = lane; r < BM; r += 32) {
                     const int i = m0 + r;
@@ -516,8 +518,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                         const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
                         static_assert(DQN == 64, "two staging boxes of 32 columns");
                         if constexpr (VARLEN) {
-                            fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, sq0 + m0, 0);
-                            fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, sq0 + m0, 0);
+                            fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, sq0 + m0, qb);
+                            fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, sq0 + m0, qb);
                         } else {
                             fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
                             fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, m0, b);
@@ -603,10 +605,11 @@ static cudaError_t fc90b_launch_as(const flashc_bwd_args *a, const CUtensorMap *
         <<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
     return cudaGetLastError();
 }
-/* Varlen takes kernels of its own (VARLEN), so that the fixed-length ones keep their machine code. */
+/* Varlen takes kernels of its own (VARLEN), so that the fixed-length ones keep their machine code; so does a
+ * fixed-length problem whose sequences use fewer keys (seqused_k), which needs their tail clearing. */
 template <int D, int BF, int DQ>
 static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
-    return a->varlen ? fc90b_launch_as<D, BF, DQ, true>(a, tm, blocks, stream)
+    return a->varlen || a->seqused_k ? fc90b_launch_as<D, BF, DQ, true>(a, tm, blocks, stream)
                      : fc90b_launch_as<D, BF, DQ, false>(a, tm, blocks, stream);
 }
 

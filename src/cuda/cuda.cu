@@ -305,6 +305,7 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
     a.total_q = p->varlen ? p->total_q : p->B * p->Nq;
     a.total_k = p->varlen ? p->total_k : p->B * p->Nk;
     a.cu_q = p->cu_q, a.cu_k = p->cu_k;
+    a.seqused_k = p->seqused_k, a.sinks = p->sinks;
     fc_set_scores_and_masks(p, &a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
     a.bf16 = p->dtype != FLASHC_DTYPE_F16; /* f32 inputs run on bf16 operands: the f32 range, never inf */

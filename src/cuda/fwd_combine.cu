@@ -3,7 +3,8 @@
  * GPU, each (query tile, head, sequence) is split into nsplit ranges of key tiles; every split writes its
  * normalized partial O_s and lse_s (fp32, workspace), and this kernel merges them exactly:
  *   lse = ln sum_s exp(lse_s),  O = sum_s exp(lse_s - lse) O_s.
- * A split that saw no key has lse_s = -inf and weight 0; a row no split saw gets O = 0, lse = +inf.
+ * A split that saw no key has lse_s = -inf and weight 0; a row no split saw gets O = 0, lse = +inf. An attention
+ * sink joins here (the splits' partials leave it out) as one more term with no output.
  */
 #include "fwd_sm80.h"
 
@@ -23,13 +24,17 @@ __global__ void __launch_bounds__(FC_COMBINE_WARPS * 32) fc_fwd_combine_kernel(c
     const int64_t stride_s = (int64_t)a.H * a.total_q; /* between splits, in rows */
     const float *ls = a.ws_lse + (int64_t)h * a.total_q + grow;
 
-    float mx = -INFINITY;
+    /* An attention sink is one more partial, with lse = the sink and no output. */
+    const float sink = a.sinks ? a.sinks[h] : -INFINITY;
+    float mx = lane == 0 ? sink : -INFINITY;
     for (int s = lane; s < a.nsplit; s += 32) mx = fmaxf(mx, ls[s * stride_s]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
-    if (mx != -INFINITY)
+    if (mx != -INFINITY) {
+        if (lane == 0 && a.sinks) sum = expf(sink - mx);
         for (int s = lane; s < a.nsplit; s += 32) sum += expf(ls[s * stride_s] - mx);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float lse = mx == -INFINITY ? INFINITY : mx + logf(sum);

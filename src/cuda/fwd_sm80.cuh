@@ -223,6 +223,7 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
         k0 = a.cu_k[b];
         nk = a.cu_k[b + 1] - a.cu_k[b];
     }
+    nk = fc_used_keys(a, b, nk);
     const int m0 = mblk * BR;
     if (m0 >= nq) return; /* varlen: this sequence is shorter than max_seqlen_q */
     const int mlast = min(m0 + BR, nq) - 1;
@@ -410,7 +411,9 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
             float l = row_l[mt][hf];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            float inv = l > 0.f ? 1.f / l : 0.f;
+            float lse = l > 0.f ? row_m[mt][hf] * FC_LN2 + logf(l) : (a.nsplit > 1 ? -INFINITY : INFINITY);
+            if (a.sinks && a.nsplit == 1) inv = fc_sink_fold(a.sinks[h], row_m[mt][hf], l, lse); /* split: combine's */
 #pragma unroll
             for (int dt = 0; dt < NDT; ++dt) {
                 o[mt][dt][2 * hf] *= inv;
@@ -418,7 +421,6 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
             }
             const int i = m0 + wr0 + mt * 16 + g + hf * 8;
             if (tig == 0 && i < nq) {
-                const float lse = l > 0.f ? row_m[mt][hf] * FC_LN2 + logf(l) : (a.nsplit > 1 ? -INFINITY : INFINITY);
                 if (a.nsplit > 1)
                     a.ws_lse[((int64_t)split * a.H + h) * a.total_q + grow0 + i] = lse;
                 else if (a.lse)

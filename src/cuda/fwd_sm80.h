@@ -40,6 +40,8 @@ typedef struct flashc_fwd_args {
     int n_mblk;   /* query tiles per (sequence, head) */
     int64_t total_k; /* rows of k and v: B * Nk, or the packed length with varlen (last: the fields before keep
                       * their offsets in the kernels' parameter space) */
+    const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
+    const float *sinks;       /* attention sinks per head (score.h's fc_sink_fold); NULL: none */
 } flashc_fwd_args;
 
 /*

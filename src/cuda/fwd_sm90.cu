@@ -56,7 +56,11 @@
  * from cu_seqlens, and its loads start at the sequence's first row; query tiles past a sequence's end
  * (max_seqlen_q is the grid's) have no work. A tile at the end of a sequence reads the next one's rows: its keys
  * are masked like keys past the end, and its V rows are cleared before P V (sm90.cuh's fc90_clear_rows), so that
- * no value of another sequence reaches the output.
+ * no value of another sequence reaches the output. The same kernels run a per-sequence used key length
+ * (seqused_k, fc_used_keys), varlen or not: keys past it are masked and their V rows cleared alike.
+ *
+ * Attention sinks: a row's sink joins the denominator in the epilogue (fc_sink_fold; VARLEN kernels, which also
+ * run fixed-length problems), the lse includes it.
  */
 #include "common.cuh"
 #include "fwd_sm90.h"
@@ -269,8 +273,9 @@ struct fc90_seq {
 template <bool VARLEN>
 static __device__ __forceinline__ fc90_seq fc90_seq_of(const flashc_fwd_args &a, int b) {
     if constexpr (!VARLEN) return {0, 0, a.Nq, a.Nk, b};
+    if (!a.varlen) return {0, 0, a.Nq, fc_used_keys(a, b, a.Nk), b}; /* fixed length, keys used per sequence */
     const int q0 = a.cu_q[b], k0 = a.cu_k[b];
-    return {q0, k0, a.cu_q[b + 1] - q0, a.cu_k[b + 1] - k0, 0};
+    return {q0, k0, a.cu_q[b + 1] - q0, fc_used_keys(a, b, a.cu_k[b + 1] - k0), 0};
 }
 
 /* Key tiles [*tb, *te) that some row of query tile mblk sees under the band (fc_key_tiles); none for a tile past
@@ -478,13 +483,16 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
     const int nq = sq.nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
     /* The sequence's rows in the output and the lse: (B, Nq, H, D) and (B, H, Nq), or with varlen the packed
      * (total_q, H, D) from row q0 and (H, total_q). */
-    const int64_t ob = VARLEN ? 0 : (int64_t)b * a.o_sb;
+    const bool packed = VARLEN && a.varlen; /* VARLEN kernels also run fixed-length problems with seqused_k */
+    const int64_t ob = packed ? 0 : (int64_t)b * a.o_sb;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         float l = row_l[hf];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float inv = l > 0.f ? 1.f / l : 0.f, sink_lse = 0.f;
+        if constexpr (VARLEN) /* sinks take the VARLEN kernels, so that the fixed-length ones keep their code */
+            if (a.sinks) inv = fc_sink_fold(a.sinks[h], row_m[hf], l, sink_lse);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[4 * j + 2 * hf] *= inv;
@@ -492,8 +500,8 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
         }
         const int i = m0 + row0 + 8 * hf;
         if (tig == 0 && i < nq && a.lse)
-            a.lse[(VARLEN ? (int64_t)h * a.total_q + sq.q0 : ((int64_t)b * a.H + h) * nq) + i] =
-                l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+            a.lse[(packed ? (int64_t)h * a.total_q + sq.q0 : ((int64_t)b * a.H + h) * nq) + i] =
+                VARLEN && a.sinks ? sink_lse : l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
     }
 
     const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
@@ -629,12 +637,15 @@ static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *t
         <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
-/* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. */
+/* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
+ * VARLEN kernels also take fixed-length problems whose sequences use fewer keys (seqused_k): the tail clear of V
+ * is what those need too (the unused keys' rows are the caller's memory, NaN included); and attention sinks,
+ * whose fold in the epilogue the fixed-length kernels leave out. */
 template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const bool generic = fc90_generic(k);
-    if (k->varlen)
+    if (k->varlen || k->seqused_k || k->sinks)
         return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
     return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, hg, stream)

@@ -123,7 +123,31 @@ FC_HD void fc_bwd_elem(const Args &a, float &s, float &dp, float lse2, float dve
     dp = p * (dp - dvec) * dcap;
 }
 
+/* Attention sinks: the end of a row's softmax, m2 the max of its base-2 scores and l the sum of 2^(x - m2) (0: the
+ * row saw no key), with the sink's logit (natural log) one more term of the denominator. Returns the factor the
+ * row's unnormalized output takes (in place of 1 / l) and sets its natural-log lse (the sink when l is 0). The
+ * kernels call it where a.sinks is set; internal.h's flashc_sink_fold is the CPU's twin. */
+FC_HD float fc_sink_fold(float sink, float m2, float l, float &lse) {
+    if (l == 0.f) {
+        lse = sink;
+        return 0.f;
+    }
+    const float s2 = sink * FC_LOG2E, mx = fmaxf(m2, s2);
+    const float em = exp2f(m2 - mx), lt = l * em + exp2f(s2 - mx);
+    lse = mx * FC_LN2 + logf(lt);
+    return em / lt;
+}
+
 /* ---- masks ------------------------------------------------------------------------------------------------- */
+
+/* The keys sequence b uses of its nk: the first seqused_k[b] (clamped to [0, nk]: the values are device memory,
+ * which the host does not check) when the caller set them, else all. Every kernel takes its sequence's nk through
+ * this, so that keys past it are masked like keys past the end (and never reach a result). Args: any kernel
+ * argument struct with a seqused_k member. */
+template <typename Args, typename I>
+FC_HD I fc_used_keys(const Args &a, I b, I nk) {
+    return a.seqused_k ? fc_imin(nk, fc_imax((I)a.seqused_k[b], (I)0)) : nk;
+}
 
 /* Keys [jlo, jhi] that row i keeps among the sequence's nk: the band's, row i's diagonal key being i + diag
  * (diag = nk - nq, bottom-right aligned), each side -1 for unbounded. Computed once per row. LEFT false: the
