@@ -84,7 +84,8 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
     done
     # g: the generic score step of the Hopper forward (softcap, ALiBi) under a sliding window with both sides;
     # v: varlen on both Hopper kernels (ragged sequences: the tails that read the next sequence's rows), causal.
-    for variant in "g:--window 300,20 --softcap 30 --alibi" "v:--causal --varlen"; do
+    # u: seqused_k and sinks (the VARLEN kernels on fixed-length batches, the backward's post step).
+    for variant in "g:--window 300,20 --softcap 30 --alibi" "v:--causal --varlen" "u:--causal --used --sinks"; do
       for d in 64 128 256; do
         for tool in memcheck racecheck; do
           step "$tool sm90 d$d ${variant#*:}" "$LOG/${tool}_sm90${variant%%:*}_d$d.log" "${SANITIZE_LIMIT:-150}" env \
@@ -123,7 +124,8 @@ grep -oE "^[0-9]+: flashc: CUDA forward .* on .*" "$LOG/gpu_tests.log" 2>/dev/nu
 echo "== backward kernels in the gpu tests:"
 grep -hoE "CUDA backward .* on .*" "$LOG/gpu_tests.log" 2>/dev/null | sed 's/.* on //' | sort | uniq -c
 for f in memcheck racecheck memcheck_bwd racecheck_bwd memcheck_sm90_d{64,96,128,192,256} racecheck_sm90_d{64,96,128,192,256} \
-  memcheck_sm90g_d{64,128,256} racecheck_sm90g_d{64,128,256} memcheck_sm90v_d{64,128,256} racecheck_sm90v_d{64,128,256}; do
+  memcheck_sm90g_d{64,128,256} racecheck_sm90g_d{64,128,256} memcheck_sm90v_d{64,128,256} racecheck_sm90v_d{64,128,256} \
+  memcheck_sm90u_d{64,128,256} racecheck_sm90u_d{64,128,256}; do
   [ -f "$LOG/$f.log" ] && echo "== $f: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED|on sm90" "$LOG/$f.log" | sort | uniq -c | tr '\n' ' ')"
 done
 if [ -f "$LOG/bench.log" ]; then

@@ -29,6 +29,8 @@ def main():
     ap.add_argument("--softcap", type=float, default=0.0)
     ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2^(-8 h / H)")
     ap.add_argument("--varlen", action="store_true", help="B sequences of lengths in [N/2, N] packed (cu_seqlens)")
+    ap.add_argument("--used", action="store_true", help="seqused_k: each sequence uses a random part of its keys")
+    ap.add_argument("--sinks", action="store_true", help="attention sinks, one per head (and their gradient)")
     args = ap.parse_args()
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -43,12 +45,19 @@ def main():
         kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()))
     if args.alibi:
         kw["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda")
+    if args.used:
+        kw["seqused_k"] = torch.randint(0, args.n + 1, (B,), generator=torch.Generator().manual_seed(1),
+                                        dtype=torch.int32).cuda()
+        if args.varlen:
+            kw["seqused_k"] = torch.minimum(kw["seqused_k"].cpu(), lens.to(torch.int32)).cuda()
+    if args.sinks:
+        kw["sinks"] = torch.randn(H, device="cuda")
     for _ in range(args.repeat):
         out, lse = flashc.attention(q, k, v, **kw)
         if not args.no_bwd:
             flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)
     torch.cuda.synchronize()
-    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if "cu_seq" not in x}))
+    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if x not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")}))
 
 
 if __name__ == "__main__":
