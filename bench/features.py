@@ -5,8 +5,10 @@ FlexAttention (torch.compile) on the same problem as the peer.
     FLASHC_LIBRARY=build-gpu/libflashc.so python3 bench/features.py [--B 4 --N 4096 --H 16 --D 128] [--no-flex]
 
 Cases: plain, causal, window (N, 0) (the causal mask written as a window), window (1024, 0) (a Mistral-style sliding
-window), softcap 30 (Gemma 2), ALiBi (slopes 2^(-8 h / H)), softcap with causal, and varlen (the B sequences packed,
-flash_attn_varlen_func, as padding-free training calls it; no FlexAttention peer), plain and causal. TFLOP/s count only the visible
+window), softcap 30 (Gemma 2), ALiBi (slopes 2^(-8 h / H)), softcap with causal, varlen (the B sequences packed,
+flash_attn_varlen_func, as padding-free training calls it; no FlexAttention peer), plain and causal, attention sinks
+(learnable, their gradient included; alone and with a 128-key sliding window, as GPT-OSS layers use them) and
+seqused_k (every key used, then half; no FlexAttention peer for these). TFLOP/s count only the visible
 work: 4 B H D times the number of (query, key) pairs a row keeps, forward; 2.5 times that, backward. Forward:
 flash_attn_func alone; backward: (forward + backward through autograd) - forward, both medians of --runs, taken in
 turns with the peer (CUDA events). A feature on the fast path shows as TFLOP/s close to plain's (causal's for
@@ -47,6 +49,11 @@ def cases(n, h):
         ("softcap 30 causal", dict(softcap=30.0, causal=True)),
         ("varlen, B x N packed", dict(varlen=True)),
         ("varlen causal", dict(varlen=True, causal=True)),
+        ("sinks", dict(sinks=True)),
+        ("window (128, 0)", dict(window_size=(128, 0))),
+        ("sinks, window (128, 0)", dict(sinks=True, window_size=(128, 0))),
+        ("seqused_k = N", dict(used=n)),
+        ("seqused_k = N / 2", dict(used=n // 2)),
     ]
 
 
@@ -114,8 +121,12 @@ def main(argv=None):
         left, right = kw.get("window_size", (-1, 0 if kw.get("causal") else -1))
         if kw.get("causal"):
             left, right = -1, 0
-        flops = 4.0 * B * H * D * visible_pairs(N, N, left, right)
-        fkw = {x: y for x, y in kw.items() if x not in ("alibi", "varlen")}
+        flops = 4.0 * B * H * D * visible_pairs(N, kw.get("used", N), left, right)
+        fkw = {x: y for x, y in kw.items() if x not in ("alibi", "varlen", "sinks", "used")}
+        if kw.get("sinks"):  # learnable: the backward computes their gradient too
+            fkw["sinks"] = torch.randn(H, device="cuda", generator=g).requires_grad_(True)
+        if "used" in kw:
+            fkw["seqused_k"] = torch.full((B,), kw["used"], device="cuda", dtype=torch.int32)
         if "alibi" in kw:
             fkw["alibi_slopes"] = torch.tensor(kw["alibi"], device="cuda", dtype=torch.float32)
         if kw.get("varlen"):
@@ -139,7 +150,7 @@ def main(argv=None):
             torch.autograd.grad(call(), ins, dgrad)
 
         fns = {"fc_fwd": fc_fwd, "fc_fb": fc_fb}
-        if not args.no_flex and not kw.get("varlen"):
+        if not args.no_flex and not any(x in kw for x in ("varlen", "sinks", "used")):
             made = flex_fn(q, k, v, kw, N)
             if made:
                 ffn, (qt, kt, vt) = made
