@@ -103,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--no-flex", action="store_true", help="flashc alone (FlexAttention's compiles take minutes)")
-    ap.add_argument("--only", default="", help="comma-separated case names to run")
+    ap.add_argument("--only", default="", help="case names to run, separated by semicolons")
     args = ap.parse_args(argv)
     B, N, H, D = args.B, args.N, args.H, args.D
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -114,7 +114,7 @@ def main(argv=None):
     q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=dt, generator=g).requires_grad_(True) for _ in range(3))
     dout = torch.randn(B, N, H, D, device="cuda", dtype=dt, generator=g)
     rows = []
-    only = set(x.strip() for x in args.only.split(",") if x.strip())
+    only = set(x.strip() for x in args.only.split(";") if x.strip())
     for name, kw in cases(N, H):
         if only and name not in only:
             continue
