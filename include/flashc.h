@@ -271,6 +271,19 @@ FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tens
                                          const flashc_tensor *dk, const flashc_tensor *dv, void *workspace,
                                          size_t workspace_bytes);
 
+/*
+ * KV cache: appends new keys and values in place. k_new, v_new (B, Nnew, Hkv, D) go to rows cache_seqlens[b] ..
+ * cache_seqlens[b] + Nnew - 1 of batch b of k_cache, v_cache (B, Nk_max, Hkv, D), same dtype; every other cache row
+ * is left as it was. cache_seqlens: int32 (B), where the context's backend computes. Then attend to the cache with
+ * flashc_forward and params.seqused_k = cache_seqlens + Nnew per sequence (flash-attn's flash_attn_with_kvcache:
+ * causal queries then sit at the end of each sequence's used keys). Rows that would land outside [0, Nk_max): the
+ * CPU backend refuses the call and writes nothing; the CUDA backend (which does not read device memory before its
+ * launch) skips them. Queued on the context's stream like the attention calls.
+ */
+FLASHC_API flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
+                                               const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                               const flashc_tensor *v_new, const int32_t *cache_seqlens);
+
 /* Fills a view of a contiguous (d0, d1, d2, d3) tensor. A stride that would overflow int64 is set to INT64_MIN,
  * which every call refuses. */
 FLASHC_API flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1,

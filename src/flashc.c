@@ -831,6 +831,49 @@ flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const
     return FLASHC_STATUS_OK;
 }
 
+flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
+                                    const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                    const flashc_tensor *v_new, const int32_t *cache_seqlens) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (!cache_seqlens) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cache_seqlens is NULL");
+    enum { KC, VC, KN, VN, SL, N };
+    static const char *names[N] = {"k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"};
+    uintptr_t lo[N] = {0}, hi[N] = {0};
+    FLASHC_TRY(check_view(ctx, "k_cache", k_cache, 1, 1, &lo[KC], &hi[KC]));
+    FLASHC_TRY(check_view(ctx, "v_cache", v_cache, 1, 1, &lo[VC], &hi[VC]));
+    FLASHC_TRY(check_view(ctx, "k_new", k_new, 1, 0, &lo[KN], &hi[KN]));
+    FLASHC_TRY(check_view(ctx, "v_new", v_new, 1, 0, &lo[VN], &hi[VN]));
+    if (!same_shape(k_cache, v_cache) || !same_shape(k_new, v_new))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "k_cache and v_cache (and k_new and v_new) must have "
+                                                               "the same shape");
+    if (k_cache->dtype != v_cache->dtype || k_new->dtype != k_cache->dtype || v_new->dtype != k_cache->dtype)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "the caches and the new keys and values must share "
+                                                               "one dtype");
+    if (k_new->shape[0] != k_cache->shape[0] || k_new->shape[2] != k_cache->shape[2] ||
+        k_new->shape[3] != k_cache->shape[3])
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "k_new (%lld, %lld, %lld, %lld) does not fit k_cache (%lld, %lld, %lld, %lld): batch, "
+                          "kv heads and head dim must match",
+                          (long long)k_new->shape[0], (long long)k_new->shape[1], (long long)k_new->shape[2],
+                          (long long)k_new->shape[3], (long long)k_cache->shape[0], (long long)k_cache->shape[1],
+                          (long long)k_cache->shape[2], (long long)k_cache->shape[3]);
+    if (k_new->shape[1] > k_cache->shape[1])
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%lld new rows do not fit a cache of %lld",
+                          (long long)k_new->shape[1], (long long)k_cache->shape[1]);
+    FLASHC_TRY(byte_range(ctx, "cache_seqlens", cache_seqlens, k_cache->shape[0], 4, &lo[SL], &hi[SL]));
+    /* The caches are written: they share no byte with each other or with the inputs. */
+    for (int o = KC; o <= VC; o++)
+        for (int i = 0; i < N; i++)
+            if (i != o && overlaps(lo[o], hi[o], lo[i], hi[i]))
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps %s in memory", names[o], names[i]);
+    if (!ctx->ops->kvcache_append)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no KV-cache append",
+                          flashc_backend_name(ctx->backend));
+    FLASHC_TRY(ctx->ops->kvcache_append(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens));
+    flashc_clear_error(ctx);
+    return FLASHC_STATUS_OK;
+}
+
 flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
                               const flashc_tensor *v, const flashc_tensor *out, const flashc_tensor *dout,
                               const float *softmax_lse, const flashc_params *params, const flashc_tensor *dq,

@@ -146,6 +146,11 @@ typedef struct flashc_backend_ops {
                              void *workspace);
     flashc_status (*backward)(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
                               void *workspace);
+    /* flashc_kvcache_append on validated views (shapes, dtypes, no overlap of the caches with anything else); the
+     * backend checks or clamps cache_seqlens. NULL: not supported. */
+    flashc_status (*kvcache_append)(struct flashc_context *ctx, const flashc_tensor *k_cache,
+                                    const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                    const flashc_tensor *v_new, const int32_t *cache_seqlens);
 } flashc_backend_ops;
 
 /*

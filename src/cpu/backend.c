@@ -261,6 +261,34 @@ static flashc_status cpu_backward(struct flashc_context *ctx, const flashc_probl
     return FLASHC_STATUS_OK;
 }
 
+/* Checks every sequence's rows first, so that a refused call writes nothing; then copies row by row (any strides,
+ * one dtype: bytes move as they are). */
+static flashc_status cpu_kvcache_append(struct flashc_context *ctx, const flashc_tensor *k_cache,
+                                        const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                        const flashc_tensor *v_new, const int32_t *cache_seqlens) {
+    const int64_t B = k_cache->shape[0], cap = k_cache->shape[1], n = k_new->shape[1];
+    for (int64_t b = 0; b < B; b++)
+        if (cache_seqlens[b] < 0 || cache_seqlens[b] > cap - n)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "cache_seqlens[%lld] = %d: %lld new rows from there do not fit the cache's %lld",
+                              (long long)b, (int)cache_seqlens[b], (long long)n, (long long)cap);
+    const size_t esz = flashc_dtype_size(k_cache->dtype);
+    const flashc_tensor *dst[2] = {k_cache, v_cache}, *src[2] = {k_new, v_new};
+    for (int w = 0; w < 2; w++)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t h = 0; h < k_cache->shape[2]; h++)
+                    for (int64_t d = 0; d < k_cache->shape[3]; d++) {
+                        const int64_t so = b * src[w]->stride[0] + i * src[w]->stride[1] + h * src[w]->stride[2] +
+                                           d * src[w]->stride[3];
+                        const int64_t to = b * dst[w]->stride[0] + (cache_seqlens[b] + i) * dst[w]->stride[1] +
+                                           h * dst[w]->stride[2] + d * dst[w]->stride[3];
+                        memcpy((char *)dst[w]->data + to * (int64_t)esz, (const char *)src[w]->data + so * (int64_t)esz,
+                               esz);
+                    }
+    return FLASHC_STATUS_OK;
+}
+
 /* No set_stream: only the NULL stream is accepted. */
 const flashc_backend_ops flashc_cpu_ops = {
     .kind = FLASHC_BACKEND_CPU,
@@ -273,4 +301,5 @@ const flashc_backend_ops flashc_cpu_ops = {
     .workspace_free = cpu_workspace_free,
     .forward = cpu_forward,
     .backward = cpu_backward,
+    .kvcache_append = cpu_kvcache_append,
 };

@@ -1,0 +1,165 @@
+/*
+ * test_kvcache: flashc_kvcache_append and attention against the cache it fills (flash-attn's
+ * flash_attn_with_kvcache on a contiguous cache), on the CPU backend.
+ *
+ * A cache of capacity 64 whose unfilled rows hold NaN, sequences filled to 0, 17 and 50 rows, Nnew new rows (1:
+ * decode, 5: a chunk of prefill): after the append the new rows are in the cache bit for bit and every other row is
+ * untouched; then attention with seqused_k = cache_seqlens + Nnew (causal, and with a window) must equal, per
+ * sequence, attention on a contiguous copy of its used keys alone (the same library, no seqused_k). Refusals: rows
+ * past the capacity (nothing written), caches that overlap an input, shapes that do not fit.
+ */
+#include "ref/testkit.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_checks, g_failed;
+
+static void check(const char *what, int cond) {
+    g_checks++;
+    g_failed += !cond;
+    printf("%-78s %s\n", what, cond ? "PASS" : "FAIL");
+}
+
+enum { B = 3, CAP = 64, HKV = 2, H = 4, D = 32 };
+static const int32_t filled[B] = {0, 17, 50};
+
+static float frand(uint64_t *rng) { return (float)flashc_rand_normal(rng); }
+
+/* One decode or chunked-prefill step with nnew rows and the masks given; returns 1 when every check held. */
+static void step(flashc_context_t ctx, int nnew, int causal, int64_t wl, const char *name) {
+    uint64_t rng = 1234 + (uint64_t)nnew * 7 + (uint64_t)wl;
+    const size_t cache_el = (size_t)B * CAP * HKV * D, new_el = (size_t)B * nnew * HKV * D,
+                 q_el = (size_t)B * nnew * H * D;
+    float *kc = malloc(cache_el * 4), *vc = malloc(cache_el * 4), *kc0 = malloc(cache_el * 4),
+          *vc0 = malloc(cache_el * 4), *kn = malloc(new_el * 4), *vn = malloc(new_el * 4), *q = malloc(q_el * 4),
+          *out = malloc(q_el * 4), *lse = malloc((size_t)B * H * nnew * 4);
+    if (!kc || !vc || !kc0 || !vc0 || !kn || !vn || !q || !out || !lse) exit(2);
+    for (size_t i = 0; i < cache_el; i++) {
+        const size_t row = i / (HKV * D) % CAP, b = i / ((size_t)CAP * HKV * D);
+        kc[i] = row < (size_t)filled[b] ? frand(&rng) : NAN; /* unfilled rows: NaN, which must reach nothing */
+        vc[i] = row < (size_t)filled[b] ? frand(&rng) : NAN;
+    }
+    for (size_t i = 0; i < new_el; i++) kn[i] = frand(&rng), vn[i] = frand(&rng);
+    for (size_t i = 0; i < q_el; i++) q[i] = frand(&rng);
+    memcpy(kc0, kc, cache_el * 4);
+    memcpy(vc0, vc, cache_el * 4);
+    const flashc_tensor tkc = flashc_tensor_contiguous(kc, FLASHC_DTYPE_F32, B, CAP, HKV, D),
+                        tvc = flashc_tensor_contiguous(vc, FLASHC_DTYPE_F32, B, CAP, HKV, D),
+                        tkn = flashc_tensor_contiguous(kn, FLASHC_DTYPE_F32, B, nnew, HKV, D),
+                        tvn = flashc_tensor_contiguous(vn, FLASHC_DTYPE_F32, B, nnew, HKV, D),
+                        tq = flashc_tensor_contiguous(q, FLASHC_DTYPE_F32, B, nnew, H, D),
+                        to = flashc_tensor_contiguous(out, FLASHC_DTYPE_F32, B, nnew, H, D);
+    char what[128];
+
+    /* the append */
+    flashc_status st = flashc_kvcache_append(ctx, &tkc, &tvc, &tkn, &tvn, filled);
+    int rows_ok = st == FLASHC_STATUS_OK, rest_ok = 1;
+    for (int b = 0; b < B; b++)
+        for (int r = 0; r < CAP; r++) {
+            const size_t off = ((size_t)b * CAP + r) * HKV * D, n = (size_t)HKV * D * 4;
+            if (r >= filled[b] && r < filled[b] + nnew) {
+                const size_t src = ((size_t)b * nnew + (r - filled[b])) * HKV * D;
+                rows_ok &= !memcmp(kc + off, kn + src, n) && !memcmp(vc + off, vn + src, n);
+            } else {
+                rest_ok &= !memcmp(kc + off, kc0 + off, n) && !memcmp(vc + off, vc0 + off, n);
+            }
+        }
+    snprintf(what, sizeof what, "%s: the new rows are in the cache bit for bit", name);
+    check(what, rows_ok);
+    snprintf(what, sizeof what, "%s: every other cache row is untouched", name);
+    check(what, rest_ok);
+
+    /* attention against the cache, each sequence against its used keys copied out */
+    int32_t used[B];
+    for (int b = 0; b < B; b++) used[b] = filled[b] + nnew;
+    flashc_params prm = flashc_params_default();
+    prm.causal = causal;
+    prm.window_left = wl;
+    prm.seqused_k = used;
+    st = flashc_forward(ctx, &tq, &tkc, &tvc, &prm, &to, lse, NULL, 0);
+    double worst = st == FLASHC_STATUS_OK ? 0.0 : INFINITY, worst_lse = worst;
+    for (int b = 0; b < B && st == FLASHC_STATUS_OK; b++) {
+        const int nk = used[b];
+        float *k1 = malloc((size_t)nk * HKV * D * 4), *v1 = malloc((size_t)nk * HKV * D * 4),
+              *o1 = malloc((size_t)nnew * H * D * 4), *l1 = malloc((size_t)H * nnew * 4);
+        if (!k1 || !v1 || !o1 || !l1) exit(2);
+        memcpy(k1, kc + (size_t)b * CAP * HKV * D, (size_t)nk * HKV * D * 4);
+        memcpy(v1, vc + (size_t)b * CAP * HKV * D, (size_t)nk * HKV * D * 4);
+        const flashc_tensor a_k = flashc_tensor_contiguous(k1, FLASHC_DTYPE_F32, 1, nk, HKV, D),
+                            a_v = flashc_tensor_contiguous(v1, FLASHC_DTYPE_F32, 1, nk, HKV, D),
+                            a_q = flashc_tensor_contiguous(q + (size_t)b * nnew * H * D, FLASHC_DTYPE_F32, 1, nnew, H, D),
+                            a_o = flashc_tensor_contiguous(o1, FLASHC_DTYPE_F32, 1, nnew, H, D);
+        flashc_params p1 = prm;
+        p1.seqused_k = NULL;
+        if (flashc_forward(ctx, &a_q, &a_k, &a_v, &p1, &a_o, l1, NULL, 0) != FLASHC_STATUS_OK) {
+            worst = INFINITY;
+        } else {
+            for (size_t i = 0; i < (size_t)nnew * H * D; i++) {
+                const double e = fabs((double)out[(size_t)b * nnew * H * D + i] - o1[i]);
+                if (!(e <= worst)) worst = e; /* NaN counts as worst */
+            }
+            for (int i = 0; i < H * nnew; i++) {
+                const double e = fabs((double)lse[(size_t)b * H * nnew + i] - l1[i]);
+                if (!(e <= worst_lse)) worst_lse = e;
+            }
+        }
+        free(k1), free(v1), free(o1), free(l1);
+    }
+    snprintf(what, sizeof what, "%s: attention on the cache = on the used keys alone (max |diff| %.2g, lse %.2g)",
+             name, worst, worst_lse);
+    check(what, worst <= 1e-5 && worst_lse <= 1e-5);
+
+    /* rows past the capacity: refused, nothing written */
+    const int32_t too_far[B] = {0, CAP - nnew + 1, 3};
+    memcpy(kc0, kc, cache_el * 4);
+    st = flashc_kvcache_append(ctx, &tkc, &tvc, &tkn, &tvn, too_far);
+    snprintf(what, sizeof what, "%s: rows past the capacity are refused, the cache untouched (%s)", name,
+             flashc_context_last_error(ctx));
+    check(what, st == FLASHC_STATUS_INVALID_ARGUMENT && !memcmp(kc, kc0, cache_el * 4));
+
+    free(kc), free(vc), free(kc0), free(vc0), free(kn), free(vn), free(q), free(out), free(lse);
+}
+
+static void refusals(flashc_context_t ctx) {
+    float *buf = calloc((size_t)B * CAP * HKV * D * 3, 4);
+    if (!buf) exit(2);
+    const int32_t lens[B] = {0, 0, 0};
+    const flashc_tensor kc = flashc_tensor_contiguous(buf, FLASHC_DTYPE_F32, B, CAP, HKV, D),
+                        vc = flashc_tensor_contiguous(buf + (size_t)B * CAP * HKV * D, FLASHC_DTYPE_F32, B, CAP, HKV, D),
+                        kn = flashc_tensor_contiguous(buf + (size_t)2 * B * CAP * HKV * D, FLASHC_DTYPE_F32, B, 1, HKV, D);
+    flashc_tensor bad = kn;
+    check("the caches may not overlap (v_cache = k_cache)",
+          flashc_kvcache_append(ctx, &kc, &kc, &kn, &kn, lens) == FLASHC_STATUS_INVALID_ARGUMENT);
+    check("the new rows may not lie in a cache",
+          flashc_kvcache_append(ctx, &kc, &vc, &vc, &vc, lens) == FLASHC_STATUS_INVALID_ARGUMENT);
+    bad.shape[2] = HKV + 1;
+    check("new rows of another head count are refused",
+          flashc_kvcache_append(ctx, &kc, &vc, &bad, &bad, lens) == FLASHC_STATUS_INVALID_ARGUMENT);
+    bad = kn;
+    bad.dtype = FLASHC_DTYPE_BF16;
+    check("new rows of another dtype are refused",
+          flashc_kvcache_append(ctx, &kc, &vc, &bad, &bad, lens) == FLASHC_STATUS_INVALID_ARGUMENT);
+    check("NULL cache_seqlens is refused",
+          flashc_kvcache_append(ctx, &kc, &vc, &kn, &kn, NULL) == FLASHC_STATUS_INVALID_ARGUMENT);
+    const int32_t negative[B] = {0, -1, 0};
+    check("a negative cache length is refused",
+          flashc_kvcache_append(ctx, &kc, &vc, &kn, &kn, negative) == FLASHC_STATUS_INVALID_ARGUMENT);
+    free(buf);
+}
+
+int main(void) {
+    flashc_context_t ctx;
+    if (flashc_context_create(&ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK) return 2;
+    step(ctx, 1, 1, -1, "decode, causal");
+    step(ctx, 5, 1, -1, "prefill chunk of 5, causal");
+    step(ctx, 5, 1, 8, "prefill chunk of 5, window (8, 0)");
+    step(ctx, 1, 0, -1, "decode, not causal");
+    refusals(ctx);
+    flashc_context_destroy(ctx);
+    printf("%d checks, %d failed\n", g_checks, g_failed);
+    return g_failed != 0;
+}
