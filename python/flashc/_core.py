@@ -139,6 +139,22 @@ def backward_status(ctx, q, k, v, out, dout, lse_ptr, params, dq, dk, dv, ws_ptr
     return _lib.lib.flashc_backward(ctx.handle, q, k, v, out, dout, lse_ptr, params, dq, dk, dv, ws_ptr, ws_bytes)
 
 
+def supported_status(ctx, q, k, v, params):
+    """flashc_supported for the forward: whether the backend runs this configuration (host only, no data read)."""
+    return _lib.lib.flashc_supported(ctx.handle, _lib.OP_FORWARD, q, k, v, params)
+
+
+def kvcache_append_status(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr):
+    """flashc_kvcache_append on flashc_tensor views: k_new, v_new written in place into the caches at rows
+    cache_seqlens[b] ..; returns the status."""
+    if not _lib.bound("flashc_kvcache_append"):
+        raise NotImplementedError(
+            "flashc: appending to a KV cache (flash_attn_with_kvcache with k, v) needs a libflashc with "
+            "flashc_kvcache_append; the loaded %s (version %s) lacks it: rebuild it"
+            % (_lib.library_path, _lib.version()))
+    return _lib.lib.flashc_kvcache_append(ctx.handle, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr)
+
+
 def workspace_size(ctx, op, q, k, v, params):
     import ctypes
 

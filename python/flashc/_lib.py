@@ -169,6 +169,24 @@ for _name, (_res, _args) in _SIGNATURES.items():
     _fn.restype = _res
     _fn.argtypes = _args
 
+# Functions added after the first 0.3 builds: bound when the loaded library has them, so that an older library still
+# loads; their callers raise NotImplementedError naming the function otherwise (see bound()).
+_OPTIONAL_SIGNATURES = {
+    "flashc_kvcache_append": (ctypes.c_int, [_p, _TP, _TP, _TP, _TP, _p]),
+}
+_BOUND = set()
+for _name, (_res, _args) in _OPTIONAL_SIGNATURES.items():
+    _fn = getattr(lib, _name, None)
+    if _fn is not None:
+        _fn.restype = _res
+        _fn.argtypes = _args
+        _BOUND.add(_name)
+
+
+def bound(name):
+    """Whether the loaded library has the optional function `name` (bound with its signature)."""
+    return name in _BOUND
+
 
 # ---- errors ----------------------------------------------------------------------------------------------------
 class FlashcError(RuntimeError):

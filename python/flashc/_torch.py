@@ -9,6 +9,7 @@ its workspace from torch's caching allocator.
 
 import contextlib
 import ctypes
+import numbers
 import warnings
 
 import torch
@@ -425,3 +426,169 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     out4, _ = apply("q,k,v", (q4, k4, v4), **kw)
     out = out4.transpose(1, 2)  # (B, H, Nq, D) view
     return out[0] if query.dim() == 3 else out.reshape(tuple(lead) + tuple(out.shape[1:]))
+
+
+# ---- KV cache: flash-attn's flash_attn_with_kvcache ------------------------------------------------------------
+def _cache_seqlens(cache_seqlens, b, device):
+    """cache_seqlens as int32 (B,) on the caches' device: from an int (every sequence) or integers (B,)."""
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        n = int(cache_seqlens)
+        if not 0 <= n < 2**31:
+            raise ValueError("flashc: cache_seqlens = %d is not a length (0 <= cache_seqlens < 2**31)" % n)
+        return torch.full((b,), n, dtype=torch.int32, device=device)
+    try:
+        t = torch.as_tensor(cache_seqlens)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError("flashc: cache_seqlens must be an int or an int32 tensor (B,), got %s"
+                        % type(cache_seqlens).__name__) from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError("flashc: cache_seqlens must be an int or an integer tensor (int32) of shape (B,), got dtype %s"
+                        % t.dtype)
+    if tuple(t.shape) != (b,):
+        raise ValueError("flashc: cache_seqlens must be an int or 1-d with one length per sequence, (B,) = (%d,), "
+                         "got shape %s" % (b, tuple(t.shape)))
+    if t.device.type == "cpu" and t.dtype == torch.int64:
+        _core.check_int32_range("cache_seqlens", t)
+    return t.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _rotary_tables(rotary_cos, rotary_sin, d, nk, device):
+    """(cos, sin) as given, (positions, R/2) on the tensors' device, checked as flash-attn checks them: 2-d, the
+    same shape, R = 2 * rotary_cos.shape[1] <= D, a row for every cache position."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("flashc: rotary_cos and rotary_sin must be given together")
+    tables = []
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError("flashc: %s must be a floating-point torch.Tensor (positions, rotary_dim / 2), got %s"
+                            % (name, t.dtype if isinstance(t, torch.Tensor) else type(t).__name__))
+        if t.dim() != 2:
+            raise ValueError("flashc: %s must be 2-d (positions, rotary_dim / 2), got shape %s"
+                             % (name, tuple(t.shape)))
+        tables.append(t.to(device))
+    cos, sin = tables
+    if cos.shape != sin.shape:
+        raise ValueError("flashc: rotary_cos and rotary_sin must have the same shape, got %s and %s"
+                         % (tuple(cos.shape), tuple(sin.shape)))
+    if 2 * cos.shape[1] > d:
+        raise ValueError("flashc: the rotary dimension 2 * rotary_cos.shape[1] = %d exceeds the head dim %d"
+                         % (2 * cos.shape[1], d))
+    if cos.shape[0] < nk:
+        raise ValueError("flashc: rotary_cos and rotary_sin have %d positions; they need one per cache row, at least "
+                         "k_cache.shape[1] = %d (as in flash-attn)" % (cos.shape[0], nk))
+    return cos, sin
+
+
+def _angles(cos, sin, positions):
+    """cos and sin at positions (B, N) as fp32 (B, N, 1, R/2), to broadcast over the heads. The positions are clamped
+    to the table only so that the gather cannot fault: rows past the cache are refused by the append (CPU backend)
+    or skipped (CUDA)."""
+    positions = positions.clamp(0, cos.shape[0] - 1)
+    return cos[positions].float()[:, :, None], sin[positions].float()[:, :, None]
+
+
+def _rotate(x, c, s, interleaved):
+    """x (B, N, heads, D) with its first R = 2 * c.shape[-1] dimensions rotated (c, s from _angles; N may be 1 for
+    every row): flash-attn's apply_rotary_emb, pairs (i, i + R/2) (GPT-NeoX) or interleaved (2i, 2i + 1) (GPT-J).
+    Computed in fp32 and rounded once to x's dtype, as flash-attn's kernel does. A decode step runs this on tiny
+    tensors, where each kernel costs its launch: hence addcmul, and no concatenation when R = D."""
+    r = 2 * c.shape[-1]
+    xr = x[..., :r].float()
+    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :r // 2], xr[..., r // 2:])
+    o1 = torch.addcmul(x1 * c, x2, s, value=-1)  # x1 cos - x2 sin
+    o2 = torch.addcmul(x1 * s, x2, c)  # x1 sin + x2 cos
+    rot = (torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)).to(x.dtype)
+    return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
+
+
+def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                 alibi_slopes=None, sinks=None):
+    """(out, lse) of flash-attn's flash_attn_with_kvcache on a contiguous cache: k, v (B, Nnew, Hkv, D), rotated
+    first when rotary tables are given, are written in place into k_cache, v_cache (B, Nk_max, Hkv, D) at rows
+    cache_seqlens[b] .. + Nnew - 1 (flashc_kvcache_append), then q (B, Nq, H, D) attends to each sequence's first
+    cache_seqlens[b] + Nnew rows (seqused_k). Everything stays on the device (no host sync) and on torch's current
+    stream; no autograd."""
+    device = q.device if isinstance(q, torch.Tensor) else None
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    if (k is None) != (v is None):
+        raise ValueError("flashc: k and v (the new keys and values) must be given together")
+    if k is not None:
+        named += [("k", k), ("v", v)]
+    for n, t in named:
+        _check(n, t, device)
+        if t.dim() != 4:
+            raise ValueError("flashc: %s must be 4-d %s, got shape %s"
+                             % (n, {"q": "(B, Nq, H, D)", "k": "(B, Nnew, Hkv, D)", "v": "(B, Nnew, Hkv, D)"}.get(
+                                 n, "(B, Nk_max, Hkv, D)"), tuple(t.shape)))
+        if t.dtype != q.dtype:
+            raise TypeError("flashc: %s has dtype %s but q has %s; q, the caches and k, v must share one dtype"
+                            % (n, t.dtype, q.dtype))
+    b, nq, h, d = q.shape
+    nk, hkv = k_cache.shape[1], k_cache.shape[2]
+    if v_cache.shape != k_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError("flashc: k_cache and v_cache must both be (B, Nk_max, Hkv, D) with q's B = %d and D = %d, "
+                         "got %s and %s" % (b, d, tuple(k_cache.shape), tuple(v_cache.shape)))
+    if hkv == 0 or h % hkv:
+        raise ValueError("flashc: q's %d heads must be a multiple of the caches' %d kv heads" % (h, hkv))
+    nnew = 0
+    if k is not None:
+        if k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (b, hkv, d):
+            raise ValueError("flashc: k and v must both be (B, Nnew, Hkv, D) = (%d, Nnew, %d, %d), got %s and %s"
+                             % (b, hkv, d, tuple(k.shape), tuple(v.shape)))
+        nnew = k.shape[1]
+        if nnew > nk:
+            raise ValueError("flashc: %d new rows (k.shape[1]) do not fit a cache of %d rows" % (nnew, nk))
+        if cache_seqlens is None:
+            raise ValueError("flashc: k and v are written at each sequence's cache_seqlens: pass cache_seqlens "
+                             "(flash-attn requires it too)")
+    seqlens = None if cache_seqlens is None else _cache_seqlens(cache_seqlens, b, device)
+    with torch.no_grad():
+        if rotary_cos is not None or rotary_sin is not None:
+            if k is None:
+                raise ValueError(
+                    "flashc: rotary_cos / rotary_sin rotate the new keys k (and q) at their cache positions, so they "
+                    "need k and v, as in flash-attn; to attend to the cache alone, rotate q yourself")
+            cos, sin = _rotary_tables(rotary_cos, rotary_sin, d, nk, device)
+            if cos.shape[1] > 0:
+                # flash-attn's rule: with causal or a window that can bind (one shorter than the cache), query i sits
+                # at cache_seqlens + i; otherwise every query sits at cache_seqlens.
+                left, right = _core.window_pair(window_size)
+                advance = bool(causal) or 0 <= left < nk or 0 <= right < nk
+                start = seqlens.long()[:, None]  # (B, 1)
+                ck, sk = _angles(cos, sin, start + torch.arange(nnew, device=device))
+                if not advance:
+                    cq, sq = _angles(cos, sin, start)  # one position per sequence, broadcast over q's rows
+                elif nq == nnew:
+                    cq, sq = ck, sk  # decode and chunked prefill: q's rows are the new rows
+                else:
+                    cq, sq = _angles(cos, sin, start + torch.arange(nq, device=device))
+                k = _rotate(k, ck, sk, rotary_interleaved)
+                q = _rotate(q, cq, sq, rotary_interleaved)
+        used = seqlens if nnew == 0 or seqlens is None else seqlens + nnew
+        opts = _Options(q, k_cache, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=used, sinks=sinks)
+        if nnew > 0 and b > 0 and d > 0:
+            _append(q, k_cache, v_cache, k, v, seqlens, opts)
+        return _forward(q, k_cache, v_cache, opts)
+
+
+def _append(q, k_cache, v_cache, k, v, seqlens, opts):
+    """flashc_kvcache_append, after asking the backend whether it runs the attention that follows, so that a
+    configuration it refuses raises before the caches are written (a layout it refuses is copied by _forward)."""
+    device = q.device
+    with _device_guard(device):
+        ctx = _context(device)
+        if not _empty_problem(q, k_cache):
+            st = _core.supported_status(ctx, _view(q), _view(k_cache), _view(v_cache), opts.params())
+            layout = st == _lib.STATUS_NOT_SUPPORTED and not all(t.is_contiguous() for t in (q, k_cache, v_cache))
+            if st != _lib.STATUS_OK and not layout:
+                _lib.check(st, "flashc_supported", ctx.handle)
+        st = _core.kvcache_append_status(ctx, _view(k_cache), _view(v_cache), _view(k), _view(v), seqlens.data_ptr())
+        _lib.check(st, "flashc_kvcache_append", ctx.handle)
+    # The library wrote the caches behind torch's back: tell autograd, which would otherwise miss the change in a
+    # tensor saved for a backward (torch >= 2.1 has the call).
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        for t in (k_cache, v_cache):
+            bump(t)

@@ -20,8 +20,12 @@ Two keyword-only arguments of flashc's own follow flash-attn's on every function
   returned softmax_lse includes it (a row that sees no key gets out 0 and lse = sinks[h]). Differentiable: the
   gradient comes back in the sinks' dtype; computed in fp32.
 
-Not supported yet, each raising NotImplementedError that names it: dropout_p > 0, the KV cache
-(flash_attn_with_kvcache) and paged KV (block_table). torch is imported on the first call, not at import.
+flash_attn_with_kvcache works on a contiguous cache (B, Nk_max, Hkv, D): in-place append of k, v at cache_seqlens,
+rotary embedding, attention to each sequence's used rows (flashc's seqused_k); it takes sinks (keyword-only) but not
+seqused_k, which cache_seqlens sets.
+
+Not supported yet, each raising NotImplementedError that names it: dropout_p > 0, paged KV (block_table), and
+flash_attn_with_kvcache's cache_batch_idx and cache_leftpad. torch is imported on the first call, not at import.
 """
 
 __all__ = [
@@ -206,8 +210,38 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    sinks=None,
 ):
-    """Present so that imports of flash-attn's module keep working; decoding with a KV cache is not there yet."""
-    raise NotImplementedError(
-        "flashc: the KV cache (flash_attn_with_kvcache: in-place cache update, cache_seqlens, rotary, paged "
-        "block_table) is not supported yet; for a full cache call flash_attn_func(q, k_cache, v_cache, ...)")
+    """Attention against a contiguous KV cache, updating it in place (inference: no autograd).
+
+    q (B, Nq, H, D); k_cache, v_cache (B, Nk_max, Hkv, D); cache_seqlens: an int or an int32 tensor (B,), the rows
+    of each sequence's cache filled so far (None: the whole cache). With k and v (B, Nnew, Hkv, D) the new rows are
+    written into the caches at rows cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1 (cache_seqlens is then
+    required), and q attends to the first cache_seqlens[b] + Nnew rows of sequence b; causal is bottom-right aligned
+    to that length, so the queries sit at the end of the sequence (decode: Nq = 1; chunked prefill: Nq = Nnew).
+    The rows past it are never read. The lengths stay on the device: no host sync, usable in a CUDA graph.
+
+    rotary_cos, rotary_sin (positions >= Nk_max, R / 2): the new keys are rotated at positions cache_seqlens[b] + i
+    before they are written; q is rotated at cache_seqlens[b] + i with causal or a window, else every query at
+    cache_seqlens[b]; pairs (i, i + R/2), or (2i, 2i + 1) with rotary_interleaved. They need k and v, as in
+    flash-attn. num_splits is accepted and ignored (flashc chooses its own split of the keys). sinks (H,),
+    keyword-only: attention sinks (see the module's docstring).
+
+    Returns out (B, Nq, H, D), or (out, softmax_lse) with return_softmax_lse, softmax_lse fp32 (B, H, Nq). Not
+    supported yet, each raising NotImplementedError: cache_batch_idx, cache_leftpad and block_table (paged KV).
+    """
+    for name, value, what in (("cache_batch_idx", cache_batch_idx, "indexing the caches by batch"),
+                              ("cache_leftpad", cache_leftpad, "left-padded caches"),
+                              ("block_table", block_table, "the paged KV cache")):
+        if value is not None:
+            raise NotImplementedError(
+                "flashc: flash_attn_with_kvcache's %s (%s): flashc does not support it yet; pass a contiguous cache "
+                "(B, Nk_max, Hkv, D) with cache_seqlens" % (name, what))
+    from . import _torch
+
+    out, lse = _torch.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                   softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
+                                   sinks=sinks)
+    return (out, lse) if return_softmax_lse else out

@@ -37,12 +37,13 @@ FLASH_ATTN = {
         ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
         ("return_softmax_lse", False)],
 }
-# flashc's keyword-only additions, after flash-attn's arguments (flash_attn_with_kvcache has none: not supported).
+# flashc's keyword-only additions, after flash-attn's arguments (flash_attn_with_kvcache: sinks only, its
+# cache_seqlens sets the keys each sequence uses).
 FLASHC_EXTRA = [("seqused_k", None), ("sinks", None)]
 
 
 def extra(name):
-    return [] if name == "flash_attn_with_kvcache" else FLASHC_EXTRA
+    return [("sinks", None)] if name == "flash_attn_with_kvcache" else FLASHC_EXTRA
 
 
 def params(fn, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD):

@@ -524,8 +524,8 @@ def test_errors_torch(gen):
     assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
     with pytest.raises(NotImplementedError, match="dropout"):
         flashc.flash_attn_func(q, q, q, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        flashc.flash_attn_with_kvcache(q, q, q)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flashc.flash_attn_with_kvcache(q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32))
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="block_table"):
         flashc.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, block_table=torch.zeros(1, 1))

@@ -1,0 +1,443 @@
+"""flash_attn_with_kvcache on a contiguous cache: the in-place append (flashc_kvcache_append), attention to each
+sequence's used rows (seqused_k), rotary embedding, and the arguments flashc refuses, on CPU and (when torch sees a
+GPU and libflashc has the CUDA backend) CUDA.
+
+The reference is independent of the library's append: sequence b's keys are its first cache_seqlens[b] rows of the
+cache as it was before the call, followed by the new rows (rotated with flash-attn's own torch formulation,
+rotate_half with repeated cos / sin, in fp64, then rounded to the cache's dtype, in which the cache must store them);
+attention on them is test_torch's materialized fp64 reference. Every unfilled cache row holds NaN, so a read past
+the used rows shows up as a non-finite output. Accuracy follows CONVENTIONS.md: fp32 within 1e-5 relative error;
+fp16/bf16 within 2x the naive algorithm run in the same low precision on the same rounded operands, plus 1e-5. The
+rotation itself is held to the fp64 one on the cache rows it writes.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashc  # noqa: E402
+from test_torch import CUDA_REASON, attn_ref, check_close, cuda_ready, rule_dtype  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not cuda_ready(), reason=CUDA_REASON)
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def gen(request):
+    seed = int(os.environ.get("FLASHC_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
+    print("FLASHC_TEST_SEED=%d (%s)" % (seed, request.node.name))
+    torch.manual_seed(seed)
+    return seed
+
+
+# ---- inputs and reference ----------------------------------------------------------------------------------------
+def make_cache(b, nk, hkv, d, filled, dtype, device):
+    """k_cache, v_cache (B, Nk_max, Hkv, D): random rows below filled[b], NaN in every other row."""
+    kc = torch.full((b, nk, hkv, d), float("nan"), device=device)
+    vc = kc.clone()
+    for i, n in enumerate(filled):
+        kc[i, :n] = torch.randn(n, hkv, d, device=device)
+        vc[i, :n] = torch.randn(n, hkv, d, device=device)
+    return kc.to(dtype), vc.to(dtype)
+
+
+def rotary_tables(positions, rotary_dim, dtype, device):
+    """cos, sin (positions, rotary_dim / 2) of the usual rotary frequencies (base 10000)."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype)
+
+
+def rotate_half(x, interleaved):
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotary_ref(x, cos, sin, pos, interleaved, dt):
+    """flash-attn's apply_rotary_emb_torch, with cos / sin gathered per row: x (B, N, heads, D), pos (B, N), in dt."""
+    r = 2 * cos.shape[1]
+    c, s = cos.to(dt)[pos], sin.to(dt)[pos]  # (B, N, R/2)
+    rep = (lambda t: t.repeat_interleave(2, dim=-1)) if interleaved else (lambda t: torch.cat((t, t), dim=-1))
+    c, s = rep(c)[:, :, None], rep(s)[:, :, None]
+    xr = x[..., :r].to(dt)
+    return torch.cat((xr * c + rotate_half(xr, interleaved) * s, x[..., r:].to(dt)), dim=-1)
+
+
+def reference(q, kc0, vc0, k, v, filled, opts, rotary=None, low=None):
+    """out, lse of the kvcache call, and the new key rows rotated in fp64 (None without rotary), computed from the
+    cache before the call (kc0, vc0) without the library: in fp64, or (low: a dtype) the naive algorithm in that
+    dtype. Rotated q and k are rounded to the inputs' dtype before the attention, in both: the cache has to store
+    the rotated keys in its dtype (flash-attn's kernel rounds the rotated q too), so that rounding is part of the
+    operation and is checked on its own (the cache rows against the fp64 rotation), not charged to the attention."""
+    dt = torch.float64 if low is None else low
+    rot_dt = torch.float64 if low is None else torch.float32
+    b, nq = q.shape[:2]
+    nnew = 0 if k is None else k.shape[1]
+    fl = torch.tensor(filled, device=q.device)[:, None]
+    kn, k_exact = (None if k is None else k.to(dt)), None
+    if rotary is not None:
+        cos, sin, interleaved, advance = rotary
+        k_exact = rotary_ref(k, cos, sin, fl + torch.arange(nnew, device=q.device), interleaved, rot_dt)
+        kn = k_exact.to(k.dtype).to(dt)
+        qpos = fl + torch.arange(nq, device=q.device) if advance else fl.expand(b, nq)
+        q = rotary_ref(q, cos, sin, qpos, interleaved, rot_dt).to(q.dtype)
+    q = q.to(dt)
+    outs, lses = [], []
+    for i, n in enumerate(filled):
+        ks, vs = kc0[i:i + 1, :n].to(dt), vc0[i:i + 1, :n].to(dt)
+        if k is not None:
+            ks, vs = torch.cat((ks, kn[i:i + 1]), dim=1), torch.cat((vs, v[i:i + 1].to(dt)), dim=1)
+        o = dict(opts)
+        if o.get("alibi_slopes") is not None and o["alibi_slopes"].dim() == 2:
+            o["alibi_slopes"] = o["alibi_slopes"][i:i + 1]
+        out, lse = attn_ref(q[i:i + 1], ks, vs, upcast=low is None, **o)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_exact
+
+
+def same_bits(a, b):
+    """Bitwise equality (NaN rows included)."""
+    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return a.shape == b.shape and torch.equal(a.contiguous().view(ints[a.dtype]), b.contiguous().view(ints[b.dtype]))
+
+
+# (name, B, Nk_max, Nq, Nnew (None: no k, v), H, Hkv, D, cache_seqlens, options)
+CASES = [
+    ("decode_causal_gqa", 3, 64, 1, 1, 4, 2, 64, [0, 17, 50], dict(causal=True)),
+    ("decode_mqa", 3, 64, 1, 1, 8, 1, 64, [5, 0, 63], {}),
+    ("prefill_causal", 3, 64, 5, 5, 4, 2, 64, [0, 17, 59], dict(causal=True)),
+    ("prefill_noncausal", 3, 64, 5, 5, 4, 4, 32, [0, 17, 59], {}),
+    ("prefill_q_gt_new", 2, 48, 7, 3, 4, 2, 64, [0, 20], dict(causal=True)),
+    ("no_kv_causal", 3, 64, 3, None, 4, 2, 64, [0, 2, 64], dict(causal=True)),
+    ("no_kv", 3, 40, 4, None, 4, 1, 32, [1, 13, 40], {}),
+    ("window_softcap", 2, 64, 5, 5, 4, 2, 64, [10, 40], dict(window_size=(8, 2), softcap=5.0)),
+    ("causal_window", 2, 64, 4, 4, 4, 2, 64, [30, 3], dict(causal=True, window_size=(6, -1))),
+    ("alibi_h_scale", 2, 64, 5, 5, 4, 2, 64, [7, 30], dict(causal=True, alibi="h", softmax_scale=0.2)),
+    ("alibi_bh_sinks", 3, 64, 1, 1, 4, 2, 64, [0, 11, 50], dict(alibi="bh", sinks=True)),
+    ("sinks_causal", 2, 48, 5, 5, 6, 2, 32, [0, 30], dict(causal=True, sinks=True)),
+]
+
+
+def resolve(opts, b, h, device):
+    """Options for flash_attn_with_kvcache and, split off, for the reference."""
+    opts = dict(opts)
+    alibi = opts.pop("alibi", None)
+    if alibi == "h":
+        opts["alibi_slopes"] = torch.rand(h, device=device) * 0.5
+    elif alibi == "bh":
+        opts["alibi_slopes"] = torch.rand(b, h, device=device) * 0.5
+    if opts.pop("sinks", False):
+        opts["sinks"] = torch.randn(h, device=device) + 3.0
+    return opts
+
+
+def run_case(case, dtype, device, rotary=None, seqlens_as=torch.int32):
+    """One call and its checks. rotary: None, or (rotary_dim, interleaved)."""
+    _, b, nk, nq, nnew, h, hkv, d, filled, opts = case
+    opts = resolve(opts, b, h, device)
+    kc, vc = make_cache(b, nk, hkv, d, filled, dtype, device)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = torch.randn(b, nq, h, d, device=device)
+    q[:, torch.randperm(nq)[:1]] *= 6.0  # a row with large logits
+    q = q.to(dtype)
+    k = v = None
+    if nnew is not None:
+        k = torch.randn(b, nnew, hkv, d, device=device).to(dtype)
+        v = torch.randn(b, nnew, hkv, d, device=device).to(dtype)
+    seqlens = torch.tensor(filled, dtype=seqlens_as, device=device) if seqlens_as is not None else None
+    kw = dict(opts)
+    rot = None
+    if rotary is not None:
+        rdim, interleaved = rotary
+        cos, sin = rotary_tables(nk, rdim, dtype, device)
+        kw.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+        left, right = opts.get("window_size", (-1, -1))
+        rot = (cos, sin, interleaved, opts.get("causal", False) or 0 <= left < nk or 0 <= right < nk)
+
+    out, lse = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, return_softmax_lse=True, **kw)
+
+    assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
+    assert lse.shape == (b, h, nq) and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "a NaN row past the used keys was read"
+    used = filled if nnew is None else [n + nnew for n in filled]
+    ref_opts = {n: t for n, t in opts.items()}
+    low = rule_dtype(dtype, device)
+    ref_out, ref_lse, ref_k = reference(q, kc0, vc0, k, v, filled, ref_opts, rot)
+    low_out, low_lse, _ = reference(q, kc0, vc0, k, v, filled, ref_opts, rot, low=low)
+    check_close("out", out, ref_out, low_out, low, 2)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin), "rows that see no key must have lse +inf, and only those"
+    if low == dtype and dtype == torch.float32:
+        torch.testing.assert_close(lse[fin].double(), ref_lse[fin], rtol=2e-5, atol=2e-5)
+    else:
+        check_close("lse", lse[fin], ref_lse[fin], low_lse[fin], low, 2)
+
+    # the caches: the new rows hold k (rotated) and v, every other row is as it was, bit for bit
+    for i, n in enumerate(filled):
+        new = slice(n, used[i])
+        assert same_bits(kc[i, :n], kc0[i, :n]) and same_bits(vc[i, :n], vc0[i, :n])
+        assert same_bits(kc[i, used[i]:], kc0[i, used[i]:]) and same_bits(vc[i, used[i]:], vc0[i, used[i]:])
+        if nnew is None:
+            continue
+        assert same_bits(vc[i, new], v[i])
+        if rot is None:
+            assert same_bits(kc[i, new], k[i])
+        else:
+            # rotated in fp32 and rounded once to the cache's dtype: within half an ulp of the fp64 rotation
+            tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+            torch.testing.assert_close(kc[i, new].double(), ref_k[i], rtol=tol, atol=tol)
+    return out, lse
+
+
+# ---- decode, chunked prefill, no k / v, masks, ALiBi, sinks ------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kvcache(case, dtype, device, gen):
+    run_case(case, dtype, device)
+
+
+# ---- rotary embedding --------------------------------------------------------------------------------------------
+ROTARY_CASES = [c for c in CASES if c[0] in ("decode_causal_gqa", "prefill_causal", "prefill_noncausal",
+                                             "window_softcap", "prefill_q_gt_new")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary_dim", [64, 32, 16], ids=lambda r: "rdim%d" % r)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=[c[0] for c in ROTARY_CASES])
+def test_kvcache_rotary(case, interleaved, rotary_dim, dtype, device, gen):
+    d = case[7]
+    if rotary_dim > d:
+        pytest.skip("rotary dim %d > head dim %d" % (rotary_dim, d))
+    run_case(case, dtype, device, rotary=(rotary_dim, interleaved))
+
+
+def test_rotary_positions_cpu(gen):
+    """Without causal or a binding window every query sits at cache_seqlens (flash-attn's rule), so all the rows of
+    one q give the same output when q's rows are equal; with causal they sit at cache_seqlens + i, and differ."""
+    b, nk, h, d = 2, 32, 2, 32
+    cos, sin = rotary_tables(nk, d, torch.float32, "cpu")
+    q = torch.randn(b, 1, h, d).expand(b, 4, h, d).contiguous()
+    outs = []
+    for causal, window in ((False, (-1, -1)), (False, (nk, nk)), (True, (-1, -1))):
+        kc, vc = make_cache(b, nk, h, d, [3, 9], torch.float32, "cpu")
+        k, v = torch.randn(b, 4, h, d), torch.randn(b, 4, h, d)
+        out = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, cache_seqlens=torch.tensor([3, 9]),
+                                             causal=causal, window_size=window)
+        outs.append(out)
+    for out in outs[:2]:  # a window as long as the cache binds nothing: the queries stay at one position
+        assert torch.allclose(out, out[:, :1].expand_as(out), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(outs[2][:, 0], outs[2][:, 1])
+
+
+# ---- calling conventions -----------------------------------------------------------------------------------------
+def test_cache_seqlens_forms_cpu(gen):
+    """cache_seqlens as an int, an int64 tensor or a list gives what the int32 tensor gives; None with no k, v is the
+    whole cache; without return_softmax_lse the output alone comes back; num_splits is accepted and ignored."""
+    b, nk, h, d = 2, 24, 4, 32
+    q = torch.randn(b, 2, h, d)
+    kc, vc = make_cache(b, nk, h, d, [nk, nk], torch.float32, "cpu")
+    k, v = torch.randn(b, 2, h, d), torch.randn(b, 2, h, d)
+    results = []
+    for seqlens in (7, torch.tensor([7, 7]), [7, 7], torch.tensor([7, 7], dtype=torch.int32)):
+        kcc, vcc = kc.clone(), vc.clone()
+        out = flashc.flash_attn_with_kvcache(q, kcc, vcc, k, v, cache_seqlens=seqlens, causal=True, num_splits=3)
+        assert isinstance(out, torch.Tensor)
+        results.append((out, kcc, vcc))
+    for out, kcc, vcc in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(kcc, results[0][1]) and torch.equal(vcc, results[0][2])
+    ref, _, _ = reference(q, kc, vc, k, v, [7, 7], dict(causal=True))
+    assert ((results[0][0].double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+    whole, lse = flashc.flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True)
+    ref_out, ref_lse = attn_ref(q, kc, vc)
+    assert ((whole.double() - ref_out).norm() / ref_out.norm()).item() <= 1e-5
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
+
+
+def test_inference_only_and_version_cpu(gen):
+    """No autograd node (inference), the caller's q and k are not rotated in place, and the caches' version counter
+    moves (the library wrote them)."""
+    b, nk, h, d = 2, 16, 2, 32
+    q = torch.randn(b, 1, h, d, requires_grad=True)
+    kc, vc = make_cache(b, nk, h, d, [2, 5], torch.float32, "cpu")
+    k, v = torch.randn(b, 1, h, d), torch.randn(b, 1, h, d)
+    q0, k0 = q.detach().clone(), k.clone()
+    cos, sin = rotary_tables(nk, d, torch.float32, "cpu")
+    before = (kc._version, vc._version)
+    out = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, cache_seqlens=torch.tensor([2, 5]))
+    assert out.grad_fn is None and not out.requires_grad
+    assert torch.equal(q.detach(), q0) and torch.equal(k, k0)
+    assert kc._version > before[0] and vc._version > before[1]
+    with torch.inference_mode():
+        kc2, vc2 = make_cache(b, nk, h, d, [2, 5], torch.float32, "cpu")
+        flashc.flash_attn_with_kvcache(q0, kc2, vc2, k, v, cache_seqlens=torch.tensor([2, 5]))
+        assert torch.equal(kc2[0, 2], k[0, 0]) and torch.equal(kc2[1, 5], k[1, 0])
+
+
+def test_strided_caches_cpu(gen):
+    """A cache laid out (B, Hkv, Nk_max, D) in memory (passed as a transposed view) is written in place."""
+    b, nk, h, d = 2, 20, 2, 32
+    kc_t = torch.full((b, h, nk, d), float("nan"))
+    vc_t = torch.full((b, h, nk, d), float("nan"))
+    kc_t[:, :, :6] = torch.randn(b, h, 6, d)
+    vc_t[:, :, :6] = torch.randn(b, h, 6, d)
+    kc, vc = kc_t.transpose(1, 2), vc_t.transpose(1, 2)
+    kc0, vc0 = kc.clone(), vc.clone()
+    q, k, v = torch.randn(b, 3, h, d), torch.randn(b, 3, h, d), torch.randn(b, 3, h, d)
+    out = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=6, causal=True)
+    assert torch.equal(kc_t.transpose(1, 2)[:, 6:9], k) and torch.equal(vc_t.transpose(1, 2)[:, 6:9], v)
+    ref, _, _ = reference(q, kc0, vc0, k, v, [6, 6], dict(causal=True))
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+# ---- refusals: nothing is written --------------------------------------------------------------------------------
+def test_errors_cpu(gen):
+    b, nk, h, d = 2, 16, 4, 32
+    q = torch.randn(b, 1, h, d)
+    kc, vc = make_cache(b, nk, 2, d, [3, 8], torch.float32, "cpu")
+    kc0, vc0 = kc.clone(), vc.clone()
+    k, v = torch.randn(b, 1, 2, d), torch.randn(b, 1, 2, d)
+    sl = torch.tensor([3, 8], dtype=torch.int32)
+    cos, sin = rotary_tables(nk, d, torch.float32, "cpu")
+
+    def call(**kw):
+        args = dict(k=k, v=v, cache_seqlens=sl)
+        args.update(kw)
+        return flashc.flash_attn_with_kvcache(q, kc, vc, **args)
+
+    for name, value in (("cache_batch_idx", torch.tensor([1, 0], dtype=torch.int32)),
+                        ("cache_leftpad", torch.tensor([0, 1], dtype=torch.int32)),
+                        ("block_table", torch.zeros(b, 1, dtype=torch.int32))):
+        with pytest.raises(NotImplementedError, match=r"%s.*flashc does not support it yet" % name):
+            call(**{name: value})
+    with pytest.raises(ValueError, match=r"cache_seqlens must be an int or 1-d .*\(B,\) = \(2,\), got shape \(3,\)"):
+        call(cache_seqlens=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"cache_seqlens .*got shape \(\)"):
+        call(cache_seqlens=torch.tensor(3))
+    with pytest.raises(TypeError, match="cache_seqlens must be an int or an integer tensor"):
+        call(cache_seqlens=torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        call(cache_seqlens="3")
+    with pytest.raises(ValueError, match="int32"):
+        call(cache_seqlens=torch.tensor([2**32 + 3, 1]))
+    with pytest.raises(ValueError, match="cache_seqlens = -1"):
+        call(cache_seqlens=-1)
+    with pytest.raises(ValueError, match="pass cache_seqlens"):
+        call(cache_seqlens=None)
+    with pytest.raises(ValueError, match="k and v .* together"):
+        call(v=None)
+    with pytest.raises(ValueError, match="need k and v"):
+        call(k=None, v=None, rotary_cos=cos, rotary_sin=sin)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be given together"):
+        call(rotary_cos=cos)
+    with pytest.raises(ValueError, match="exceeds the head dim"):
+        call(rotary_cos=torch.ones(nk, d), rotary_sin=torch.ones(nk, d))
+    with pytest.raises(ValueError, match="at least k_cache.shape\\[1\\] = 16"):
+        call(rotary_cos=cos[:10], rotary_sin=sin[:10])
+    with pytest.raises(TypeError, match="share one dtype"):
+        call(k=k.half(), v=v.half())
+    with pytest.raises(ValueError, match="k and v must both be"):
+        call(k=torch.randn(b, 1, 4, d), v=torch.randn(b, 1, 4, d))
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        call(k=torch.randn(b, nk + 1, 2, d), v=torch.randn(b, nk + 1, 2, d))
+    with pytest.raises(ValueError, match="k_cache and v_cache must both be"):
+        flashc.flash_attn_with_kvcache(q, kc, vc[:, :8], k, v, cache_seqlens=sl)
+    with pytest.raises(ValueError, match="multiple"):
+        flashc.flash_attn_with_kvcache(torch.randn(b, 1, 3, d), kc, vc, k, v, cache_seqlens=sl)
+    # values the library refuses: rows past the cache (the CPU backend checks every sequence before writing)
+    with pytest.raises(flashc.FlashcError, match="cache_seqlens") as e:
+        call(cache_seqlens=torch.tensor([3, 16], dtype=torch.int32))
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+    # a configuration the backend does not run is refused before the caches are written
+    qb, kcb, vcb = torch.randn(b, 1, 2, 300), torch.zeros(b, 4, 2, 300), torch.zeros(b, 4, 2, 300)
+    with pytest.raises(flashc.FlashcError, match="head dim") as e:
+        flashc.flash_attn_with_kvcache(qb, kcb, vcb, torch.ones(b, 1, 2, 300), torch.ones(b, 1, 2, 300),
+                                       cache_seqlens=1)
+    assert e.value.status_name == "FLASHC_STATUS_NOT_SUPPORTED"
+    assert (kcb == 0).all() and (vcb == 0).all()
+    assert same_bits(kc, kc0) and same_bits(vc, vc0), "a refused call wrote the cache"
+
+
+def test_needs_a_library_with_the_append(gen, monkeypatch):
+    """Against a libflashc without flashc_kvcache_append the append is refused by name; attending to the cache
+    alone (no k, v) still runs."""
+    from flashc import _lib
+
+    monkeypatch.setattr(_lib, "_BOUND", set())
+    q = torch.randn(1, 1, 2, 32)
+    kc, vc = make_cache(1, 8, 2, 32, [8], torch.float32, "cpu")
+    with pytest.raises(NotImplementedError, match="flashc_kvcache_append"):
+        flashc.flash_attn_with_kvcache(q, kc, vc, torch.randn(1, 1, 2, 32), torch.randn(1, 1, 2, 32),
+                                       cache_seqlens=3)
+    out = flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+    ref, _ = attn_ref(q, kc[:, :5], vc[:, :5])
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_empty_shapes_cpu(gen):
+    """No new rows (Nnew = 0), no queries, an empty batch: answered without a library call where it wants positive
+    shapes."""
+    kc, vc = make_cache(2, 8, 2, 32, [3, 5], torch.float32, "cpu")
+    kc0 = kc.clone()
+    q = torch.randn(2, 1, 2, 32)
+    e = torch.empty(2, 0, 2, 32)
+    out = flashc.flash_attn_with_kvcache(q, kc, vc, e, e, cache_seqlens=torch.tensor([3, 5]))
+    ref, _ = attn_ref(q[:1], kc[:1, :3], vc[:1, :3])
+    assert ((out[:1].double() - ref).norm() / ref.norm()).item() <= 1e-5 and same_bits(kc, kc0)
+    k1 = torch.randn(2, 1, 2, 32)
+    out = flashc.flash_attn_with_kvcache(q[:, :0], kc, vc, k1, k1, cache_seqlens=torch.tensor([3, 5]))
+    assert out.shape == (2, 0, 2, 32) and torch.equal(kc[0, 3], k1[0, 0]) and torch.equal(kc[1, 5], k1[1, 0])
+    out = flashc.flash_attn_with_kvcache(q[:0], kc[:0], vc[:0], k1[:0], k1[:0], cache_seqlens=0)
+    assert out.shape == (0, 1, 2, 32)
+
+
+# ---- CUDA --------------------------------------------------------------------------------------------------------
+@needs_cuda
+def test_cuda_stream_and_graph(gen):
+    """Decode steps captured once in a CUDA graph and replayed with new cache_seqlens and inputs written into the
+    captured tensors: the same results as eager calls (the lengths never leave the device), on torch's current
+    stream."""
+    b, nk, h, hkv, d, dtype = 3, 128, 8, 2, 64, torch.bfloat16
+    filled = [0, 40, 100]
+    kc, vc = make_cache(b, nk, hkv, d, filled, dtype, "cuda")
+    kc_e, vc_e = kc.clone(), vc.clone()
+    cos, sin = rotary_tables(nk, 32, dtype, "cuda")
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype)
+    seqlens = torch.tensor(filled, dtype=torch.int32, device="cuda")
+
+    def step(kc, vc):
+        return flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, cache_seqlens=seqlens, causal=True,
+                                             return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(kc.clone(), vc.clone())  # warm-up outside the capture (contexts, workspace)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = step(kc, vc)
+    for it in range(3):
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        graph.replay()
+        out_e, lse_e = step(kc_e, vc_e)
+        torch.cuda.synchronize()
+        assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e)
+        assert same_bits(kc, kc_e) and same_bits(vc, vc_e)
+        seqlens.add_(1)
+    assert torch.isfinite(out_g).all()
