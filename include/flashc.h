@@ -274,7 +274,9 @@ FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tens
 /*
  * KV cache: appends new keys and values in place. k_new, v_new (B, Nnew, Hkv, D) go to rows cache_seqlens[b] ..
  * cache_seqlens[b] + Nnew - 1 of batch b of k_cache, v_cache (B, Nk_max, Hkv, D), same dtype; every other cache row
- * is left as it was. cache_seqlens: int32 (B), where the context's backend computes. Then attend to the cache with
+ * is left as it was; k_cache and v_cache may interleave (the halves of one packed (B, Nk_max, 2, Hkv, D) cache) but
+ * share no element, and neither shares a byte with the inputs. cache_seqlens: int32 (B), where the context's backend
+ * computes. Then attend to the cache with
  * flashc_forward and params.seqused_k = cache_seqlens + Nnew per sequence (flash-attn's flash_attn_with_kvcache:
  * causal queries then sit at the end of each sequence's used keys). Rows that would land outside [0, Nk_max): the
  * CPU backend refuses the call and writes nothing; the CUDA backend (which does not read device memory before its

@@ -831,6 +831,52 @@ flashc_status flashc_forward(flashc_context_t ctx, const flashc_tensor *q, const
     return FLASHC_STATUS_OK;
 }
 
+/* Whether d = sum_k c_k stride[k] with |c_k| < shape[k] over dims [0, n) sorted by decreasing stride (sd, nd), i.e.
+ * whether two views of one shape and strides, d elements apart, share an element. Each stride must exceed the span
+ * of the smaller ones (nested dims): then only the two coefficients around d / stride can leave a remainder the
+ * smaller dims reach, and the search is exact. */
+static int shifted_views_meet(int64_t d, const int64_t *sd, const int64_t *nd, const int64_t *span, int n) {
+    if (n == 0) return d == 0;
+    const int64_t c0 = d >= 0 ? d / sd[0] : -((-d + sd[0] - 1) / sd[0]); /* floor */
+    for (int64_t c = c0; c <= c0 + 1; c++) {
+        if (c <= -nd[0] || c >= nd[0]) continue;
+        const int64_t r = d - c * sd[0];
+        if (r >= -span[1] && r <= span[1] && shifted_views_meet(r, sd + 1, nd + 1, span + 1, n - 1)) return 1;
+    }
+    return 0;
+}
+
+/* Whether views a and b (same dtype) may share an element: exact for two views of one shape and strides whose dims
+ * nest (a packed KV cache's k and v halves, interleaved but disjoint); otherwise whether their byte ranges meet. */
+static int views_may_meet(const flashc_tensor *a, const flashc_tensor *b, uintptr_t alo, uintptr_t ahi, uintptr_t blo,
+                          uintptr_t bhi) {
+    if (!overlaps(alo, ahi, blo, bhi)) return 0;
+    const int64_t esz = (int64_t)flashc_dtype_size(a->dtype);
+    const int64_t bytes = (int64_t)((uintptr_t)b->data - (uintptr_t)a->data);
+    if (!same_shape(a, b) || bytes % esz) return 1;
+    int64_t sd[4], nd[4], span[5];
+    int n = 0;
+    for (int i = 0; i < 4; i++) {
+        if (a->stride[i] != b->stride[i]) return 1;
+        if (a->shape[i] > 1) {
+            if (a->stride[i] <= 0) return 1;
+            sd[n] = a->stride[i], nd[n] = a->shape[i], n++;
+        }
+    }
+    for (int i = 0; i < n; i++) /* sort by decreasing stride */
+        for (int j = i + 1; j < n; j++)
+            if (sd[j] > sd[i]) {
+                int64_t t = sd[i]; sd[i] = sd[j]; sd[j] = t;
+                t = nd[i]; nd[i] = nd[j]; nd[j] = t;
+            }
+    span[n] = 0; /* span[k]: the largest offset dims k.. reach */
+    for (int i = n - 1; i >= 0; i--) {
+        span[i] = span[i + 1] + (nd[i] - 1) * sd[i];
+        if (i < n - 1 && sd[i] <= span[i + 1]) return 1; /* not nested */
+    }
+    return shifted_views_meet(bytes / esz, sd, nd, span, n);
+}
+
 flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
                                     const flashc_tensor *v_cache, const flashc_tensor *k_new,
                                     const flashc_tensor *v_new, const int32_t *cache_seqlens) {
@@ -861,10 +907,13 @@ flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%lld new rows do not fit a cache of %lld",
                           (long long)k_new->shape[1], (long long)k_cache->shape[1]);
     FLASHC_TRY(byte_range(ctx, "cache_seqlens", cache_seqlens, k_cache->shape[0], 4, &lo[SL], &hi[SL]));
-    /* The caches are written: they share no byte with each other or with the inputs. */
+    /* The caches are written: they share no byte with each other or with the inputs. The two caches may interleave
+     * without sharing an element (the k and v halves of one packed (B, N, 2, Hkv, D) cache). */
+    if (views_may_meet(k_cache, v_cache, lo[KC], hi[KC], lo[VC], hi[VC]))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "k_cache and v_cache share elements in memory");
     for (int o = KC; o <= VC; o++)
-        for (int i = 0; i < N; i++)
-            if (i != o && overlaps(lo[o], hi[o], lo[i], hi[i]))
+        for (int i = KN; i < N; i++)
+            if (overlaps(lo[o], hi[o], lo[i], hi[i]))
                 return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps %s in memory", names[o], names[i]);
     if (!ctx->ops->kvcache_append)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no KV-cache append",

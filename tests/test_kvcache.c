@@ -5,8 +5,9 @@
  * A cache of capacity 64 whose unfilled rows hold NaN, sequences filled to 0, 17 and 50 rows, Nnew new rows (1:
  * decode, 5: a chunk of prefill): after the append the new rows are in the cache bit for bit and every other row is
  * untouched; then attention with seqused_k = cache_seqlens + Nnew (causal, and with a window) must equal, per
- * sequence, attention on a contiguous copy of its used keys alone (the same library, no seqused_k). Refusals: rows
- * past the capacity (nothing written), caches that overlap an input, shapes that do not fit.
+ * sequence, attention on a contiguous copy of its used keys alone (the same library, no seqused_k). A packed cache
+ * (k and v halves interleaved) is taken. Refusals: rows past the capacity (nothing written), caches that share
+ * elements or overlap an input, shapes that do not fit.
  */
 #include "ref/testkit.h"
 
@@ -124,6 +125,35 @@ static void step(flashc_context_t ctx, int nnew, int causal, int64_t wl, const c
     free(kc), free(vc), free(kc0), free(vc0), free(kn), free(vn), free(q), free(out), free(lse);
 }
 
+/* One packed cache (B, CAP, 2, HKV, D), its k and v halves interleaved row by row, as flash-attn's modules pass it:
+ * the halves share no element, so the append takes them, and each half gets its own rows. */
+static void packed_cache(flashc_context_t ctx) {
+    const size_t el = (size_t)B * CAP * 2 * HKV * D;
+    float *kv = calloc(el, 4), *kn = malloc((size_t)B * HKV * D * 4), *vn = malloc((size_t)B * HKV * D * 4);
+    if (!kv || !kn || !vn) exit(2);
+    for (size_t i = 0; i < (size_t)B * HKV * D; i++) kn[i] = (float)i + 0.5f, vn[i] = -(float)i - 0.5f;
+    flashc_tensor kc = flashc_tensor_contiguous(kv, FLASHC_DTYPE_F32, B, CAP, HKV, D);
+    kc.stride[1] = 2 * HKV * D;
+    kc.stride[0] = (int64_t)CAP * 2 * HKV * D;
+    flashc_tensor vc = kc;
+    vc.data = kv + HKV * D;
+    const flashc_tensor tkn = flashc_tensor_contiguous(kn, FLASHC_DTYPE_F32, B, 1, HKV, D),
+                        tvn = flashc_tensor_contiguous(vn, FLASHC_DTYPE_F32, B, 1, HKV, D);
+    const flashc_status st = flashc_kvcache_append(ctx, &kc, &vc, &tkn, &tvn, filled);
+    int ok = st == FLASHC_STATUS_OK;
+    for (int b = 0; b < B && ok; b++)
+        for (int j = 0; j < HKV * D; j++) {
+            const float *row = kv + ((size_t)b * CAP + filled[b]) * 2 * HKV * D;
+            ok &= row[j] == kn[(size_t)b * HKV * D + j] && row[HKV * D + j] == vn[(size_t)b * HKV * D + j];
+        }
+    check("a packed cache's interleaved k and v halves take the append", ok);
+    flashc_tensor shifted = vc; /* half a head further: now the halves share elements */
+    shifted.data = kv + HKV * D / 2;
+    check("  ... but halves that share elements are refused",
+          flashc_kvcache_append(ctx, &kc, &shifted, &tkn, &tvn, filled) == FLASHC_STATUS_INVALID_ARGUMENT);
+    free(kv), free(kn), free(vn);
+}
+
 static void refusals(flashc_context_t ctx) {
     float *buf = calloc((size_t)B * CAP * HKV * D * 3, 4);
     if (!buf) exit(2);
@@ -158,6 +188,7 @@ int main(void) {
     step(ctx, 5, 1, -1, "prefill chunk of 5, causal");
     step(ctx, 5, 1, 8, "prefill chunk of 5, window (8, 0)");
     step(ctx, 1, 0, -1, "decode, not causal");
+    packed_cache(ctx);
     refusals(ctx);
     flashc_context_destroy(ctx);
     printf("%d checks, %d failed\n", g_checks, g_failed);

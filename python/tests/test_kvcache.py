@@ -301,6 +301,22 @@ def test_strided_caches_cpu(gen):
     assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
 
 
+def test_packed_cache_cpu(gen):
+    """k and v halves of one packed (B, Nk_max, 2, Hkv, D) cache, as flash-attn's modules pass them: interleaved in
+    memory but sharing no element, so the library takes them."""
+    b, nk, h, d = 2, 20, 2, 32
+    kv = torch.full((b, nk, 2, h, d), float("nan"))
+    kv[:, :6] = torch.randn(b, 6, 2, h, d)
+    kc, vc = kv[:, :, 0], kv[:, :, 1]
+    kc0, vc0 = kc.clone(), vc.clone()
+    q, k, v = torch.randn(b, 3, h, d), torch.randn(b, 3, h, d), torch.randn(b, 3, h, d)
+    out = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=6, causal=True)
+    assert torch.equal(kv[:, 6:9, 0], k) and torch.equal(kv[:, 6:9, 1], v)
+    assert torch.equal(kv[:, :6], torch.stack((kc0[:, :6], vc0[:, :6]), dim=2))
+    ref, _, _ = reference(q, kc0, vc0, k, v, [6, 6], dict(causal=True))
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-5
+
+
 # ---- refusals: nothing is written --------------------------------------------------------------------------------
 def test_errors_cpu(gen):
     b, nk, h, d = 2, 16, 4, 32
