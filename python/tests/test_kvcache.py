@@ -11,27 +11,17 @@ fp16/bf16 within 2x the naive algorithm run in the same low precision on the sam
 rotation itself is held to the fp64 one on the cache rows it writes.
 """
 
-import os
-
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import flashc  # noqa: E402
-from test_torch import CUDA_REASON, attn_ref, check_close, cuda_ready, rule_dtype  # noqa: E402
+# gen: test_torch's seeded-generator fixture, used by name
+from test_torch import CUDA_REASON, attn_ref, check_close, cuda_ready, gen, rule_dtype  # noqa: E402,F401
 
 needs_cuda = pytest.mark.skipif(not cuda_ready(), reason=CUDA_REASON)
 DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture
-def gen(request):
-    seed = int(os.environ.get("FLASHC_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
-    print("FLASHC_TEST_SEED=%d (%s)" % (seed, request.node.name))
-    torch.manual_seed(seed)
-    return seed
 
 
 # ---- inputs and reference ----------------------------------------------------------------------------------------

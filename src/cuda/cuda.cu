@@ -414,34 +414,23 @@ static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_prob
 
 /* ---- KV cache ---------------------------------------------------------------------------------------------- */
 
-/* A strided (B, N, heads, D) view of one dtype, for the append. */
-typedef struct kv_view {
-    void *data;
-    int64_t s[4], n[4];
-} kv_view;
-static kv_view kv_view_of(const flashc_tensor *t) {
-    kv_view v;
-    v.data = t->data;
-    for (int i = 0; i < 4; i++) v.s[i] = t->stride[i], v.n[i] = t->shape[i];
-    return v;
-}
-
 /* One thread per element of the new rows, x over (b, i, h, d) in order: k_new, v_new[b, i, h, d] to the caches'
  * [b, cache_seqlens[b] + i, h, d]; rows outside the cache are skipped. T: a 2- or 4-byte word (bytes move as
  * they are). */
 template <typename T>
-__global__ void __launch_bounds__(256) fc_kv_append(kv_view kc, kv_view vc, kv_view kn, kv_view vn,
+__global__ void __launch_bounds__(256) fc_kv_append(const flashc_tensor kc, const flashc_tensor vc,
+                                                     const flashc_tensor kn, const flashc_tensor vn,
                                                      const int32_t *seqlens) {
     const int64_t x = (int64_t)blockIdx.x * 256 + threadIdx.x;
-    const int64_t D = kn.n[3], H = kn.n[2], N = kn.n[1];
-    if (x >= kn.n[0] * N * H * D) return;
+    const int64_t D = kn.shape[3], H = kn.shape[2], N = kn.shape[1];
+    if (x >= kn.shape[0] * N * H * D) return;
     const int64_t d = x % D, h = (x / D) % H, i = (x / (D * H)) % N, b = x / (D * H * N);
     const int64_t row = (int64_t)seqlens[b] + i;
-    if (row < 0 || row >= kc.n[1]) return;
-    ((T *)kc.data)[b * kc.s[0] + row * kc.s[1] + h * kc.s[2] + d * kc.s[3]] =
-        ((const T *)kn.data)[b * kn.s[0] + i * kn.s[1] + h * kn.s[2] + d * kn.s[3]];
-    ((T *)vc.data)[b * vc.s[0] + row * vc.s[1] + h * vc.s[2] + d * vc.s[3]] =
-        ((const T *)vn.data)[b * vn.s[0] + i * vn.s[1] + h * vn.s[2] + d * vn.s[3]];
+    if (row < 0 || row >= kc.shape[1]) return;
+    ((T *)kc.data)[b * kc.stride[0] + row * kc.stride[1] + h * kc.stride[2] + d * kc.stride[3]] =
+        ((const T *)kn.data)[b * kn.stride[0] + i * kn.stride[1] + h * kn.stride[2] + d * kn.stride[3]];
+    ((T *)vc.data)[b * vc.stride[0] + row * vc.stride[1] + h * vc.stride[2] + d * vc.stride[3]] =
+        ((const T *)vn.data)[b * vn.stride[0] + i * vn.stride[1] + h * vn.stride[2] + d * vn.stride[3]];
 }
 
 static flashc_status cuda_kvcache_append(struct flashc_context *ctx, const flashc_tensor *k_cache,
@@ -450,12 +439,11 @@ static flashc_status cuda_kvcache_append(struct flashc_context *ctx, const flash
     CUDA_TRY(ctx, cudaSetDevice(ctx->device));
     const int64_t n = k_new->shape[0] * k_new->shape[1] * k_new->shape[2] * k_new->shape[3], blocks = (n + 255) / 256;
     if (blocks > INT32_MAX) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "too many new rows for one launch");
-    const kv_view kc = kv_view_of(k_cache), vc = kv_view_of(v_cache), kn = kv_view_of(k_new), vn = kv_view_of(v_new);
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     if (k_cache->dtype == FLASHC_DTYPE_F32)
-        fc_kv_append<uint32_t><<<(unsigned)blocks, 256, 0, stream>>>(kc, vc, kn, vn, cache_seqlens);
+        fc_kv_append<uint32_t><<<(unsigned)blocks, 256, 0, stream>>>(*k_cache, *v_cache, *k_new, *v_new, cache_seqlens);
     else
-        fc_kv_append<uint16_t><<<(unsigned)blocks, 256, 0, stream>>>(kc, vc, kn, vn, cache_seqlens);
+        fc_kv_append<uint16_t><<<(unsigned)blocks, 256, 0, stream>>>(*k_cache, *v_cache, *k_new, *v_new, cache_seqlens);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "KV-cache append launch");
     return FLASHC_STATUS_OK;
