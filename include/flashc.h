@@ -286,6 +286,26 @@ FLASHC_API flashc_status flashc_kvcache_append(flashc_context_t ctx, const flash
                                                const flashc_tensor *v_cache, const flashc_tensor *k_new,
                                                const flashc_tensor *v_new, const int32_t *cache_seqlens);
 
+/*
+ * Merge of two partial attention results, each over its own set of keys (cascade attention: a shared prefix and
+ * each sequence's suffix; split-KV; context and ring parallelism): out_a, out_b (B, Nq, H, D), each normalized over
+ * its keys, with their softmax_lse lse_a, lse_b (B, H, Nq), as flashc_forward writes them (varlen: out views
+ * (1, total_q, H, D) and lse (H, total_q)) -> the attention over both key sets,
+ *   lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b,
+ * computed in fp32 and rounded once to out's dtype. out_a, out_b and out share one shape and dtype, any strides;
+ * the lse arrays are fp32 and contiguous. lse: NULL leaves it unwritten.
+ * A part whose lse is +inf (flashc's and flash-attn's row that saw no key) or -inf (the log of an empty sum) is
+ * empty and its out is not read: the other part comes out as it went in, bit for bit (its out, its lse); two empty
+ * parts give out 0 and lse +inf. A NaN lse makes that row NaN. With attention sinks, let one part only hold each
+ * head's sink (its lse includes it).
+ * In place: out may be out_a or out_b (the same view: data and strides), lse may be lse_a or lse_b; otherwise no
+ * output shares a byte with an input or with the other output. The merge is associative up to rounding: more
+ * parts merge two at a time. Queued on the context's stream like the attention calls.
+ */
+FLASHC_API flashc_status flashc_merge(flashc_context_t ctx, const flashc_tensor *out_a, const float *lse_a,
+                                      const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out,
+                                      float *lse);
+
 /* Fills a view of a contiguous (d0, d1, d2, d3) tensor. A stride that would overflow int64 is set to INT64_MIN,
  * which every call refuses. */
 FLASHC_API flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1,

@@ -923,6 +923,63 @@ flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k
     return FLASHC_STATUS_OK;
 }
 
+static int same_view(const flashc_tensor *a, const flashc_tensor *b) {
+    return a->data == b->data && a->dtype == b->dtype && same_shape(a, b) && a->stride[0] == b->stride[0] &&
+           a->stride[1] == b->stride[1] && a->stride[2] == b->stride[2] && a->stride[3] == b->stride[3];
+}
+
+flashc_status flashc_merge(flashc_context_t ctx, const flashc_tensor *out_a, const float *lse_a,
+                           const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out, float *lse) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    enum { OA, OB, O, LA, LB, L, N };
+    static const char *names[N] = {"out_a", "out_b", "out", "lse_a", "lse_b", "lse"};
+    uintptr_t lo[N] = {0}, hi[N] = {0};
+    FLASHC_TRY(check_view(ctx, "out_a", out_a, 1, 0, &lo[OA], &hi[OA]));
+    FLASHC_TRY(check_view(ctx, "out_b", out_b, 1, 0, &lo[OB], &hi[OB]));
+    FLASHC_TRY(check_view(ctx, "out", out, 1, 1, &lo[O], &hi[O]));
+    if (!same_shape(out_a, out_b) || !same_shape(out_a, out))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "out_a (%lld, %lld, %lld, %lld), out_b (%lld, %lld, %lld, %lld) and out (%lld, %lld, %lld, "
+                          "%lld) must have one shape (B, Nq, H, D)",
+                          (long long)out_a->shape[0], (long long)out_a->shape[1], (long long)out_a->shape[2],
+                          (long long)out_a->shape[3], (long long)out_b->shape[0], (long long)out_b->shape[1],
+                          (long long)out_b->shape[2], (long long)out_b->shape[3], (long long)out->shape[0],
+                          (long long)out->shape[1], (long long)out->shape[2], (long long)out->shape[3]);
+    if (out_b->dtype != out_a->dtype || out->dtype != out_a->dtype)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out_a, out_b and out dtypes differ (%s, %s, %s)",
+                          flashc_dtype_name(out_a->dtype), flashc_dtype_name(out_b->dtype),
+                          flashc_dtype_name(out->dtype));
+    if (!lse_a || !lse_b)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s is NULL: each part needs its softmax_lse",
+                          !lse_a ? "lse_a" : "lse_b");
+    /* lse (B, H, Nq): check_view bounded the element count, so this product fits */
+    const int64_t rows = out->shape[0] * out->shape[1] * out->shape[2];
+    FLASHC_TRY(byte_range(ctx, "lse_a", lse_a, rows, 4, &lo[LA], &hi[LA]));
+    FLASHC_TRY(byte_range(ctx, "lse_b", lse_b, rows, 4, &lo[LB], &hi[LB]));
+    if (lse) FLASHC_TRY(byte_range(ctx, "lse", lse, rows, 4, &lo[L], &hi[L]));
+    /* In place: an output may be an input's very view (each row is read before it is written, by whoever writes it);
+     * otherwise it shares no byte with any input or with the other output. Inputs may overlap each other. */
+    const int same[N][N] = {[O] = {[OA] = same_view(out, out_a), [OB] = same_view(out, out_b)},
+                            [L] = {[LA] = lse && lse == lse_a, [LB] = lse && lse == lse_b}};
+    const int outputs[2] = {O, L};
+    for (int oi = 0; oi < 2; oi++) {
+        const int o = outputs[oi];
+        for (int i = 0; i < N; i++)
+            if (i != o && hi[o] > lo[o] && hi[i] > lo[i] && !same[o][i] && overlaps(lo[o], hi[o], lo[i], hi[i]))
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps %s in memory%s", names[o],
+                                  names[i],
+                                  (o == O && (i == OA || i == OB)) || (o == L && (i == LA || i == LB))
+                                      ? " (in place, it must be that very view: the same data and strides)"
+                                      : "");
+    }
+    if (!ctx->ops->merge)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no merge",
+                          flashc_backend_name(ctx->backend));
+    FLASHC_TRY(ctx->ops->merge(ctx, out_a, lse_a, out_b, lse_b, out, lse));
+    flashc_clear_error(ctx);
+    return FLASHC_STATUS_OK;
+}
+
 flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
                               const flashc_tensor *v, const flashc_tensor *out, const flashc_tensor *dout,
                               const float *softmax_lse, const flashc_params *params, const flashc_tensor *dq,

@@ -151,6 +151,12 @@ typedef struct flashc_backend_ops {
     flashc_status (*kvcache_append)(struct flashc_context *ctx, const flashc_tensor *k_cache,
                                     const flashc_tensor *v_cache, const flashc_tensor *k_new,
                                     const flashc_tensor *v_new, const int32_t *cache_seqlens);
+    /* flashc_merge on validated views: out_a, out_b, out of one shape (B, N, H, D) and dtype; lse_a, lse_b and lse
+     * (NULL: not written) fp32 contiguous (B, H, N). out is out_a's or out_b's very view or shares no byte with
+     * either, lse likewise lse_a or lse_b: each row's lse is read before its own lse is written. NULL: not
+     * supported. */
+    flashc_status (*merge)(struct flashc_context *ctx, const flashc_tensor *out_a, const float *lse_a,
+                           const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out, float *lse);
 } flashc_backend_ops;
 
 /*
@@ -228,6 +234,38 @@ static inline float flashc_sink_fold(float sink, float m2, float l, float *lse) 
     const float em = exp2f(m2 - mx), lt = l * em + exp2f(s2 - mx);
     *lse = (mx + log2f(lt)) * 0.6931471805599453f;
     return em / lt;
+}
+
+#if defined(__CUDACC__)
+#  define FLASHC_HOST_DEVICE __host__ __device__
+#else
+#  define FLASHC_HOST_DEVICE
+#endif
+
+/* flashc_merge's rule for one row, in one place for both backends: the merged natural-log lse of two parts and their
+ * weights, out = wa * out_a + wb * out_b. An infinite lse marks an empty part (+inf: a row that saw no key, as the
+ * forward writes it; -inf: the log of an empty sum): its weight is 0, the other's exactly 1 and the lse the other's;
+ * both empty: lse +inf. A NaN lse gives NaN weights and lse. A weight of 0 means "leave that part out" (its out is not
+ * used, so garbage in an empty part's row reaches nothing). */
+static inline FLASHC_HOST_DEVICE float flashc_merge_weights(float la, float lb, float *wa, float *wb) {
+    const int ea = fabsf(la) == INFINITY, eb = fabsf(lb) == INFINITY;
+    if (ea || eb) {
+        *wa = ea ? 0.0f : 1.0f;
+        *wb = eb ? 0.0f : 1.0f;
+        return ea && eb ? INFINITY : ea ? lb : la;
+    }
+    /* The weights from the difference, not from the rounded lse, so that their error does not grow with |lse|: the
+     * larger part's weight is 1 / (1 + e), e = exp(-|la - lb|) <= 1, the smaller's e times that. NaN in, NaN out. */
+    const int a_larger = la >= lb;
+    const float e = expf(a_larger ? lb - la : la - lb), w = 1.0f / (1.0f + e);
+    *wa = a_larger ? w : e * w;
+    *wb = a_larger ? e * w : w;
+    return (a_larger ? la : lb) + log1pf(e);
+}
+
+/* One merged element from the weights above (fp32): a part of weight 0 is left out, not multiplied by 0. */
+static inline FLASHC_HOST_DEVICE float flashc_merge_value(float wa, float a, float wb, float b) {
+    return wa == 0.0f ? (wb == 0.0f ? 0.0f : wb * b) : wb == 0.0f ? wa * a : wa * a + wb * b;
 }
 
 /* Visible key range [lo, hi) of query row i (0-based within a sequence of nq queries and nk keys) from the

@@ -289,6 +289,12 @@ static flashc_status cpu_kvcache_append(struct flashc_context *ctx, const flashc
     return FLASHC_STATUS_OK;
 }
 
+static flashc_status cpu_merge(struct flashc_context *ctx, const flashc_tensor *out_a, const float *lse_a,
+                               const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out, float *lse) {
+    flashc_cpu_merge(out_a, lse_a, out_b, lse_b, out, lse, cpu_threads(ctx));
+    return FLASHC_STATUS_OK;
+}
+
 /* No set_stream: only the NULL stream is accepted. */
 const flashc_backend_ops flashc_cpu_ops = {
     .kind = FLASHC_BACKEND_CPU,
@@ -302,4 +308,5 @@ const flashc_backend_ops flashc_cpu_ops = {
     .forward = cpu_forward,
     .backward = cpu_backward,
     .kvcache_append = cpu_kvcache_append,
+    .merge = cpu_merge,
 };

@@ -137,6 +137,11 @@ size_t flashc_cpu_backward_workspace(const flashc_problem *p, int threads);
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 
+/* merge.c: flashc_merge on views the front validated (one shape and dtype; lse fp32 (B, H, N), NULL: not written),
+ * with threads OpenMP threads. */
+void flashc_cpu_merge(const flashc_tensor *out_a, const float *lse_a, const flashc_tensor *out_b,
+                      const float *lse_b, const flashc_tensor *out, float *lse, int threads);
+
 /*
  * 2^f ~ 1 + f (C1 + f (C2 + ... + f C6)) on [-1/2, 1/2]: a near-minimax fit of the relative error (iteratively
  * reweighted least squares on Chebyshev nodes), 2e-9 relative before rounding, against 6e-9 for the degree-7

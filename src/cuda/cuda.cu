@@ -11,6 +11,7 @@
 #include "launch.h"
 #include "bwd_sm90.h"
 #include "fwd_sm90.h"
+#include "merge.h"
 
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -464,4 +465,5 @@ extern "C" const flashc_backend_ops flashc_cuda_ops = {
     .forward = cuda_forward,
     .backward = cuda_backward,
     .kvcache_append = cuda_kvcache_append,
+    .merge = flashc_cuda_merge,
 };
