@@ -86,6 +86,14 @@ int main(void) {
         int rc = flashc_case_run(ctx, c, case_seed, &r);
         double dt = now_s() - t0;
         int pass = rc == 0 && r.pass;
+        /* Which forward path ran: the decode rows (dec_*) on decode.c's, every row of more than 16 queries on the
+         * tiles. */
+        const char *want = strncmp(c->name, "dec_", 4) == 0 ? "CPU decode" : c->Nq > 16 ? "CPU tiles" : NULL;
+        if (rc == 0 && want && (!r.kernel_fwd || strncmp(r.kernel_fwd, want, strlen(want)) != 0)) {
+            snprintf(r.message, sizeof r.message, "ran on \"%s\", expected %s", r.kernel_fwd ? r.kernel_fwd : "?",
+                     want);
+            pass = 0;
+        }
         failed += !pass;
         if (rc == 0 && r.status == FLASHC_STATUS_OK) {
             printf("%-26s %-5s %10.3g %10.3g  %10.3g %10.3g  ", c->name, flashc_dtype_name(c->dtype), r.err_out,

@@ -1,7 +1,8 @@
 /*
  * The CPU microkernels against plain double-precision loops: gemm with both A layouts and ragged tile edges,
- * the online-softmax step, and the vector exp2's accuracy in ulp over [-126, 127] (every 61st float of [-30, 0]
- * by bit pattern, about 18 million inputs, and a dense sweep elsewhere), for every kernel set this CPU runs.
+ * the online-softmax step (key-major and row-major), decode's dot products, and the vector exp2's accuracy in ulp
+ * over [-126, 127] (every 61st float of [-30, 0] by bit pattern, about 18 million inputs, and a dense sweep
+ * elsewhere), for every kernel set this CPU runs.
  */
 #include "cpu/cpu.h"
 
@@ -119,6 +120,80 @@ static void test_softmax(const flashc_cpu_kernels *k) {
     }
 }
 
+/* Decode scores: every row against every key, ragged key groups and D tails; K rows carry NaN past D (read in place,
+ * so the tail must be masked), and nothing past cols in a score row is written. */
+static void test_dots(const flashc_cpu_kernels *k) {
+    static const int shapes[][3] = {{1, 1, 1}, {4, 8, 32}, {4, 64, 128}, {3, 13, 59}, {8, 17, 7}, {64, 64, 256},
+                                    {5, 1, 16}, {2, 9, 9}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int rows = shapes[i][0], cols = shapes[i][1], D = shapes[i][2];
+        const int ldq = (D + 15) / 16 * 16, ldk = D + 5, lds = cols + 3;
+        float *q = malloc(sizeof(float) * (size_t)rows * ldq), *kk = malloc(sizeof(float) * (size_t)cols * ldk);
+        float *s = malloc(sizeof(float) * (size_t)rows * lds);
+        for (int r = 0; r < rows; r++)
+            for (int d = 0; d < ldq; d++) q[r * ldq + d] = d < D ? frand() : 0.0f;
+        for (int c = 0; c < cols; c++)
+            for (int d = 0; d < ldk; d++) kk[c * ldk + d] = d < D ? frand() : NAN;
+        for (int j = 0; j < rows * lds; j++) s[j] = 12345.0f;
+        k->dots(rows, cols, D, q, ldq, kk, ldk, s, lds);
+        double err = 0.0;
+        int past = 0;
+        for (int r = 0; r < rows; r++) {
+            for (int c = 0; c < cols; c++) {
+                double x = 0.0;
+                for (int d = 0; d < D; d++) x += (double)q[r * ldq + d] * kk[c * ldk + d];
+                err = fmax(err, fabs(s[r * lds + c] - x)); /* a NaN makes fmax keep err: counted below */
+                if (!(fabs(s[r * lds + c] - x) <= 1e-5 * (D + 1))) past++;
+            }
+            for (int c = cols; c < lds; c++) past += s[r * lds + c] != 12345.0f;
+        }
+        CHECK(past == 0 && err <= 1e-5 * (D + 1), "%s dots rows=%d cols=%d D=%d: max error %g, %d bad elements",
+              k->name, rows, cols, D, err, past);
+        free(q), free(kk), free(s);
+    }
+}
+
+/* The row-major online-softmax step: as test_softmax, with rows along memory. */
+static void test_softmax_rows(const flashc_cpu_kernels *k) {
+    enum { ROWS = 7, COLS = 48, LDS = 64 };
+    float s[ROWS * LDS], orig[ROWS * LDS], m[ROWS], l[ROWS], alpha[ROWS];
+    double m_ref[ROWS], l_ref[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        m[r] = (float)(m_ref[r] = r % 3 == 0 ? -INFINITY : frand() * 4.0f);
+        l[r] = (float)(l_ref[r] = m[r] == -INFINITY ? 0.0 : 1.0 + frand() * 0.5);
+        for (int c = 0; c < LDS; c++) s[r * LDS + c] = c < 41 ? frand() * 8.0f : -INFINITY; /* padding from 41 */
+    }
+    for (int c = 0; c < COLS; c++) s[1 * LDS + c] = -INFINITY; /* row 1 sees nothing in this tile */
+    for (int c = 0; c < COLS; c++) s[3 * LDS + c] = -INFINITY; /* row 3 neither, and had nothing before */
+    memcpy(orig, s, sizeof s);
+    k->softmax_rows(ROWS, COLS, s, LDS, m, l, alpha);
+    for (int r = 0; r < ROWS; r++) {
+        double mx = m_ref[r];
+        for (int c = 0; c < COLS; c++) mx = fmax(mx, orig[r * LDS + c]);
+        if (mx == -INFINITY) {
+            CHECK(m[r] == -INFINITY && l[r] == 0.0f && alpha[r] == 1.0f, "%s softmax_rows empty row %d", k->name, r);
+            for (int c = 0; c < COLS; c++) CHECK(s[r * LDS + c] == 0.0f, "%s softmax_rows empty row %d p != 0", k->name, r);
+            continue;
+        }
+        double a = exp2(m_ref[r] - mx), sum = 0.0;
+        for (int c = 0; c < COLS; c++) {
+            double p = exp2(orig[r * LDS + c] - mx);
+            sum += p;
+            CHECK(fabs(s[r * LDS + c] - p) <= 1e-6 * (p + 1e-30) + 1e-37, "%s softmax_rows p[%d][%d] %g vs %g",
+                  k->name, r, c, s[r * LDS + c], p);
+        }
+        CHECK(fabs(alpha[r] - a) <= 1e-6 * a + 1e-37, "%s softmax_rows alpha[%d] %g vs %g", k->name, r, alpha[r], a);
+        CHECK(fabs(l[r] - (l_ref[r] * a + sum)) <= 1e-5 * (l_ref[r] * a + sum), "%s softmax_rows l[%d]", k->name, r);
+        CHECK(m[r] == (float)mx, "%s softmax_rows m[%d]", k->name, r);
+        for (int c = COLS; c < LDS; c++) CHECK(s[r * LDS + c] == orig[r * LDS + c], "%s softmax_rows wrote past cols", k->name);
+    }
+    /* A NaN score is skipped by the max but makes its row's sum NaN. */
+    float x[16], mm = 0.0f, ll = 1.0f, aa;
+    for (int c = 0; c < 16; c++) x[c] = c == 3 ? NAN : (float)c;
+    k->softmax_rows(1, 16, x, 16, &mm, &ll, &aa);
+    CHECK(mm == 15.0f && isnan(ll), "%s softmax_rows with a NaN score: m %g, l %g", k->name, mm, ll);
+}
+
 /* Max ulp error of k->exp2 against exp2 in double rounded to float, over inputs where 2^x is a normal float. */
 static uint32_t test_exp2(const flashc_cpu_kernels *k) {
     enum { CHUNK = 4096 };
@@ -176,6 +251,8 @@ int main(void) {
         }
         test_gemm(k);
         test_softmax(k);
+        test_dots(k);
+        test_softmax_rows(k);
         /* The vector exp2 is stated to be within 2 ulp; libm's exp2f (generic) within 1. */
         uint32_t worst = test_exp2(k);
         CHECK(worst <= 2, "%s exp2 max error %u ulp > 2", k->name, worst);

@@ -7,7 +7,8 @@
  * untouched; then attention with seqused_k = cache_seqlens + Nnew (causal, and with a window) must equal, per
  * sequence, attention on a contiguous copy of its used keys alone (the same library, no seqused_k). A packed cache
  * (k and v halves interleaved) is taken. Refusals: rows past the capacity (nothing written), caches that share
- * elements or overlap an input, shapes that do not fit.
+ * elements or overlap an input, shapes that do not fit. Decode against a long cache gives the same bits at any thread
+ * count.
  */
 #include "ref/testkit.h"
 
@@ -181,6 +182,49 @@ static void refusals(flashc_context_t ctx) {
     free(buf);
 }
 
+/* Decode against a long cache (keys split into pieces merged by lse) gives the same bits at any thread count and
+ * from run to run: the split and every summation order come from the shape alone. */
+static void decode_threads(void) {
+    enum { NK = 5000, USED = 4999, DH = 8, DKV = 2, DD = 64 };
+    uint64_t rng = 77;
+    const size_t kv_el = (size_t)NK * DKV * DD;
+    float *k = malloc(kv_el * 4), *v = malloc(kv_el * 4), *q = malloc(DH * DD * 4), *out = malloc(DH * DD * 4),
+          *out1 = malloc(DH * DD * 4), lse[DH], lse1[DH], sinks[DH];
+    if (!k || !v || !q || !out || !out1) exit(2);
+    for (size_t i = 0; i < kv_el; i++) k[i] = frand(&rng), v[i] = frand(&rng);
+    for (int i = 0; i < DH * DD; i++) q[i] = 3.0f * frand(&rng);
+    for (int h = 0; h < DH; h++) sinks[h] = frand(&rng);
+    const int32_t used = USED;
+    const flashc_tensor tq = flashc_tensor_contiguous(q, FLASHC_DTYPE_F32, 1, 1, DH, DD),
+                        tk = flashc_tensor_contiguous(k, FLASHC_DTYPE_F32, 1, NK, DKV, DD),
+                        tv = flashc_tensor_contiguous(v, FLASHC_DTYPE_F32, 1, NK, DKV, DD),
+                        to = flashc_tensor_contiguous(out, FLASHC_DTYPE_F32, 1, 1, DH, DD);
+    flashc_params prm = flashc_params_default();
+    prm.causal = 1;
+    prm.seqused_k = &used;
+    prm.sinks = sinks;
+    static const int threads[] = {1, 2, 3, 7, 2};
+    int same = 1, ran = 1;
+    const char *kernel = NULL;
+    for (size_t t = 0; t < sizeof threads / sizeof threads[0]; t++) {
+        flashc_context_t ctx;
+        if (flashc_context_create(&ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK) exit(2);
+        flashc_context_set_threads(ctx, threads[t]);
+        if (!kernel) kernel = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &tq, &tk, &tv, &prm);
+        ran &= flashc_forward(ctx, &tq, &tk, &tv, &prm, &to, lse, NULL, 0) == FLASHC_STATUS_OK;
+        if (t == 0) {
+            memcpy(out1, out, DH * DD * 4);
+            memcpy(lse1, lse, sizeof lse);
+        } else {
+            same &= memcmp(out1, out, DH * DD * 4) == 0 && memcmp(lse1, lse, sizeof lse) == 0;
+        }
+        flashc_context_destroy(ctx);
+    }
+    check("decode of 5000 keys runs on the CPU decode path", kernel && strncmp(kernel, "CPU decode", 10) == 0);
+    check("  ... and gives the same bits at 1, 2, 3, 7 threads and again at 2", ran && same);
+    free(k), free(v), free(q), free(out), free(out1);
+}
+
 int main(void) {
     flashc_context_t ctx;
     if (flashc_context_create(&ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK) return 2;
@@ -190,6 +234,7 @@ int main(void) {
     step(ctx, 1, 0, -1, "decode, not causal");
     packed_cache(ctx);
     refusals(ctx);
+    decode_threads();
     flashc_context_destroy(ctx);
     printf("%d checks, %d failed\n", g_checks, g_failed);
     return g_failed != 0;

@@ -6,9 +6,10 @@
  * read in place when they are fp32 with unit stride along D, and so the online-softmax state (running max m,
  * running sum l, output O) updates with vector operations across query rows. Scores are in base 2 (log2(e)
  * folded into the Q scale). Causal and window masks bound the key range of each query block, the block-sparse
- * mask skips whole tiles, and partial tiles mask element-wise. When there are fewer tasks than threads (decode:
- * few queries, long keys) the key range of each task is split across threads and the partial (m, l, O) merge by
- * log-sum-exp (flash-decoding).
+ * mask skips whole tiles, and partial tiles mask element-wise. When there are fewer tasks than threads (few
+ * heads, long keys) the key range of each task is split across threads and the partial (m, l, O) merge by
+ * log-sum-exp (flash-decoding). Forwards of at most 16 query rows (decode) run decode.c's path instead, which packs
+ * a GQA group's rows into one tile.
  *
  * Backward: P is recomputed from q, k and the saved lse, never stored. D_i = rowsum(dO o O) is computed first.
  * When there are at least as many (sequence, head) pairs as threads, one task per pair walks the key blocks; for
@@ -162,12 +163,11 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
     }
 }
 
-/* Normalizes O by l (and the sink) and writes out and lse; rows that saw no key get 0 and +inf (the sink). */
-static void forward_store(const flashc_problem *p, const layout *L, float *o, const float *m, const float *l,
-                          int64_t b, int64_t h, int64_t i0, int rows) {
+void flashc_cpu_forward_store(const flashc_problem *p, int dp, float *o, const float *m, const float *l, int64_t b,
+                              int64_t h, int64_t i0, int rows) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int D = (int)p->D, dp = L->dp;
+    const int D = (int)p->D;
     float *lse = p->lse ? p->lse + flashc_cpu_lse_offset(p, b, h, q0) + i0 : NULL;
     for (int r = 0; r < rows; r++) {
         float *orow = o + (size_t)r * dp;
@@ -188,6 +188,32 @@ static void forward_store(const flashc_problem *p, const layout *L, float *o, co
         if (lse) lse[r] = (m[r] + log2f(l[r])) * FLASHC_LN2;
     }
     flashc_cpu_store_rows(&p->out, flashc_cpu_tensor_batch(p, b), q0 + i0, rows, h, D, o, dp, 1.0f);
+}
+
+void flashc_cpu_merge_pieces(const float *parts, size_t stride, int64_t n, int cap, int rows, int D, int dp,
+                             float *o, float *m, float *l) {
+    /* m = max_s m_s, l = sum_s l_s 2^(m_s - m), O = sum_s O_s 2^(m_s - m). */
+    const size_t mo = (size_t)cap * dp, lo = mo + (size_t)cap;
+    memset(o, 0, sizeof(float) * (size_t)rows * dp);
+    for (int r = 0; r < rows; r++) {
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < n; s++) mx = fmaxf(mx, parts[s * stride + mo + r]);
+        float sum = 0.0f;
+        float *orow = o + (size_t)r * dp;
+        for (int64_t s = 0; s < n; s++) {
+            const float *part = parts + s * stride;
+            const float ms = part[mo + r], ls = part[lo + r];
+            /* Only a piece that saw no key is skipped: one whose scores were all NaN has m = -inf but l = NaN, and
+             * must make the row NaN as it does unsplit. */
+            if (ls == 0.0f) continue;
+            const float w = exp2f(ms - mx);
+            sum += ls * w;
+            const float *prow = part + (size_t)r * dp;
+            for (int d = 0; d < D; d++) orow[d] += w * prow[d];
+        }
+        m[r] = mx;
+        l[r] = sum;
+    }
 }
 
 /* Query rows [*i0, *i0 + *rows) of task index task (b, h, qb); 0 when the block lies past the sequence. */
@@ -232,7 +258,7 @@ void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern,
             if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
             if (splits == 1) {
                 forward_range(p, kern, &L, &t, b, h, i0, rows, lo, hi);
-                forward_store(p, &L, t.o, t.m, t.l, b, h, i0, rows);
+                flashc_cpu_forward_store(p, L.dp, t.o, t.m, t.l, b, h, i0, rows);
                 continue;
             }
             /* Piece s of the visible key range, cut at key-block boundaries. */
@@ -252,31 +278,9 @@ void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern,
                 int64_t b, h, i0, lo, hi;
                 int rows;
                 if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
-                /* Merge by log-sum-exp: m = max_s m_s, l = sum_s l_s 2^(m_s - m), O = sum_s O_s 2^(m_s - m). */
-                memset(t.o, 0, sizeof(float) * (size_t)L.br * L.dp);
-                for (int r = 0; r < rows; r++) {
-                    float mx = -INFINITY;
-                    for (int64_t s = 0; s < splits; s++) {
-                        const float *part = partials + (size_t)(task * splits + s) * pf;
-                        mx = fmaxf(mx, part[(size_t)L.br * L.dp + r]);
-                    }
-                    float l = 0.0f;
-                    float *orow = t.o + (size_t)r * L.dp;
-                    for (int64_t s = 0; s < splits; s++) {
-                        const float *part = partials + (size_t)(task * splits + s) * pf;
-                        const float ms = part[(size_t)L.br * L.dp + r], ls = part[(size_t)L.br * L.dp + L.br + r];
-                        /* Only a piece that saw no key is skipped: one whose scores were all NaN has m = -inf but
-                         * l = NaN, and must make the row NaN as it does unsplit. */
-                        if (ls == 0.0f) continue;
-                        const float w = exp2f(ms - mx);
-                        l += ls * w;
-                        const float *prow = part + (size_t)r * L.dp;
-                        for (int d = 0; d < (int)p->D; d++) orow[d] += w * prow[d];
-                    }
-                    t.m[r] = mx;
-                    t.l[r] = l;
-                }
-                forward_store(p, &L, t.o, t.m, t.l, b, h, i0, rows);
+                flashc_cpu_merge_pieces(partials + (size_t)task * splits * pf, pf, splits, L.br, rows, (int)p->D,
+                                        L.dp, t.o, t.m, t.l);
+                flashc_cpu_forward_store(p, L.dp, t.o, t.m, t.l, b, h, i0, rows);
             }
         }
     }

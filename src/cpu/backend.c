@@ -226,10 +226,21 @@ static flashc_status cpu_device_name(int device, char *buf, size_t len) {
     return FLASHC_STATUS_OK;
 }
 
-/* Every validated problem runs on the CPU; the plan fixes the thread count the workspace is sized for. */
+/* Every validated problem runs on the CPU; the plan fixes the path (decode.c's for a forward of few query rows, else
+ * attn.c's tiles), the thread count the workspace is sized for and, for decode, how the keys are split. */
+enum { CPU_PATH_TILES = 0, CPU_PATH_DECODE = 1 };
 static flashc_status cpu_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
-    plan->kernel = "CPU tiles (SIMD microkernels)";
     plan->threads = cpu_threads(ctx);
+    const int64_t splits = flashc_cpu_decode_splits(p);
+    if (splits > 0) {
+        plan->kernel = "CPU decode (GQA rows packed, split-KV, SIMD dots)";
+        plan->path = CPU_PATH_DECODE;
+        plan->nsplit = (int)splits;
+        plan->workspace = flashc_cpu_decode_workspace(p, plan->threads, splits);
+        return FLASHC_STATUS_OK;
+    }
+    plan->kernel = "CPU tiles (SIMD microkernels)";
+    plan->path = CPU_PATH_TILES;
     plan->workspace = p->op == FLASHC_OP_FORWARD ? flashc_cpu_forward_workspace(p, plan->threads)
                                                  : flashc_cpu_backward_workspace(p, plan->threads);
     return FLASHC_STATUS_OK;
@@ -250,7 +261,10 @@ static void cpu_workspace_free(struct flashc_context *ctx, void *ptr) { free(ptr
 static flashc_status cpu_forward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
                                  void *workspace) {
     FLASHC_TRY(check_inputs(ctx, p));
-    flashc_cpu_forward(p, flashc_cpu_select_kernels(), plan->threads, workspace);
+    if (plan->path == CPU_PATH_DECODE)
+        flashc_cpu_decode(p, flashc_cpu_select_kernels(), plan->threads, plan->nsplit, workspace);
+    else
+        flashc_cpu_forward(p, flashc_cpu_select_kernels(), plan->threads, workspace);
     return FLASHC_STATUS_OK;
 }
 

@@ -43,6 +43,23 @@ typedef void (*flashc_cpu_exp2_fn)(int n, const float *src, float *dst);
 /* Contiguous conversions to fp32 (F16C / shifts where available). */
 typedef void (*flashc_cpu_cvt_fn)(int n, const uint16_t *src, float *dst);
 
+/*
+ * Decode scores, query-row-major: s[r][c] = sum_{d < D} q[r][d] k[c][d] for r < rows, c < cols (any counts). K rows
+ * at k + c * ldk are read in place, only their first D values; q rows (stride ldq) are zero-padded to a multiple of
+ * 16. Dot products over D, eight keys at a time: with the few query rows of decode the gemm's register tile, which
+ * runs along the query rows, would be mostly padding.
+ */
+typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const float *k,
+                                   int64_t ldk, float *s, int64_t lds);
+
+/*
+ * The online-softmax step of softmax_fn on a query-row-major tile s[r][c] (cols a multiple of 16; the caller fills
+ * the padding columns with -inf): per row r, m' = max(m, max_c s), alpha = 2^(m - m'), s = 2^(s - m'),
+ * l = l * alpha + sum_c s, m = m'.
+ */
+typedef void (*flashc_cpu_softmax_rows_fn)(int rows, int cols, float *s, int64_t lds, float *m, float *l,
+                                           float *alpha);
+
 typedef struct flashc_cpu_kernels {
     const char *name; /* e.g. "avx2_6x16" */
     int mr, nr;       /* register tile of gemm */
@@ -52,12 +69,19 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_exp2_fn exp2;
     flashc_cpu_cvt_fn f16_to_f32;
     flashc_cpu_cvt_fn bf16_to_f32;
+    flashc_cpu_dots_fn dots;                 /* decode.c */
+    flashc_cpu_softmax_rows_fn softmax_rows; /* decode.c */
 } flashc_cpu_kernels;
 
 extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
 #if defined(FLASHC_CPU_X86)
 extern const flashc_cpu_kernels flashc_cpu_kernels_avx2;
 extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
+/* The AVX2 decode kernels, which the AVX-512 table shares (every AVX-512 CPU has AVX2; decode streams K and V at
+ * memory speed, where the wider vectors have little to add). */
+void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                          float *s, int64_t lds);
+void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
 #endif
 /* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a
  * choice). */
@@ -136,6 +160,29 @@ size_t flashc_cpu_forward_workspace(const flashc_problem *p, int threads);
 size_t flashc_cpu_backward_workspace(const flashc_problem *p, int threads);
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
+
+/*
+ * Normalizes the unnormalized O rows (leading dim dp) by l and the sink, and writes out and lse of query rows
+ * [i0, i0 + rows) of sequence b, head h; rows that saw no key get 0 and +inf (the sink).
+ */
+void flashc_cpu_forward_store(const flashc_problem *p, int dp, float *o, const float *m, const float *l, int64_t b,
+                              int64_t h, int64_t i0, int rows);
+/*
+ * Split-KV: merges n pieces of the same rows by log-sum-exp in piece order, into o (rows x dp), m, l. Piece s lies
+ * at parts + s * stride: O (cap x dp), then m (cap), then l (cap). A piece that saw no key (l = 0) is skipped.
+ */
+void flashc_cpu_merge_pieces(const float *parts, size_t stride, int64_t n, int cap, int rows, int D, int dp,
+                             float *o, float *m, float *l);
+
+/*
+ * decode.c: the forward for few query rows (decode, chunked prefill). flashc_cpu_decode_splits gives 0 when the
+ * problem is not one (the tile forward runs), else the pieces each sequence's keys are cut into, from the shape
+ * alone; the workspace and the driver take that count.
+ */
+int64_t flashc_cpu_decode_splits(const flashc_problem *p);
+size_t flashc_cpu_decode_workspace(const flashc_problem *p, int threads, int64_t splits);
+void flashc_cpu_decode(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, int64_t splits,
+                       void *workspace);
 
 /* merge.c: flashc_merge on views the front validated (one shape and dtype; lse fp32 (B, H, N), NULL: not written),
  * with threads OpenMP threads. */

@@ -177,6 +177,85 @@ static void bf16_avx2(int n, const uint16_t *src, float *dst) {
     for (; i < n; i++) dst[i] = flashc_bf16_to_f32(src[i]);
 }
 
+/* [sum a0, sum a1, ..., sum a7]: the eight horizontal sums in one vector, in a fixed order. */
+AI __m256 hsum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    /* u0 = [a0 a1 a2 a3 | a0 a1 a2 a3] over lanes 0-3 and 4-7 of each, u1 the same for a4-a7 */
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/*
+ * Eight keys at a time, each query row against all eight: one q load feeds eight FMAs, the eight K rows stay in L1
+ * across the rows, and one hsum8 gives the eight scores as a vector. A last group of fewer keys repeats its last
+ * key (in-bounds reads) and stores only its own scores. The D tail is masked, since the K rows are read in place.
+ */
+void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                          float *s, int64_t lds) {
+    const int dv = D & ~7;
+    const __m256i tail = lanes(D - dv);
+    for (int c0 = 0; c0 < cols; c0 += 8) {
+        const int n = cols - c0 < 8 ? cols - c0 : 8;
+        const float *kp[8];
+        for (int j = 0; j < 8; j++) kp[j] = k + (int64_t)(c0 + (j < n ? j : n - 1)) * ldk;
+        for (int r = 0; r < rows; r++) {
+            const float *qr = q + (int64_t)r * ldq;
+            __m256 acc[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int d = 0; d < dv; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qr + d);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j] + d), acc[j]);
+            }
+            if (dv < D) {
+                const __m256 qv = _mm256_loadu_ps(qr + dv);
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(kp[j] + dv, tail), acc[j]);
+            }
+            float *sr = s + (int64_t)r * lds + c0;
+            if (n == 8) _mm256_storeu_ps(sr, hsum8(acc));
+            else _mm256_maskstore_ps(sr, lanes(n), hsum8(acc));
+        }
+    }
+}
+
+/* Horizontal max and sum of one vector (fixed order). */
+AI float hmax(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+    x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(x);
+}
+AI float hsum(__m256 x) {
+    x = _mm256_add_ps(x, _mm256_permute2f128_ps(x, x, 1));
+    x = _mm256_add_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+    x = _mm256_add_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm256_cvtss_f32(x);
+}
+
+void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha) {
+    for (int r = 0; r < rows; r++) {
+        float *x = s + (int64_t)r * lds;
+        /* NaN scores are skipped by the max (its second operand, mx, wins) and reach the sum through exp2. */
+        __m256 mx = _mm256_set1_ps(m[r]);
+        for (int c = 0; c < cols; c += 8) mx = _mm256_max_ps(_mm256_loadu_ps(x + c), mx);
+        const float m_new = hmax(mx), sub = m_new == -INFINITY ? 0.0f : m_new;
+        const float a = m_new == -INFINITY ? 1.0f : _mm256_cvtss_f32(exp2_ps(_mm256_set1_ps(m[r] - sub)));
+        const __m256 vsub = _mm256_set1_ps(sub);
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < cols; c += 8) {
+            const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), vsub));
+            _mm256_storeu_ps(x + c, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        alpha[r] = a;
+        l[r] = l[r] * a + hsum(sum);
+        m[r] = m_new;
+    }
+}
+
 const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
     .name = "avx2_6x16",
     .mr = 6,
@@ -187,5 +266,7 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
     .exp2 = exp2_avx2,
     .f16_to_f32 = f16_avx2,
     .bf16_to_f32 = bf16_avx2,
+    .dots = flashc_cpu_dots_avx2,
+    .softmax_rows = flashc_cpu_softmax_rows_avx2,
 };
 #endif

@@ -180,5 +180,7 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
     .exp2 = exp2_avx512,
     .f16_to_f32 = f16_avx512,
     .bf16_to_f32 = bf16_avx512,
+    .dots = flashc_cpu_dots_avx2,
+    .softmax_rows = flashc_cpu_softmax_rows_avx2,
 };
 #endif

@@ -64,6 +64,34 @@ static void bf16_generic(int n, const uint16_t *src, float *dst) {
     for (int i = 0; i < n; i++) dst[i] = flashc_bf16_to_f32(src[i]);
 }
 
+static void dots_generic(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                         float *s, int64_t lds) {
+    for (int c = 0; c < cols; c++) {
+        const float *kc = k + (int64_t)c * ldk;
+        for (int r = 0; r < rows; r++) {
+            const float *qr = q + (int64_t)r * ldq;
+            float acc = 0.0f;
+            for (int d = 0; d < D; d++) acc += qr[d] * kc[d];
+            s[(int64_t)r * lds + c] = acc;
+        }
+    }
+}
+
+static void softmax_rows_generic(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha) {
+    for (int r = 0; r < rows; r++) {
+        float *x = s + (int64_t)r * lds, mx = m[r], sum = 0.0f;
+        for (int c = 0; c < cols; c++) mx = fmaxf(mx, x[c]);
+        const float sub = mx == -INFINITY ? 0.0f : mx;
+        alpha[r] = mx == -INFINITY ? 1.0f : exp2f(m[r] - sub);
+        for (int c = 0; c < cols; c++) {
+            x[c] = exp2f(x[c] - sub);
+            sum += x[c];
+        }
+        l[r] = l[r] * alpha[r] + sum;
+        m[r] = mx;
+    }
+}
+
 const flashc_cpu_kernels flashc_cpu_kernels_generic = {
     .name = "generic",
     .mr = 1,
@@ -74,4 +102,6 @@ const flashc_cpu_kernels flashc_cpu_kernels_generic = {
     .exp2 = exp2_generic,
     .f16_to_f32 = f16_generic,
     .bf16_to_f32 = bf16_generic,
+    .dots = dots_generic,
+    .softmax_rows = softmax_rows_generic,
 };

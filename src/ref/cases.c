@@ -191,6 +191,18 @@ static const flashc_case full_table[] = {
     CASE2("sinks_d256_softcap_f16", F16, 1, 128, 200, 2, 2, 256, 0, -1, -1, 10.0f, 0, 0, 0, 0, BNHD, 1, 0, 1),
     CASE2("used_sinks_bf16_mask", BF16, 3, 100, 255, 4, 2, 64, 1, 80, -1, 0, 0, 32, 48, 0, BNHD, 1, 1, 1),
 
+    /* decode and chunked prefill (Nq 1-16) against long caches: the CPU's decode path packs a GQA group's rows and
+     * splits the keys into pieces merged by lse (tests/test_cases.c checks that these rows ran on it) */
+    CASE("dec_n1_gqa4", F32, 1, 1, 4100, 8, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1),
+    CASE2("dec_n1_bf16_used_sinks", BF16, 3, 1, 2000, 8, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 1, 1),
+    CASE("dec_n4_f16_causal_g8", F16, 2, 4, 1500, 16, 2, 96, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1),
+    CASE2("dec_n16_window_g8_used", F32, 2, 16, 3000, 8, 1, 64, 0, 300, 0, 0, 0, 0, 0, 0, BNHD, 0, 1, 0),
+    CASE("dec_n7_bf16_softcap_alibi", BF16, 2, 7, 1000, 4, 2, 59, 1, -1, -1, 20.0f, 2, 0, 0, 0, BNHD, 1),
+    CASE2("dec_n3_varlen_bf16_sinks", BF16, 4, 3, 1200, 8, 4, 128, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 1),
+    CASE("dec_n1_mqa_bhnd", F32, 2, 1, 5000, 16, 1, 32, 0, -1, -1, 0, 0, 0, 0, 0, BHND, 0),
+    CASE("dec_n2_f16_mask_padded", F16, 2, 2, 777, 4, 2, 80, 0, -1, -1, 0, 1, 1, 50, 0, PAD, 1),
+    CASE("dec_n1_d256_win", F32, 2, 1, 1100, 4, 1, 256, 0, 500, -1, 0, 0, 0, 0, 0, BNHD, 1),
+
     /* everything at once */
     CASE("all_bf16", BF16, 3, 255, 255, 4, 2, 64, 1, 90, -1, 8.0f, 2, 19, 29, 1, PAD, 1),
     CASE("all_f32", F32, 3, 128, 255, 4, 1, 96, 0, 60, 20, 8.0f, 2, 29, 19, 1, BHND, 1),
@@ -215,6 +227,7 @@ static const flashc_case quick_table[] = {
     CASE("q_padded", F16, 2, 37, 29, 2, 1, 80, 0, -1, -1, 0, 0, 0, 0, 0, PAD, 1),
     CASE("q_all", F32, 3, 45, 61, 4, 2, 48, 1, 20, -1, 5.0f, 2, 11, 7, 1, PAD, 1),
     CASE2("q_used_sinks", BF16, 3, 33, 70, 4, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 1),
+    CASE2("q_dec_n2_gqa", F32, 2, 2, 600, 8, 2, 48, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 1),
 };
 
 const flashc_case *flashc_case_table(int full, size_t *count) {
