@@ -5,6 +5,8 @@ Two ways to call it:
 * flashc's own: ``out, lse = flashc.attention(q, k, v, causal=True, ...)`` on numpy arrays (CPU) or torch tensors
   (CPU or CUDA, differentiable), layout (B, N, H, D); ``flashc.attention_backward(dout, q, k, v, out, lse, ...)``
   gives dq, dk, dv without autograd.
+* ``flashc.merge_attention(out_a, lse_a, out_b, lse_b)`` merges two partial results over disjoint keys (cascade
+  attention, ring / context parallelism).
 * drop-in: flash-attn 2.x's functions (``flashc.flash_attn_func`` and friends, also importable from
   ``flashc.flash_attn_interface``) and ``flashc.scaled_dot_product_attention`` with torch's (B, H, N, D) layout.
 
@@ -33,7 +35,8 @@ __all__ = [
     "FlashcError", "FlashcCopyWarning", "attention", "attention_backward", "scaled_dot_product_attention",
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
-    "library_version", "library_path", "cuda_available", "cpu_features", "set_num_threads", "get_num_threads",
+    "merge_attention", "library_version", "library_path", "cuda_available", "cpu_features", "set_num_threads",
+    "get_num_threads",
 ]
 
 
@@ -108,6 +111,28 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
     from . import _numpy
 
     return _numpy.attention_backward(dout, q, k, v, out, softmax_lse, **kw)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+    """Merges two partial attention results, each over its own set of keys, into the attention over both (cascade
+    attention, split-KV, ring / context parallelism): returns (out, lse) with
+        lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b,
+    computed in fp32 and rounded once to the parts' dtype.
+
+    out_a, out_b: (B, Nq, H, D), or (total_q, H, D) packed (varlen), any strides, one dtype; lse_a, lse_b: their
+    softmax_lse as attention() returns it, (B, H, Nq) or (H, total_q). A part whose lse is +inf (a row that saw no key)
+    or -inf is empty and not read: the other part comes out bit for bit; both empty give 0 and lse +inf. out and lse:
+    where to write (new arrays when None); out may be out_a or out_b and lse may be lse_a or lse_b (in place, as
+    FlashInfer's merge_state_in_place). numpy arrays run on the CPU; torch tensors where they live, and are
+    differentiable w.r.t. all four inputs when out and lse are not given. More than two parts merge two at a time.
+    """
+    if _is_torch(out_a):
+        from . import _torch
+
+        return _torch.merge(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
+    from . import _numpy
+
+    return _numpy.merge(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,

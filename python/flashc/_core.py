@@ -155,6 +155,41 @@ def kvcache_append_status(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr
     return _lib.lib.flashc_kvcache_append(ctx.handle, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr)
 
 
+def merge_lse_shape(out_shape):
+    """The lse shape of merge parts shaped out_shape: (B, H, Nq) for (B, Nq, H, D), (H, total_q) for packed
+    (total_q, H, D)."""
+    if len(out_shape) == 4:
+        return (out_shape[0], out_shape[2], out_shape[1])
+    if len(out_shape) == 3:
+        return (out_shape[1], out_shape[0])
+    raise ValueError("flashc: merge parts must be (B, Nq, H, D), or (total_q, H, D) packed (varlen), got shape %s"
+                     % (tuple(out_shape),))
+
+
+def check_merge_shapes(out_a, lse_a, out_b, lse_b, out=None, lse=None):
+    """Shapes of merge_attention's arguments (tuples; out, lse None when not given); returns the lse shape."""
+    want = merge_lse_shape(out_a)
+    if tuple(out_b) != tuple(out_a):
+        raise ValueError("flashc: out_a and out_b must have one shape, got %s and %s" % (tuple(out_a), tuple(out_b)))
+    if out is not None and tuple(out) != tuple(out_a):
+        raise ValueError("flashc: out must have out_a's shape %s, got %s" % (tuple(out_a), tuple(out)))
+    for name, shape in (("lse_a", lse_a), ("lse_b", lse_b), ("lse", lse)):
+        if shape is not None and tuple(shape) != want:
+            raise ValueError("flashc: %s must be %s = %s for parts of shape %s (the forward's softmax_lse), got %s"
+                             % (name, "(B, H, Nq)" if len(out_a) == 4 else "(H, total_q)", want, tuple(out_a),
+                                tuple(shape)))
+    return want
+
+
+def merge_status(ctx, out_a, lse_a_ptr, out_b, lse_b_ptr, out, lse_ptr):
+    """flashc_merge on flashc_tensor views and lse pointers (lse_ptr None: not written); returns the status."""
+    if not _lib.bound("flashc_merge"):
+        raise NotImplementedError(
+            "flashc: merge_attention needs a libflashc with flashc_merge; the loaded %s (version %s) lacks it: "
+            "rebuild it" % (_lib.library_path, _lib.version()))
+    return _lib.lib.flashc_merge(ctx.handle, out_a, lse_a_ptr, out_b, lse_b_ptr, out, lse_ptr)
+
+
 def workspace_size(ctx, op, q, k, v, params):
     import ctypes
 

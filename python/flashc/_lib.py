@@ -173,6 +173,7 @@ for _name, (_res, _args) in _SIGNATURES.items():
 # loads; their callers raise NotImplementedError naming the function otherwise (see bound()).
 _OPTIONAL_SIGNATURES = {
     "flashc_kvcache_append": (ctypes.c_int, [_p, _TP, _TP, _TP, _TP, _p]),
+    "flashc_merge": (ctypes.c_int, [_p, _TP, _p, _TP, _p, _TP, _p]),
 }
 _BOUND = set()
 for _name, (_res, _args) in _OPTIONAL_SIGNATURES.items():

@@ -188,3 +188,49 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
                    "flashc_backward", ctx.handle)
     grads = (dq4[0], dk4[0], dv4[0]) if varlen else (dq4, dk4, dv4)
     return grads if dsinks is None else grads + (dsinks,)
+
+
+def _merged_lse(la, lb):
+    """The merged lse by flashc_merge's rule, for shapes the library is not called on (a head dim of 0): an infinite
+    lse is an empty part; both empty give +inf."""
+    ea, eb = np.isinf(la), np.isinf(lb)
+    with np.errstate(invalid="ignore"):
+        m = np.logaddexp(np.where(ea, -np.inf, la), np.where(eb, -np.inf, lb))
+    return np.where(ea & eb, np.inf, m).astype(np.float32)
+
+
+def merge(out_a, lse_a, out_b, lse_b, out=None, lse=None):
+    """out, lse = merge(...) on numpy arrays (see flashc.merge_attention)."""
+    for n, a in (("out_a", out_a), ("out_b", out_b)) + ((("out", out),) if out is not None else ()):
+        if not isinstance(a, np.ndarray):
+            raise TypeError("flashc: %s must be a numpy array (or a torch tensor), got %s" % (n, type(a).__name__))
+        _dtype(n, a)
+    if out_b.dtype != out_a.dtype or (out is not None and out.dtype != out_a.dtype):
+        raise TypeError("flashc: out_a, out_b%s must share one dtype, got %s" % (
+            " and out" if out is not None else "",
+            ", ".join(str(a.dtype) for a in (out_a, out_b, out) if a is not None)))
+    la, lb = np.asarray(lse_a), np.asarray(lse_b)
+    want = _core.check_merge_shapes(out_a.shape, la.shape, out_b.shape, lb.shape,
+                                    None if out is None else out.shape, None if lse is None else np.shape(lse))
+    # lse inputs as fp32 contiguous: the same arrays when they are already (so that lse=lse_a stays in place)
+    la, lb = np.ascontiguousarray(la, dtype=np.float32), np.ascontiguousarray(lb, dtype=np.float32)
+    if out is None:
+        out = np.empty(out_a.shape, dtype=out_a.dtype)
+    elif any(s % out.itemsize for s in out.strides):
+        raise ValueError("flashc: out's strides %s are not whole elements" % (out.strides,))
+    if lse is None:
+        lse = np.empty(want, dtype=np.float32)
+    elif not (isinstance(lse, np.ndarray) and lse.dtype == np.float32 and lse.flags.c_contiguous):
+        raise ValueError("flashc: lse (the merged lse output) must be a C-contiguous float32 array")
+    if 0 in out.shape:
+        if out.shape[-1] == 0 and lse.size:
+            lse[...] = _merged_lse(la, lb)
+        return out, lse
+    varlen = out.ndim == 3
+    ta, a4 = _view(_as4(out_a, varlen))
+    tb, b4 = _view(_as4(out_b, varlen))
+    to, _ = _view(_as4(out, varlen))
+    ctx = _lib.context(_lib.BACKEND_CPU, 0)
+    _lib.check(_core.merge_status(ctx, ta, la.ctypes.data, tb, lb.ctypes.data, to, lse.ctypes.data), "flashc_merge",
+               ctx.handle)
+    return out, lse

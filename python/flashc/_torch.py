@@ -592,3 +592,101 @@ def _append(q, k_cache, v_cache, k, v, seqlens, opts):
     if bump is not None:
         for t in (k_cache, v_cache):
             bump(t)
+
+
+# ---- merging partial results: flashc_merge ------------------------------------------------------------------------
+def _lse_rows(x, varlen):
+    """lse (B, H, Nq) or (H, total_q) to the parts' row order, (B, Nq, H) or (total_q, H), and back (its own
+    inverse)."""
+    return x.transpose(-1, -2) if varlen else x.transpose(1, 2)
+
+
+def _merged_lse(la, lb):
+    """flashc_merge's lse rule with torch operations (shapes the library is not called on): an infinite lse is an
+    empty part; both empty give +inf."""
+    la, lb = la.float(), lb.float()
+    ea, eb = torch.isinf(la), torch.isinf(lb)
+    m = torch.logaddexp(la.masked_fill(ea, float("-inf")), lb.masked_fill(eb, float("-inf")))
+    return m.masked_fill(ea & eb, float("inf"))
+
+
+def _merge(out_a, lse_a, out_b, lse_b, out=None, lse=None):
+    """flashc_merge on checked tensors; out, lse: the outputs, or None for new ones."""
+    device = out_a.device
+    want = _core.merge_lse_shape(out_a.shape)
+    # fp32 contiguous lse inputs: the same tensors when they already are, so that lse=lse_a stays in place
+    la = lse_a.to(device=device, dtype=torch.float32).contiguous()
+    lb = lse_b.to(device=device, dtype=torch.float32).contiguous()
+    if out is None:
+        out = torch.empty_like(out_a)
+    if lse is None:
+        lse = torch.empty(want, dtype=torch.float32, device=device)
+    if out.numel() == 0:
+        if out.shape[-1] == 0 and lse.numel():
+            lse.copy_(_merged_lse(la, lb))
+        return out, lse
+    varlen = out.dim() == 3
+    a4, b4, o4 = (t.unsqueeze(0) if varlen else t for t in (out_a, out_b, out))
+    with _device_guard(device):
+        ctx = _context(device)
+        st = _core.merge_status(ctx, _view(a4), la.data_ptr(), _view(b4), lb.data_ptr(), _view(o4), lse.data_ptr())
+        _lib.check(st, "flashc_merge", ctx.handle)
+    return out, lse
+
+
+class _MergeFunction(torch.autograd.Function):
+    """out = wa out_a + wb out_b, lse = logaddexp(lse_a, lse_b), wa = exp(lse_a - lse) (0 for an empty part):
+    d out_a = wa dout; d lse_a = wa (rowsum(dout (out_a - out)) + dlse); likewise b."""
+
+    @staticmethod
+    def forward(ctx, out_a, lse_a, out_b, lse_b):
+        out, lse = _merge(out_a, lse_a, out_b, lse_b)
+        ctx.save_for_backward(out_a, lse_a, out_b, lse_b, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out_a, lse_a, out_b, lse_b, out, lse = ctx.saved_tensors
+        varlen = out.dim() == 3
+        do, o = dout.float(), out.float()
+        grads = []
+        for part, l in ((out_a, lse_a), (out_b, lse_b)):
+            lf = l.float()
+            empty = torch.isinf(lf) | (lse == float("inf"))
+            w = torch.exp(lf - lse).masked_fill(empty, 0.0)  # (B, H, Nq), 0 for an empty part
+            wr = _lse_rows(w, varlen)[..., None]
+            dpart = (wr * do).to(part.dtype)
+            s = _lse_rows((do * (part.float() - o)).sum(-1), varlen)  # rowsum, back in lse's layout
+            dl = (w * (s + dlse.float())).masked_fill(empty, 0.0)  # an empty part's garbage reaches nothing
+            grads += [dpart, dl.to(l.dtype)]
+        return tuple(grads)
+
+
+def merge(out_a, lse_a, out_b, lse_b, out=None, lse=None):
+    """(out, lse) of two partial results (see flashc.merge_attention); differentiable w.r.t. all four inputs when
+    out and lse are not given."""
+    device = out_a.device if isinstance(out_a, torch.Tensor) else None
+    named = [("out_a", out_a), ("out_b", out_b)] + ([("out", out)] if out is not None else [])
+    for n, t in named:
+        _check(n, t, device)
+    for n, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError("flashc: %s must be a floating-point torch.Tensor (fp32, the forward's softmax_lse)" % n)
+        if t.device != device:
+            raise ValueError("flashc: %s is on %s but out_a is on %s; all tensors must be on one device"
+                             % (n, t.device, device))
+    if out_b.dtype != out_a.dtype or (out is not None and out.dtype != out_a.dtype):
+        raise TypeError("flashc: out_a, out_b%s must share one dtype, got %s" % (
+            " and out" if out is not None else "",
+            ", ".join(str(t.dtype) for t in (out_a, out_b, out) if t is not None)))
+    _core.check_merge_shapes(out_a.shape, lse_a.shape, out_b.shape, lse_b.shape,
+                             None if out is None else out.shape, None if lse is None else lse.shape)
+    if lse is not None and not (isinstance(lse, torch.Tensor) and lse.dtype == torch.float32 and lse.is_contiguous()
+                                and lse.device == device):
+        raise ValueError("flashc: lse (the merged lse output) must be a contiguous float32 tensor on %s" % device)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out_a, lse_a, out_b, lse_b)):
+        if out is not None or lse is not None:
+            raise RuntimeError("flashc.merge_attention: out= and lse= do not support automatic differentiation; "
+                               "leave them out (or call under torch.no_grad())")
+        return _MergeFunction.apply(out_a, lse_a, out_b, lse_b)
+    return _merge(out_a, lse_a, out_b, lse_b, out, lse)
