@@ -14,6 +14,10 @@ of the cache that together they span more than --cold-bytes (default 3x this CPU
 the same rotation for both. Time: median over --runs rounds of the per-call mean of one pass over the copies, the
 two libraries in turns. Bandwidth: K+V bytes one call reads over its time; beside it the machine's copy (torch
 copy_ of a 512 MiB buffer at the same thread count, read + write bytes over time) and read (torch sum of it).
+
+OMP_WAIT_POLICY defaults to active here (set it to override): on the 2-vCPU dev VM an OpenMP worker that has gone to
+sleep between calls took 8-16 ms to wake while other processes ran, for torch and flashc alike (both use libgomp), so
+the default policy measured the hypervisor's scheduling rather than either library.
 """
 import argparse
 import os
@@ -21,7 +25,8 @@ import statistics
 import sys
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "active")  # before libgomp loads (torch or flashc)
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import flashc  # noqa: E402
@@ -79,7 +84,7 @@ def main():
     print(f"# {cpu}: {os.cpu_count()} cores, L3 {l3_bytes() >> 20} MiB; torch {torch.__version__}, flashc "
           f"{flashc.library_version()} ({flashc.library_path}), kernels {flashc.cpu_features()}")
     print(f"# decode: B 1, Nq 1, cache full (cache_seqlens = Nk), caches cold (copies spanning "
-          f"{args.cold_bytes >> 20} MiB), median of {args.runs}")
+          f"{args.cold_bytes >> 20} MiB), median of {args.runs}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     bw = {}
     for n in threads:
         bw[n] = bandwidth(n)
