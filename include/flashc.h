@@ -293,9 +293,9 @@ FLASHC_API flashc_status flashc_kvcache_append(flashc_context_t ctx, const flash
  * (1, total_q, H, D) and lse (H, total_q)) -> the attention over both key sets,
  *   lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b,
  * computed in fp32 and rounded once to out's dtype. out_a, out_b and out share one shape and dtype, any strides;
- * the lse arrays are fp32 and contiguous. lse: NULL leaves it unwritten.
+ * the lse arrays are fp32 and contiguous; every pointer is aligned to its elements. lse: NULL leaves it unwritten.
  * A part whose lse is +inf (flashc's and flash-attn's row that saw no key) or -inf (the log of an empty sum) is
- * empty and its out is not read: the other part comes out as it went in, bit for bit (its out, its lse); two empty
+ * empty and its out is not used: the other part comes out as it went in, bit for bit (its out, its lse); two empty
  * parts give out 0 and lse +inf. A NaN lse makes that row NaN. With attention sinks, let one part only hold each
  * head's sink (its lse includes it).
  * In place: out may be out_a or out_b (the same view: data and strides), lse may be lse_a or lse_b; otherwise no

@@ -957,6 +957,14 @@ flashc_status flashc_merge(flashc_context_t ctx, const flashc_tensor *out_a, con
     FLASHC_TRY(byte_range(ctx, "lse_a", lse_a, rows, 4, &lo[LA], &hi[LA]));
     FLASHC_TRY(byte_range(ctx, "lse_b", lse_b, rows, 4, &lo[LB], &hi[LB]));
     if (lse) FLASHC_TRY(byte_range(ctx, "lse", lse, rows, 4, &lo[L], &hi[L]));
+    /* Whole elements only: a GPU faults (and its context stays broken) on a misaligned load. */
+    const void *ptrs[N] = {out_a->data, out_b->data, out->data, lse_a, lse_b, lse};
+    for (int i = 0; i < N; i++) {
+        const uintptr_t align = i < LA ? (uintptr_t)flashc_dtype_size(out->dtype) : 4;
+        if ((uintptr_t)ptrs[i] % align)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s (%p) is not aligned to its %u-byte elements",
+                              names[i], ptrs[i], (unsigned)align);
+    }
     /* In place: an output may be an input's very view (each row is read before it is written, by whoever writes it);
      * otherwise it shares no byte with any input or with the other output. Inputs may overlap each other. */
     const int same[N][N] = {[O] = {[OA] = same_view(out, out_a), [OB] = same_view(out, out_b)},

@@ -42,12 +42,15 @@ static void refusals(flashc_context_t ctx) {
         {"lse overlapping out", to, la, lb, o + 3, 0, 0},
         {"lse overlapping out_b", to, la, lb, b, 0, 0},
         {"out broadcast (a zero stride)", to, la, lb, lo, 0, 0},
+        {"lse_b not 4-byte aligned", to, la, (const float *)((const char *)lb + 2), lo, 0, 0},
+        {"out not aligned to its elements", to, la, lb, lo, 0, 0},
     };
     const int n = (int)(sizeof cases / sizeof cases[0]);
     cases[4].out.data = a + 1;
     cases[5].out.data = a, cases[5].out.stride[1] = D, cases[5].out.stride[2] = N * D; /* (B, H, N, D) over out_a */
     cases[6].out.data = lb;
     cases[10].out.stride[1] = 0;
+    cases[12].out.data = (char *)o + 2;
     for (int c = 0; c < n; c++) {
         memset(o, 0xff, EL * 4);
         memset(lo, 0xff, ROWS * 4);

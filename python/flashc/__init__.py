@@ -121,7 +121,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
 
     out_a, out_b: (B, Nq, H, D), or (total_q, H, D) packed (varlen), any strides, one dtype; lse_a, lse_b: their
     softmax_lse as attention() returns it, (B, H, Nq) or (H, total_q). A part whose lse is +inf (a row that saw no key)
-    or -inf is empty and not read: the other part comes out bit for bit; both empty give 0 and lse +inf. out and lse:
+    or -inf is empty and not used: the other part comes out bit for bit; both empty give 0 and lse +inf. out and lse:
     where to write (new arrays when None); out may be out_a or out_b and lse may be lse_a or lse_b (in place, as
     FlashInfer's merge_state_in_place). numpy arrays run on the CPU; torch tensors where they live, and are
     differentiable w.r.t. all four inputs when out and lse are not given. More than two parts merge two at a time.
