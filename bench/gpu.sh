@@ -85,7 +85,7 @@ if step build "$LOG/build.log" 600 cmake --build build-gpu -j "$(nproc)"; then
     # g: the generic score step of the Hopper forward (softcap, ALiBi) under a sliding window with both sides;
     # v: varlen on both Hopper kernels (ragged sequences: the tails that read the next sequence's rows), causal.
     # u: seqused_k and sinks (the VARLEN kernels on fixed-length batches, the backward's post step).
-    for variant in "g:--window 300,20 --softcap 30 --alibi" "v:--causal --varlen" "u:--causal --used --sinks"; do
+    for variant in "g:--window 300,20 --softcap 30 --alibi" "v:--causal --varlen" "u:--causal --used --sinks" "b:--causal --blockmask 96"; do
       for d in 64 128 256; do
         for tool in memcheck racecheck; do
           step "$tool sm90 d$d ${variant#*:}" "$LOG/${tool}_sm90${variant%%:*}_d$d.log" "${SANITIZE_LIMIT:-150}" env \

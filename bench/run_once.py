@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--varlen", action="store_true", help="B sequences of lengths in [N/2, N] packed (cu_seqlens)")
     ap.add_argument("--used", action="store_true", help="seqused_k: each sequence uses a random part of its keys")
     ap.add_argument("--sinks", action="store_true", help="attention sinks, one per head (and their gradient)")
+    ap.add_argument("--blockmask", type=int, default=0, metavar="BLK",
+                    help="a random block mask (about half the blocks kept) of BLK x BLK blocks, per head")
     args = ap.parse_args()
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -52,12 +54,16 @@ def main():
             kw["seqused_k"] = torch.minimum(kw["seqused_k"].cpu(), lens.to(torch.int32)).cuda()
     if args.sinks:
         kw["sinks"] = torch.randn(H, device="cuda")
+    if args.blockmask:
+        nb = (args.n + args.blockmask - 1) // args.blockmask
+        kw["block_mask"] = (torch.rand(H, nb, nb, generator=torch.Generator().manual_seed(2)) < 0.5).to(torch.uint8).cuda()
+        kw["block_size"] = (args.blockmask, args.blockmask)
     for _ in range(args.repeat):
         out, lse = flashc.attention(q, k, v, **kw)
         if not args.no_bwd:
             flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)
     torch.cuda.synchronize()
-    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if x not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")}))
+    print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if x not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks", "block_mask")}))
 
 
 if __name__ == "__main__":

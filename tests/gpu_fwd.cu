@@ -25,20 +25,22 @@ static int failures = 0;
 
 /* ---- the shared table ------------------------------------------------------------------------------- */
 
-/* The cases of the table with each score modifier or mask on 16-bit inputs, which the Hopper kernel takes (when
- * they are neither varlen nor block-sparse), and how many of them ran on it. */
-enum { FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_USED, FEAT_SINKS, FEAT_N };
-static const char *const feat_name[FEAT_N] = {"window", "softcap", "alibi", "varlen", "seqused_k", "sinks"};
+/* The cases of the table with each score modifier or mask on 16-bit inputs, all of which the Hopper kernel takes,
+ * and how many of them ran on it. */
+enum { FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_USED, FEAT_SINKS, FEAT_BLOCK, FEAT_N };
+static const char *const feat_name[FEAT_N] = {"window", "softcap", "alibi", "varlen", "seqused_k", "sinks",
+                                              "block-mask"};
 typedef struct feature_tally {
     int cases[FEAT_N], sm90[FEAT_N];
 } feature_tally;
 
 static void feature_add(feature_tally *ft, const flashc_case *c, const char *kernel) {
-    if (!ft || c->dtype == FLASHC_DTYPE_F32 || c->block_q) return;
+    /* (padded layouts pitch heads by d + 3 elements: rows that are not 16-byte aligned, which TMA cannot load) */
+    if (!ft || c->dtype == FLASHC_DTYPE_F32 || c->layout == FLASHC_LAYOUT_PADDED) return;
     if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
     if (kernel && strstr(kernel, "split-KV")) return; /* few blocks: the keys are split, on mma.sync by design */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
-                             c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0};
+                             c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0};
     for (int f = 0; f < FEAT_N; f++)
         if (has[f]) {
             ft->cases[f]++;
@@ -323,8 +325,8 @@ int main(int argc, char **argv) {
     feature_tally feats = {};
     run_table(ctx, !quick, 1000, &kernels, &feats);
     tally_print("table", &kernels);
-    /* The table covers both generations on a Hopper GPU: plain, causal, window, softcap and ALiBi rows on the Hopper
-     * kernel, the features it lacks (block masks, varlen) and f32 on mma.sync. */
+    /* The table covers both generations on a Hopper GPU: 16-bit rows at its head dims on the Hopper kernel (every
+     * mask and score modifier), f32, other head dims and split keys on mma.sync. */
     const int n_sm80 = tally_count(&kernels, "sm80"), n_sm90 = tally_count(&kernels, "sm90");
     /* (The reduced table of --quick, for the sanitizers, is too small to promise both.) */
     const int cover = n_sm80 + n_sm90 == tally_total(&kernels) && (quick || (n_sm80 > 0 && (!hopper || n_sm90 > 0)));

@@ -104,6 +104,12 @@ static size_t bwd_workspace(const flashc_problem *p) {
     return bytes;
 }
 
+/* Where the Hopper kernel's block-mask bitmaps start in the workspace: after D_i and the dQ sums, 16-byte aligned. */
+static size_t bwd_bm_tiles_offset(const flashc_problem *p) {
+    const size_t w = bwd_workspace(p);
+    return w > SIZE_MAX - 15 ? SIZE_MAX : (w + 15) / 16 * 16;
+}
+
 static const char *const bwd_path_names[] = {
     "CUDA cores", "tensor cores (mma.sync)", "sm90 (wgmma, TMA, warp-specialized)",
     "sm90 (wgmma, TMA, warp-specialized) dK/dV + mma.sync dQ (deterministic)"};
@@ -127,7 +133,12 @@ const char *flashc_cuda_bwd_plan(const flashc_problem *p, int sm90, int simt_onl
             if (!p->dout.data) like.dout = p->q;
             flashc_bwd_args a;
             make_args(&like, fc_btile_for(bwd_entries[plan->entry].d), NULL, NULL, &a);
-            if (flashc_bwd_sm90_supports(&a)) plan->path = p->deterministic ? FC_BWD_SM90_DET : FC_BWD_SM90;
+            if (flashc_bwd_sm90_supports(&a)) {
+                plan->path = p->deterministic ? FC_BWD_SM90_DET : FC_BWD_SM90;
+                /* a block mask's bitmaps after D_i and the dQ sums (bwd_bm_tiles_at) */
+                const size_t bm = flashc_bwd_sm90_workspace(&a);
+                if (bm) plan->workspace = flashc_size_add(bwd_bm_tiles_offset(p), bm);
+            }
         }
     }
     plan->kernel = bwd_path_names[plan->path];
@@ -364,7 +375,10 @@ static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_
     if ((int64_t)a.n_kblk * a.Hkv * a.B > 0) {
         size_t smem;
         if ((err = bwd_entries[e].fn(&a, stream, 2, &smem)) != cudaSuccess) return err;
-        if (plan->path == FC_BWD_SM90 || plan->path == FC_BWD_SM90_DET) err = flashc_bwd_sm90_launch(&a, stream);
+        if (plan->path == FC_BWD_SM90 || plan->path == FC_BWD_SM90_DET) {
+            if (a.bm) a.bm_tiles = (const uint32_t *)((char *)workspace + bwd_bm_tiles_offset(p));
+            err = flashc_bwd_sm90_launch(&a, stream);
+        }
         else err = bwd_entries[e].fn(&a, stream, 0, NULL);
         if (err != cudaSuccess) return err;
     }

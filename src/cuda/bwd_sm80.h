@@ -37,6 +37,8 @@ typedef struct flashc_bwd_args {
     int64_t total_k; /* rows of k and v: B * Nk, or the packed length with varlen (last: the fields before keep
                       * their offsets in the kernels' parameter space) */
     const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
+    const uint32_t *bm_tiles; /* the block mask by the Hopper kernel's tiles, a row per key tile (bm_tiles.h) */
+    int bm_tiles_w;           /* words per half of a bitmap row (fc_bm_tile_words) */
 } flashc_bwd_args;
 
 /*

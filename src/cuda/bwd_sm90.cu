@@ -40,7 +40,9 @@
  * key, its left edge for the last) are skipped; keys past the end and elements outside a row's band get P = 0
  * (so dS = 0) on the tiles an edge or the end cuts. Softcap and ALiBi take the element formula of the mma.sync
  * kernel (fc_bwd_elem), so that P is the forward's. Rows past the end of the queries (zero-filled by TMA) get
- * lse2 = +inf and D = 0, so P = dS = 0 there. Block masks stay on the mma.sync kernel.
+ * lse2 = +inf and D = 0, so P = dS = 0 there. Block masks (kernels of their own, BMASK, among the VARLEN ones):
+ * the steps are the query tiles of each head's bitmap row of this key tile (bm_tiles.h, built before the launch),
+ * and the steps the mask cuts take the element test with the mask's bytes.
  *
  * Varlen (kernels of their own, VARLEN, so that the fixed-length ones keep their machine code): the tensor maps
  * span the packed rows, a block's sequence comes from cu_seqlens and its loads, dQ reductions and dK/dV rows start
@@ -49,6 +51,7 @@
  * Q and dO (fc90_clear_rows) so that no value of another sequence reaches a gradient (0 x NaN); the dQ rows the
  * last query tile adds past its sequence receive zeros.
  */
+#include "bm_tiles.h"    /* the block mask as per-tile bitmaps */
 #include "bwd_sm80.cuh" /* fc_bwd_store2; fc_bwd_elem, fc_exp2, fc_pack2 of score.cuh / common.cuh */
 #include "bwd_sm90.h"
 #include "sm90.cuh"
@@ -141,7 +144,27 @@ static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[N / 2], con
  * its Q and dO in L2. Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over
  * (d, Nk, Hkv, B) with boxes of 64 x bn. DQ: the dQ product and its reductions are on (a.dq_acc is set).
  */
-template <int D, int BF, int DQ, bool VARLEN>
+/*
+ * Step it of a block (key tile kt of sequence b, kv head hk): head gi of the group and query tile mt. Without a
+ * block mask the steps are the band's query tiles [mb_lo, mb_hi] of each head in turn (per_head of them); with one
+ * (BMASK) the set bits in that range of each head's bitmap row, walked in order: (gi, mt) moves from the step
+ * before (start: gi 0, mt mb_lo - 1), and the caller counted the steps.
+ */
+template <bool BMASK>
+static __device__ __forceinline__ void fc90b_step(const flashc_bwd_args &a, int b, int hk, int kt, int group,
+                                                  int mb_lo, int mb_hi, int per_head, int it, int &gi, int &mt) {
+    if constexpr (!BMASK) {
+        gi = it / per_head, mt = mb_lo + it % per_head;
+    } else {
+        for (;;) {
+            mt = fc_bits_find(fc_bm_tile_bits(a, b, hk * group + gi, kt, a.n_kblk), mt + 1, mb_hi + 1);
+            if (mt <= mb_hi) return;
+            ++gi, mt = mb_lo - 1;
+        }
+    }
+}
+
+template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false>
 __global__ void __launch_bounds__(FC90B_THREADS, 1)
     fc90_bwd_kernel(const __grid_constant__ flashc_bwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -191,7 +214,13 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     if (wl >= 0) mb_hi = min(mb_hi, (min(n0 + BN, nk) - 1 - diag + wl) / BM);
     const int per_head = mb_hi >= mb_lo && (wl < 0 || min(n0 + BN, nk) - 1 - diag + wl >= 0) ? mb_hi - mb_lo + 1 : 0;
     /* (head of the group, query tile), the tile fastest; none for a key tile past a shorter sequence (varlen) */
-    const int items = VARLEN && (n0 >= nk || nq <= 0) ? 0 : per_head * group;
+    int items = VARLEN && (n0 >= nk || nq <= 0) ? 0 : per_head * group;
+    if constexpr (BMASK) /* the band's tiles that each head's bitmap row keeps */
+        if (items > 0) {
+            items = 0;
+            for (int gi = 0; gi < group; ++gi)
+                items += fc_bits_count(fc_bm_tile_bits(a, b, hk * group + gi, kt, a.n_kblk), mb_lo, mb_hi + 1);
+        }
 
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_kv, 1);
@@ -221,8 +250,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 for (int c = 0; c < NCH; ++c)
                     fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
             }
+            int gi = 0, mt = mb_lo - 1;
             for (int it = 0; it < items; ++it) {
-                const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+                fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, gi, mt);
+                const int s = ring.slot(it), h = hk * group + gi, m0 = mt * BM;
                 ring.wait_empty(it);
                 ring.expect(it, 2 * QB);
                 for (int c = 0; c < NCH; ++c)
@@ -234,8 +265,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             }
         } else if (warp == 1) {
             /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
+            int gi = 0, mt = mb_lo - 1;
             for (int it = 0; it < items; ++it) {
-                const int s = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+                fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, gi, mt);
+                const int s = ring.slot(it), h = hk * group + gi, m0 = mt * BM;
                 ring.wait_empty(it);
                 /* lse and D_i: (B, H, Nq), or (H, total_q) with varlen */
                 const int64_t r0 = packed ? (int64_t)h * a.total_q + sq0 : ((int64_t)b * a.H + h) * nq;
@@ -294,8 +327,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
         }
     }
+    int step_gi = 0, step_mt = mb_lo - 1;
     for (int it = 0; it < items; ++it) {
-        const int slot = ring.slot(it), h = hk * group + it / per_head, m0 = (mb_lo + it % per_head) * BM;
+        fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, step_gi, step_mt);
+        const int slot = ring.slot(it), h = hk * group + step_gi, m0 = step_mt * BM;
         const uint32_t qoff = (slot * QB) >> 4;
         ring.wait_full(it);
         if constexpr (VARLEN) {
@@ -323,7 +358,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
          * its first key is left of the last row's left edge. */
         const bool cut = wg_last_key >= nk || (wr >= 0 && wg_last_key > m0 + diag + wr) ||
                          (wl >= 0 && wg_last_key - 63 < m0 + BM - 1 + diag - wl);
-        if (!generic && !cut) {
+        /* BMASK: the block mask cuts the step's tile (its bitmap's second half), so its bytes are tested too */
+        const bool part = BMASK && fc_bit(fc_bm_tile_bits(a, b, h, kt, a.n_kblk) + a.bm_tiles_w, step_mt);
+        if (!generic && !cut && !part) {
             fc90_wgmma_wait<1>();
             fc90_pin(s);
 #pragma unroll
@@ -360,7 +397,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf) {
                         const int key = key0 + 8 * hf;
-                        const bool vis = key < nk && (wr < 0 || key <= i + diag + wr) && (wl < 0 || key >= i + diag - wl);
+                        bool vis = key < nk && (wr < 0 || key <= i + diag + wr) && (wl < 0 || key >= i + diag - wl);
+                        if (BMASK && part)
+                            vis = vis && fc_bm_keeps(a, fc_bm_row(a, fc_bm_base(a, b, h), min(i, nq - 1)), key);
                         const float al = a.alibi ? slope2 * fabsf((float)(i + diag - key)) : 0.f;
                         fc_bwd_elem<fc_fast_math>(a, s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, al, vis);
                     }
@@ -596,19 +635,21 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
 /* ---- host ------------------------------------------------------------------------------------------------ */
 
-template <int D, int BF, int DQ, bool VARLEN>
+template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false>
 static cudaError_t fc90b_launch_as(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
     const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ, VARLEN>>(smem);
+    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ, VARLEN, BMASK>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_bwd_kernel<D, BF, DQ, VARLEN>
+    fc90_bwd_kernel<D, BF, DQ, VARLEN, BMASK>
         <<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
     return cudaGetLastError();
 }
 /* Varlen takes kernels of its own (VARLEN), so that the fixed-length ones keep their machine code; so does a
- * fixed-length problem whose sequences use fewer keys (seqused_k), which needs their tail clearing. */
+ * fixed-length problem whose sequences use fewer keys (seqused_k), which needs their tail clearing; and block
+ * masks, BMASK kernels among the VARLEN ones. */
 template <int D, int BF, int DQ>
 static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
+    if (a->bm) return fc90b_launch_as<D, BF, DQ, true, true>(a, tm, blocks, stream);
     return a->varlen || a->seqused_k ? fc90b_launch_as<D, BF, DQ, true>(a, tm, blocks, stream)
                      : fc90b_launch_as<D, BF, DQ, false>(a, tm, blocks, stream);
 }
@@ -628,6 +669,13 @@ static cudaError_t fc90b_dq_map(CUtensorMap *map, float *dq_acc, int D, int H, i
 }
 
 
+/* The block mask by this kernel's tiles, a bitmap row per key tile (bm_tiles.h), over the max lengths. */
+static fc_bm_tiles_args fc90b_bm_tiles_args(const flashc_bwd_args *a) {
+    const fc90_btile tl = fc90_btile_for(a->D);
+    return fc_bm_tiles_args{a->bm, a->bm_q, a->bm_k, a->bm_batch, a->bm_heads, a->bm_nqb, a->bm_nkb, a->Nq, a->Nk,
+                            tl.bm, tl.bn, 1};
+}
+
 template <int D, int BF>
 static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     constexpr fc90_btile TL = fc90_btile_for(D);
@@ -645,6 +693,13 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, (int)qr, (int)nb, TL.bm);
     else tm[4] = tm[0]; /* unused without dQ */
     if (e != cudaSuccess) return e;
+    if (a->bm) { /* the bitmaps first, into the workspace (flashc_bwd_sm90_workspace) */
+        if (!a->bm_tiles) return cudaErrorInvalidValue;
+        const fc_bm_tiles_args bt = fc90b_bm_tiles_args(a);
+        k.bm_tiles_w = fc_bm_tile_words(a->Nq, TL.bm);
+        e = fc_bm_tiles_build(&bt, (uint32_t *)a->bm_tiles, stream);
+        if (e != cudaSuccess) return e;
+    }
     if (a->dq_acc) return fc90b_launch<D, BF, FC90B_DQ_TMA>(&k, tm, blocks, stream);
     return fc90b_launch<D, BF, FC90B_DQ_NONE>(&k, tm, blocks, stream);
 }
@@ -678,7 +733,9 @@ static int fc90b_tma_ok(const void *p, const int64_t e[3], const int64_t s[3]) {
 
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
     if (a->D != 64 && a->D != 128 && a->D != 256) return 0;
-    if (a->in_mode != FC_IN_ASYNC16 || a->bm) return 0;
+    if (a->in_mode != FC_IN_ASYNC16) return 0;
+    /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu) */
+    if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nq, fc90_btile_for(a->D).bm) * 4 > 48 * 1024) return 0;
     if (!(a->score_mul > 0.f)) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
     const int64_t nb = a->varlen ? 1 : a->B;
@@ -694,4 +751,10 @@ cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream
     if (a->D == 64) return a->bf16 ? fc90b_run<64, 1>(a, stream) : fc90b_run<64, 0>(a, stream);
     if (a->D == 128) return a->bf16 ? fc90b_run<128, 1>(a, stream) : fc90b_run<128, 0>(a, stream);
     return a->bf16 ? fc90b_run<256, 1>(a, stream) : fc90b_run<256, 0>(a, stream);
+}
+
+size_t flashc_bwd_sm90_workspace(const flashc_bwd_args *a) {
+    if (!a->bm) return 0;
+    const fc_bm_tiles_args bt = fc90b_bm_tiles_args(a);
+    return fc_bm_tiles_bytes(&bt);
 }

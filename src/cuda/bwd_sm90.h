@@ -44,9 +44,13 @@ __host__ __device__ constexpr fc90_btile fc90_btile_for(int d) {
 int flashc_bwd_sm90_available(int device);
 
 /* 1 when the Hopper backward takes a: head dim exactly 64, 128 or 256, 16-bit inputs with 16-byte aligned rows
- * (TMA), no block mask (varlen, causal, windows, softcap, ALiBi and GQA are taken). Pointers that are NULL (a
- * supported() query) are taken as aligned. */
+ * (TMA) (varlen, seqused_k, causal, windows, softcap, ALiBi, block masks and GQA are taken). Pointers that are NULL
+ * (a supported() query) are taken as aligned. */
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a);
+
+/* Workspace bytes the launch needs in a->bm_tiles (16-byte aligned): a block mask's per-key-tile bitmaps
+ * (bm_tiles.h), 0 without a block mask. */
+size_t flashc_bwd_sm90_workspace(const flashc_bwd_args *a);
 
 /* Queues the dK/dV kernel (and dQ, added to the fp32 sums a->dq_acc by TMA reductions, when it is set) on stream, for a
  * problem flashc_bwd_sm90_supports accepted on a device where flashc_bwd_sm90_available holds. Builds the tensor

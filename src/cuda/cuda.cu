@@ -355,7 +355,10 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
         if (!a.q) a.q = &aligned_stand_in;
         if (!a.k) a.k = &aligned_stand_in;
         if (!a.v) a.v = &aligned_stand_in;
-        if (flashc_fwd_sm90_supports(&a, fwd_entries[e].d)) path = FWD_SM90;
+        if (flashc_fwd_sm90_supports(&a, fwd_entries[e].d)) {
+            path = FWD_SM90;
+            plan->workspace = flashc_fwd_sm90_workspace(&a); /* a block mask's per-tile bitmaps */
+        }
     }
     plan->path = path;
     plan->kernel = fwd_path_names[path];
@@ -389,6 +392,7 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     }
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     if (path == FWD_SM90) {
+        if (a.bm) a.bm_tiles = (const uint32_t *)workspace; /* plan->workspace bytes, built by the launch */
         const cudaError_t err = flashc_fwd_sm90_launch(&a, &grid, stream);
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
         return FLASHC_STATUS_OK;

@@ -42,6 +42,8 @@ typedef struct flashc_fwd_args {
                       * their offsets in the kernels' parameter space) */
     const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
     const float *sinks;       /* attention sinks per head (score.h's fc_sink_fold); NULL: none */
+    const uint32_t *bm_tiles; /* the block mask by the kernel's tiles (score.h's fc_bm_tile_bits); NULL: none */
+    int bm_tiles_w;           /* words per half of a bitmap row (fc_bm_tile_words) */
 } flashc_fwd_args;
 
 /*

@@ -62,6 +62,7 @@
  * Attention sinks: a row's sink joins the denominator in the epilogue (fc_sink_fold; VARLEN kernels, which also
  * run fixed-length problems), the lse includes it.
  */
+#include "bm_tiles.h" /* the block mask as per-tile bitmaps */
 #include "common.cuh"
 #include "fwd_sm90.h"
 #include "score.cuh" /* the score / mask step and tile ranges every kernel shares */
@@ -219,19 +220,24 @@ static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_s
  * thread's first row). Plain scores (generic false) stay raw, the scale folded into the softmax's exponent, and
  * only the elements outside the band or past the end of the keys go to -inf, when either cuts the tile. With a
  * score modifier (softcap, ALiBi: generic) every element takes score.cuh's fc_score_row, and the softmax takes
- * the scores with smul 1.
+ * the scores with smul 1. BMASK: where the block mask cuts the tile (part; bmbase: fc_bm_base of the tile's
+ * sequence and head) the blocks it drops go to -inf too (fc_bm_mask_row, or fc_score_row's element test).
  */
-template <int BC>
+template <int BC, bool BMASK>
 static __device__ __forceinline__ void fc90_scores(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
                                                    int n0, int nq, int nk, int diag, int tig, bool generic,
-                                                   float slope2) {
+                                                   float slope2, bool part, const uint8_t *bmbase) {
     const bool cut = fc_band_cuts(a, w0, w0 + 63, n0, n0 + BC - 1, diag, nk);
+    part = BMASK && part;
     if (generic) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-            fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut, false, (const uint8_t *)NULL);
-    } else if (cut) {
-        fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
+            fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut || part, part, bmbase);
+    } else {
+        if (cut) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
+        if (part)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) fc_bm_mask_row(a, s, hf, bmbase, i0 + 8 * hf, n0, nq, nk, tig);
     }
 }
 
@@ -308,7 +314,7 @@ struct fc90_fwd_smem {
  * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
  * none is left. The last block to finish sets the counters back to zero for the next launch.
  */
-template <int D, int BF, bool VARLEN>
+template <int D, int BF, bool VARLEN, bool BMASK>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
                                                          unsigned *ctr, int hg, const fc90_fwd_smem<fc90_tile_for(D).st> &sm) {
@@ -337,7 +343,9 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
         fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, &tb, &te);
-        const int hk = h / (a.H / a.Hkv), ntiles = te - tb;
+        /* BMASK: the band's key tiles that the block mask keeps for the tile (its bitmap row, fc_bm_tile_bits) */
+        const uint32_t *keep = BMASK ? fc_bm_tile_bits(a, b, h, mblk, a.n_mblk) : NULL;
+        const int hk = h / (a.H / a.Hkv), ntiles = BMASK && te > tb ? fc_bits_count(keep, tb, te) : te - tb;
         if (ntiles > 0) {
             sm.qr.expect(nt, fc90_q_bytes(TL));
             for (int c = 0; c < NCH; ++c)
@@ -347,19 +355,21 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             sm.qr.arrive_full(nt);
         }
         const uint32_t next = PERSIST && ctr ? gridDim.x + atomicAdd(ctr, 1u) : tiles;
+        int ktile = tb - 1; /* the key tile of turn it */
         for (int it = 0; it < ntiles; ++it, ++kv_it) {
+            ktile = BMASK ? fc_bits_next(keep, ktile + 1) : tb + it;
             /* The consumers read V one turn after K, so each has its own ring. */
             const uint32_t off = sm.kr.slot(kv_it) * KV_BYTES;
             sm.kr.wait_empty(kv_it);
             sm.kr.expect(kv_it, KV_BYTES);
             for (int c = 0; c < NCH; ++c)
                 fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it), c * FC90_SW_COLS,
-                              sq.k0 + (tb + it) * BC, hk, sq.qb);
+                              sq.k0 + ktile * BC, hk, sq.qb);
             sm.vr.wait_empty(kv_it);
             sm.vr.expect(kv_it, KV_BYTES);
             for (int c = 0; c < NCH; ++c)
                 fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it), c * FC90_SW_COLS,
-                              sq.k0 + (tb + it) * BC, hk, sq.qb);
+                              sq.k0 + ktile * BC, hk, sq.qb);
         }
         tile = next;
         if (!PERSIST) break;
@@ -383,10 +393,11 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
  * live together. Q is released (PERSIST) after the tile's last S.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, uint32_t nt,
-                                                         uint32_t kv_it, int tb, int ntiles, float slope2, int nq, int nk,
+                                                         uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
+                                                         const uint8_t *bmbase, float slope2, int nq, int nk,
                                                          int m0, int cw, int row0, int tig,
                                                          uint64_t dq, uint64_t dk, uint64_t dv, float (&o)[D / 2],
                                                          float (&s)[fc90_tile_for(D).bc / 2], float (&row_m)[2],
@@ -397,12 +408,15 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     constexpr bool PERSIST = fc90_persistent(TL);
     const int diag = nk - nq, w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
     const int t = threadIdx.x % FC90_WG_THREADS;
-    /* Varlen: before the P V of key tile j (of this query tile), clear V's rows past the sequence's end. */
-    auto clear_v = [&](int j, uint32_t use) {
-        const int n0 = (tb + j) * BC;
+    /* Varlen: before the P V of the key tile from key n0, clear V's rows past the sequence's end. */
+    auto clear_v = [&](int n0, uint32_t use) {
         if (VARLEN && n0 + BC > nk)
             fc90_clear_rows<D>(sm.v + sm.vr.slot(use) * KV_BYTES, BC, nk - n0, FC90_BAR_VCLEAR + cw, t);
     };
+    /* The key tile of each turn: tb + it, or with a block mask (BMASK) the it-th set bit of the tile's bitmap
+     * from tb, cut where the second half's bit is set, as the producer walks it. */
+    int ktile = BMASK ? fc_bits_next(bits, tb) : tb;
+    auto part_of = [&](int k) { return BMASK && fc_bit(bits + a.bm_tiles_w, k); };
     const float smul = GENERIC ? 1.f : a.score_mul;
     uint32_t pa[BC / 16][4];
     float alpha[2];
@@ -418,15 +432,17 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(s);
     sm.kr.release(kv_it);
     if (PERSIST && ntiles == 1) sm.qr.release(nt);
-    fc90_scores<BC>(a, s, w0, m0 + row0, tb * BC, nq, nk, diag, tig, GENERIC, slope2);
+    fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2, part_of(ktile), bmbase);
     fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
     fc90_pack_p<BC, BF>(pa, s);
 
     for (int it = 1; it < ntiles; ++it) {
         const uint32_t kt = kv_it + it; /* K of this turn; V of the one before */
+        const int kprev = ktile;
+        ktile = BMASK ? fc_bits_next(bits, ktile + 1) : tb + it;
         sm.kr.wait_full(kt);
         sm.vr.wait_full(kt - 1);
-        clear_v(it - 1, kt - 1);
+        clear_v(kprev * BC, kt - 1);
         fc90_turn_begin(cw);
         fc90_rescale<D>(o, alpha);
         fc90_pin(s);
@@ -440,7 +456,8 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(s);
         sm.kr.release(kt);
         if (PERSIST && it == ntiles - 1) sm.qr.release(nt);
-        fc90_scores<BC>(a, s, w0, m0 + row0, (tb + it) * BC, nq, nk, diag, tig, GENERIC, slope2);
+        fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2, part_of(ktile),
+                               bmbase);
         fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
         fc90_block_end(s, row_l[0]);
         fc90_wgmma_wait<0>();
@@ -452,7 +469,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
 
     const uint32_t kt = kv_it + ntiles - 1;
     sm.vr.wait_full(kt);
-    clear_v(ntiles - 1, kt);
+    clear_v(ktile * BC, kt);
     fc90_turn_begin(cw);
     fc90_rescale<D>(o, alpha);
     fc90_pin(o);
@@ -551,7 +568,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK>
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -586,7 +603,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     if (wg == 0) {
         /* The producer's warpgroup gives its registers back; one thread issues every load. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
-        if (threadIdx.x == 0) fc90_fwd_producer<D, BF, VARLEN>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
+        if (threadIdx.x == 0) fc90_fwd_producer<D, BF, VARLEN, BMASK>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
         return;
     }
 
@@ -608,7 +625,8 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
         fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, &tb, &te);
-        const int m0 = mblk * BR, ntiles = te - tb;
+        const uint32_t *bits = BMASK ? fc_bm_tile_bits(a, b, h, mblk, a.n_mblk) : NULL; /* as the producer's */
+        const int m0 = mblk * BR, ntiles = BMASK && te > tb ? fc_bits_count(bits, tb, te) : te - tb;
 
         float o[D / 2], s[BC / 2];
 #pragma unroll
@@ -618,8 +636,9 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
         if (ntiles > 0)
-            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN>(a, sm, nt, kv_it, tb, ntiles, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0,
-                                              cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
+            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK>(
+                a, sm, nt, kv_it, tb, ntiles, bits, BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL,
+                fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
         fc90_fwd_epilogue<D, BF, VARLEN>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
@@ -627,24 +646,28 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
 #endif /* FC90_DEVICE */
 }
 
-template <int D, int BF, bool GENERIC, bool VARLEN>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false>
 static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                   const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN>>(smem);
+    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF, GENERIC, VARLEN>
+    fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK>
         <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
 /* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
  * VARLEN kernels also take fixed-length problems whose sequences use fewer keys (seqused_k): the tail clear of V
  * is what those need too (the unused keys' rows are the caller's memory, NaN included); and attention sinks,
- * whose fold in the epilogue the fixed-length kernels leave out. */
+ * whose fold in the epilogue the fixed-length kernels leave out. Block masks take VARLEN kernels of their own
+ * (BMASK: the key tiles from the bitmaps, the element test on the tiles the mask cuts). */
 template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const bool generic = fc90_generic(k);
+    if (k->bm)
+        return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
+                       : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
     if (k->varlen || k->seqused_k || k->sinks)
         return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
@@ -671,6 +694,13 @@ static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid)
     return fc90_persistent(tl) && grid->ctr && grid->sms > 0 && fc90_tiles(a, tl) > grid->sms;
 }
 
+/* The block mask by this kernel's tiles (bm_tiles.h), over the max lengths. */
+static fc_bm_tiles_args fc90_bm_tiles_args(const flashc_fwd_args *a) {
+    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D));
+    return fc_bm_tiles_args{a->bm, a->bm_q, a->bm_k, a->bm_batch, a->bm_heads, a->bm_nqb, a->bm_nkb, a->Nq, a->Nk,
+                            tl.br, tl.bc, 0};
+}
+
 template <int D, int BF>
 static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {
     constexpr fc90_tile TL = fc90_tile_for(D);
@@ -691,6 +721,13 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
     if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, krows, a->Hkv, nb, a->k_sn, a->k_sh, a->k_sb, TL.bc);
     if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, krows, a->Hkv, nb, a->v_sn, a->v_sh, a->v_sb, TL.bc);
     if (e != cudaSuccess) return e;
+    if (a->bm) { /* the bitmaps first, into the workspace (flashc_fwd_sm90_workspace) */
+        if (!a->bm_tiles) return cudaErrorInvalidValue;
+        const fc_bm_tiles_args bt = fc90_bm_tiles_args(a);
+        k.bm_tiles_w = fc_bm_tile_words(a->Nk, TL.bc);
+        e = fc_bm_tiles_build(&bt, (uint32_t *)a->bm_tiles, stream);
+        if (e != cudaSuccess) return e;
+    }
     return fc90_launch<D, BF>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
 }
 
@@ -703,10 +740,10 @@ int flashc_fwd_sm90_available(int device) {
     }
     if (major != 9 || minor != 0) return 0;
     /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
-    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false, false>,
-                              (const void *)fc90_fwd_kernel<64, 1, false, false>,
-                              (const void *)fc90_fwd_kernel<128, 0, false, false>,
-                              (const void *)fc90_fwd_kernel<128, 1, false, false>};
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false, false, false>,
+                              (const void *)fc90_fwd_kernel<64, 1, false, false, false>,
+                              (const void *)fc90_fwd_kernel<128, 0, false, false, false>,
+                              (const void *)fc90_fwd_kernel<128, 1, false, false, false>};
     for (int i = 0; i < 4; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {
@@ -721,7 +758,8 @@ int flashc_fwd_sm90_available(int device) {
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit != 1) return 0;
-    if (a->bm) return 0;
+    /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu), Nk below 25M keys. */
+    if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D)).bc) * 4 > 48 * 1024) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
     const int64_t nb = a->varlen ? 1 : a->B;
     const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb}, ek[3] = {a->varlen ? a->total_k : a->Nk, a->Hkv, nb};
@@ -741,4 +779,10 @@ cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *gr
 
 const char *flashc_fwd_sm90_grid_name(const flashc_fwd_args *a, const fc90_grid *grid) {
     return fc90_grid_persistent(a, grid) ? "persistent grid" : "a block per tile";
+}
+
+size_t flashc_fwd_sm90_workspace(const flashc_fwd_args *a) {
+    if (!a->bm) return 0;
+    const fc_bm_tiles_args bt = fc90_bm_tiles_args(a);
+    return fc_bm_tiles_bytes(&bt);
 }

@@ -58,8 +58,12 @@ int flashc_fwd_sm90_available(int device);
 
 /* 1 when the Hopper kernel takes this configuration: a->D == head_dim_compiled (the forward entry cuda.cu picked)
  * in {64, 96, 128, 192, 256}, 16-bit inputs with 16-byte aligned rows (TMA), no
- * split-KV, no block mask; varlen, any window (causal included), softcap and ALiBi. */
+ * split-KV; varlen, seqused_k, sinks, any window (causal included), softcap, ALiBi and block masks. */
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
+
+/* Workspace bytes the launch needs in a->bm_tiles: the block mask's per-tile bitmaps (bm_tiles.h), 0 without a
+ * block mask. */
+size_t flashc_fwd_sm90_workspace(const flashc_fwd_args *a);
 
 /*
  * The grid. PERSISTENT (ctr set): one block per SM, each taking tiles from a counter until none is left, its

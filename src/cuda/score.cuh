@@ -77,6 +77,29 @@ static __device__ __forceinline__ void fc_mask_row(Frag &x, int hf, int jlo, int
 }
 
 /*
+ * The raw fast paths' block mask on a tile it cuts: row hf of fragment x (keys n0 + 8 j + 2 tig + e, of row i of
+ * the sequence, nq and nk its lengths) to -inf over each block the mask (bmbase: fc_bm_base) drops. Per block, not
+ * per element: two divisions per row and one masked range per dropped block of the tile. Rows past nq (never
+ * written) read the last row's bytes; keys past nk are the band's (fc_mask_row).
+ */
+template <typename Args, typename Frag>
+static __device__ __forceinline__ void fc_bm_mask_row(const Args &a, Frag &x, int hf, const uint8_t *bmbase, int i,
+                                                      int n0, int nq, int nk, int tig) {
+    const uint8_t *row = fc_bm_row(a, bmbase, min(i, nq - 1));
+    constexpr int BC = 8 * fc_frag_n<Frag>::value;
+    const int kb1 = (min(n0 + BC, nk) - 1) / a.bm_k;
+    for (int kb = n0 / a.bm_k; kb <= kb1; ++kb) {
+        if (row[kb]) continue;
+        const int clo = kb * a.bm_k - n0 - tig * 2, chi = clo + a.bm_k - 1; /* in units of 8 j + e */
+#pragma unroll
+        for (int j = 0; j < fc_frag_n<Frag>::value; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (j * 8 + e >= clo && j * 8 + e <= chi) fc_frag(x, j, 2 * hf + e) = -INFINITY;
+    }
+}
+
+/*
  * The forward's element step on row hf of fragment x (keys n0 + 8 j + 2 tig + e) of query row i, for the kernels'
  * generic path (a score modifier, or a block mask that cuts the tile): the base-2 score (fc_score), minus ALiBi
  * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the

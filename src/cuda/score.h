@@ -238,4 +238,69 @@ FC_HD void fc_bm_scan(const Args &a, const uint8_t *base, I i0, I i1, I j0, I j1
     }
 }
 
+/* ---- the block mask by tiles ------------------------------------------------------------------------------ */
+
+/*
+ * A kernel that walks the block mask by its own tiles (br query rows x bc keys) reads it as bitmaps built once per
+ * call (bm_tiles.cu, before the kernel): per (mask sequence, mask head, query tile) a row of 2 w 32-bit words,
+ * w = fc_bm_tile_words: bit kt of the first w says that the mask keeps some element of key tile kt for some row of
+ * the query tile (the tile is visited), bit kt of the next w that it also drops some (the tile is cut: masked element
+ * by element). Tiles the mask drops entirely are never loaded; the band's range (fc_key_tiles) still bounds the walk.
+ */
+FC_HD int fc_bm_tile_words(int nk, int bc) { return ((nk + bc - 1) / bc + 31) / 32; }
+
+/* The bitmap row of query tile qt (of nqt per sequence and head) of (sequence b, head h). Args: a kernel argument
+ * struct with the bm fields and bm_tiles, bm_tiles_w (flashc_fwd_args). */
+template <typename Args, typename I>
+FC_HD const uint32_t *fc_bm_tile_bits(const Args &a, I b, I h, I qt, I nqt) {
+    const I mb = a.bm_batch == 1 ? 0 : b, mh = a.bm_heads == 1 ? 0 : h;
+    return a.bm_tiles + (((int64_t)mb * a.bm_heads + mh) * nqt + qt) * 2 * a.bm_tiles_w;
+}
+
+FC_HD int fc_popc(uint32_t x) {
+#ifdef __CUDA_ARCH__
+    return __popc(x);
+#else
+    return __builtin_popcount(x);
+#endif
+}
+/* Set bits of words in [lo, hi), and the first set bit at or after lo (one must exist: the caller counted). */
+FC_HD int fc_bits_count(const uint32_t *words, int lo, int hi) {
+    int n = 0;
+    for (int w = lo >> 5; w << 5 < hi; ++w) {
+        uint32_t x = words[w];
+        if (w << 5 < lo) x &= ~0u << (lo & 31);
+        if ((w << 5) + 32 > hi) x &= ~0u >> (32 - (hi & 31)); /* hi & 31 != 0 here */
+        n += fc_popc(x);
+    }
+    return n;
+}
+FC_HD int fc_bits_next(const uint32_t *words, int lo) {
+    int w = lo >> 5;
+    uint32_t x = words[w] & (~0u << (lo & 31));
+    while (!x) x = words[++w];
+#ifdef __CUDA_ARCH__
+    return (w << 5) + __ffs(x) - 1;
+#else
+    return (w << 5) + __builtin_ctz(x);
+#endif
+}
+FC_HD bool fc_bit(const uint32_t *words, int i) { return (words[i >> 5] >> (i & 31)) & 1u; }
+/* The first set bit in [lo, hi), or hi when there is none. */
+FC_HD int fc_bits_find(const uint32_t *words, int lo, int hi) {
+    for (int w = lo >> 5; w << 5 < hi; ++w) {
+        uint32_t x = words[w];
+        if (w << 5 < lo) x &= ~0u << (lo & 31);
+        if (x) {
+#ifdef __CUDA_ARCH__
+            const int i = (w << 5) + __ffs(x) - 1;
+#else
+            const int i = (w << 5) + __builtin_ctz(x);
+#endif
+            return i < hi ? i : hi;
+        }
+    }
+    return hi;
+}
+
 #endif /* FLASHC_CUDA_SCORE_H */

@@ -29,7 +29,8 @@ set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd.cu
     ${PROJECT_SOURCE_DIR}/src/cuda/merge.cu) # flashc_merge
 list(APPEND FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm90.cu  # Hopper forward: d 64, 96, 128, 192, 256
-    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu) # Hopper backward (dK, dV, dQ by TMA reductions): d 64, 128, 256
+    ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu  # Hopper backward (dK, dV, dQ by TMA reductions): d 64, 128, 256
+    ${PROJECT_SOURCE_DIR}/src/cuda/bm_tiles.cu) # the block mask as per-tile bitmaps for the Hopper forward
 set(FLASHC_CUDA_DEFS "")
 set(_flashc_known_dims 32 64 96 128 160 192 256)
 foreach(d ${FLASHC_CUDA_HEAD_DIMS})

@@ -143,6 +143,15 @@ static const flashc_case full_table[] = {
     CASE("bs_100x200", F32, 1, 512, 255, 2, 2, 64, 0, -1, -1, 0, 0, 100, 200, 0, BNHD, 1),
     CASE("bs_1x1", F32, 2, 17, 17, 2, 2, 32, 0, -1, -1, 0, 0, 1, 1, 0, BNHD, 1),
     CASE("bs_33x47_bf16_all", BF16, 2, 255, 255, 4, 2, 64, 1, 100, -1, 0, 1, 33, 47, 0, BNHD, 1),
+    /* at the Hopper kernels' other head dims: blocks that align with their tiles (no tile cut) and that do not;
+     * under 512 keys, so that the GPU does not split the keys of these few tiles */
+    CASE("bs_128x128_bf16_d128", BF16, 2, 512, 384, 4, 2, 128, 0, -1, -1, 0, 0, 128, 128, 0, BNHD, 1),
+    CASE("bs_64x64_f16_d128_causal", F16, 1, 384, 384, 2, 2, 128, 1, -1, -1, 0, 0, 64, 64, 0, BNHD, 1),
+    CASE("bs_129x127_bf16_d256_window", BF16, 2, 300, 440, 2, 1, 256, 0, 200, 50, 0, 0, 129, 127, 0, BNHD, 1),
+    CASE("bs_48x80_bf16_d128_softcap", BF16, 1, 255, 447, 4, 4, 128, 0, -1, -1, 30, 0, 48, 80, 0, BNHD, 1),
+    CASE2("bs_32x64_f16_d96_used_sinks", F16, 3, 200, 400, 4, 2, 96, 0, -1, -1, 0, 0, 32, 64, 0, BNHD, 1, 1, 1),
+    CASE("bs_varlen_f16_d128_causal", F16, 3, 300, 400, 2, 2, 128, 1, -1, -1, 0, 0, 64, 128, 1, BNHD, 1),
+    CASE("bs_192x128_bf16_d192_gqa", BF16, 2, 400, 400, 6, 2, 192, 0, -1, -1, 0, 0, 192, 128, 0, BNHD, 1),
 
     /* varlen: packed sequences of random lengths, one of them empty */
     CASE("varlen", F32, 4, 255, 255, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 1, BNHD, 1),
