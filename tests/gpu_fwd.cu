@@ -48,6 +48,13 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
         }
 }
 
+/* Decode rows the CUDA forward runs with the GQA heads of a kv head as its query rows (cuda.cu's fwd_gqa_rows):
+ * one query, grouped heads, and nothing that depends on a row's position or head. */
+static int gqa_rows_expected(const flashc_case *c) {
+    return c->Nq == 1 && c->H > c->Hkv && !c->varlen && c->window_left < 0 && !c->alibi && !c->sinks && !c->block_q;
+}
+static int gqa_rows_cases = 0;
+
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
@@ -62,7 +69,14 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
             failures++;
             continue;
         }
-        const int ok = r.pass;
+        int ok = r.pass;
+        const int rows = r.kernel_fwd && strstr(r.kernel_fwd, "GQA heads as rows") != NULL;
+        if (rows != gqa_rows_expected(&c)) {
+            printf("FAIL %-26s %s GQA heads as rows (kernel: %s)\n", c.name, rows ? "ran with" : "did not run with",
+                   r.kernel_fwd ? r.kernel_fwd : "?");
+            ok = 0;
+        }
+        gqa_rows_cases += rows;
         tally_add(kernels, r.kernel_fwd);
         feature_add(ft, &c, r.kernel_fwd);
         printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g) on %s%s%s\n", ok ? "ok  " : "FAIL", c.name,
@@ -333,6 +347,9 @@ int main(int argc, char **argv) {
     printf("%s table kernels: %d sm80, %d sm90 of %d cases\n", cover ? "ok  " : "FAIL", n_sm80, n_sm90,
            tally_total(&kernels));
     if (!cover) failures++;
+    /* The decode rows with grouped heads ran with them as query rows (each checked in run_table). */
+    printf("%s decode cases with GQA heads as rows: %d\n", quick || gqa_rows_cases > 0 ? "ok  " : "FAIL", gqa_rows_cases);
+    if (!quick && gqa_rows_cases == 0) failures++;
     if (hopper && !quick)
         for (int f = 0; f < FEAT_N; f++) {
             /* Every 16-bit case of a feature the Hopper kernel takes ran on it (the table's layouts are all

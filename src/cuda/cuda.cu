@@ -328,16 +328,46 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
     *out = a;
 }
 
-/* The forward kernels, in the order of fwd_path_names. */
-typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90 } fwd_path;
-static const char *const fwd_path_names[] = {"sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine",
-                                             "sm90 (wgmma, TMA, warp-specialized)"};
+/* The forward kernels, in the order of fwd_path_names; FWD_ROWS_GQA added: on the problem fwd_gqa_rows made. */
+typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90, FWD_ROWS_GQA = 3 } fwd_path;
+static const char *const fwd_path_names[] = {
+    "sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine", "sm90 (wgmma, TMA, warp-specialized)",
+    "sm80 (mma.sync), GQA heads as rows", "sm80 (mma.sync) + split-KV combine, GQA heads as rows",
+    "sm90 (wgmma, TMA, warp-specialized), GQA heads as rows"};
+
+/*
+ * Decode with grouped heads (Nq 1, H = G Hkv, G > 1): the G query heads that share a kv head become G query rows
+ * of one problem with Hkv heads, so that a tile reads each K/V row once for all of them instead of once per head
+ * (and the grid has G times fewer blocks to split the keys over). q and out (B, 1, H, D) are the same memory seen
+ * as (B, G, Hkv, D) (row stride: the head stride; head stride: G of them), and lse (B, H, 1) is (B, Hkv, G) as it
+ * lies. Only where no score or mask depends on a row's position or head: the one row's causal or right window
+ * keeps every key (so none is set), and no left window, ALiBi, sinks, block mask or varlen.
+ */
+static int fwd_gqa_rows(const flashc_problem *p, flashc_problem *out) {
+    if (p->Nq != 1 || p->Hkv < 1 || p->H <= p->Hkv || p->H % p->Hkv || p->varlen || p->win_left >= 0 || p->alibi ||
+        p->sinks || p->block_mask)
+        return 0;
+    const int64_t G = p->H / p->Hkv;
+    *out = *p;
+    out->Nq = G, out->H = p->Hkv, out->total_q = G;
+    out->win_right = -1;
+    flashc_tensor *const ts[2] = {&out->q, &out->out};
+    for (int i = 0; i < 2; i++) {
+        const int64_t sh = ts[i]->stride[2];
+        ts[i]->shape[1] = G, ts[i]->shape[2] = p->Hkv;
+        ts[i]->stride[1] = sh, ts[i]->stride[2] = G * sh;
+    }
+    return 1;
+}
 
 /*
  * The forward's one decision: kernel entry, split-KV pieces, path and workspace. Split-KV stays on the
  * Ampere-class kernel and its combine; the Hopper kernel takes what it supports.
  */
-static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *p0, flashc_plan *plan) {
+    flashc_problem rows;
+    const int gqa = fwd_gqa_rows(p0, &rows);
+    const flashc_problem *p = gqa ? &rows : p0;
     int e;
     FLASHC_TRY(fwd_check(ctx, p, &e));
     plan->entry = e;
@@ -360,8 +390,8 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
             plan->workspace = flashc_fwd_sm90_workspace(&a); /* a block mask's per-tile bitmaps */
         }
     }
-    plan->path = path;
-    plan->kernel = fwd_path_names[path];
+    plan->path = path + (gqa ? FWD_ROWS_GQA : 0);
+    plan->kernel = fwd_path_names[plan->path];
     return FLASHC_STATUS_OK;
 }
 
@@ -372,14 +402,16 @@ static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem 
     return why ? FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%s", why) : FLASHC_STATUS_OK;
 }
 
-static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p, const flashc_plan *plan,
+static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_problem *p0, const flashc_plan *plan,
                                   void *workspace) {
     CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    flashc_problem rows; /* the plan's problem: GQA heads as rows where it chose that */
+    const flashc_problem *p = plan->path >= FWD_ROWS_GQA && fwd_gqa_rows(p0, &rows) ? &rows : p0;
     flashc_fwd_args a;
     fwd_args(ctx, p, plan->entry, plan->nsplit, workspace, &a);
     if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
 
-    const fwd_path path = (fwd_path)plan->path;
+    const fwd_path path = (fwd_path)(plan->path % FWD_ROWS_GQA);
     cuda_state *s = state_of(ctx);
     fc90_grid grid = {NULL, s->sm_count, s->l2_bytes};
     if (path == FWD_SM90 && s->fc90_ctr) /* atomic: threads may share the context */

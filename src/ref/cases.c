@@ -213,6 +213,9 @@ static const flashc_case full_table[] = {
     CASE("dec_n1_d256_win", F32, 2, 1, 1100, 4, 1, 256, 0, 500, -1, 0, 0, 0, 0, 0, BNHD, 1),
     CASE("dec_n8_d256_f16_g8_kv3", F16, 1, 8, 700, 24, 3, 256, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 0),
     CASE("dec_n1_mha20_bhnd", F32, 2, 1, 900, 20, 20, 32, 0, -1, -1, 0, 0, 0, 0, 0, BHND, 1),
+    /* grouped heads the CUDA forward takes as query rows (one query, nothing per position or head) */
+    CASE2("dec_n1_bf16_gqa8_used_causal", BF16, 3, 1, 3000, 16, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0),
+    CASE("dec_n1_f16_mqa_d64_softcap", F16, 2, 1, 2500, 8, 1, 64, 0, -1, 5, 10.0f, 0, 0, 0, 0, BNHD, 1),
 
     /* everything at once */
     CASE("all_bf16", BF16, 3, 255, 255, 4, 2, 64, 1, 90, -1, 8.0f, 2, 19, 29, 1, PAD, 1),
