@@ -59,6 +59,11 @@
  * no value of another sequence reaches the output. The same kernels run a per-sequence used key length
  * (seqused_k, fc_used_keys), varlen or not: keys past it are masked and their V rows cleared alike.
  *
+ * Block masks (BMASK kernels, among the VARLEN ones): the mask comes as per-tile bitmaps built before the launch
+ * (bm_tiles.cu; score.h's fc_bm_tile_bits): the producer and the consumers walk the set bits of the query tile's
+ * row within the band's range, so tiles the mask drops are never loaded, and tiles it cuts (the row's second
+ * half) are masked per block (fc_bm_mask_row) or, with a score modifier, per element (fc_score_row).
+ *
  * Attention sinks: a row's sink joins the denominator in the epilogue (fc_sink_fold; VARLEN kernels, which also
  * run fixed-length problems), the lse includes it.
  */
