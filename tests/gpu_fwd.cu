@@ -39,6 +39,7 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
     if (!ft || c->dtype == FLASHC_DTYPE_F32 || c->layout == FLASHC_LAYOUT_PADDED) return;
     if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
     if (kernel && strstr(kernel, "split-KV")) return; /* few blocks: the keys are split, on mma.sync by design */
+    if (kernel && strstr(kernel, "decode tile")) return; /* at most 16 query rows: the decode tile, by design */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
                              c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0};
     for (int f = 0; f < FEAT_N; f++)
@@ -54,6 +55,13 @@ static int gqa_rows_expected(const flashc_case *c) {
     return c->Nq == 1 && c->H > c->Hkv && !c->varlen && c->window_left < 0 && !c->alibi && !c->sinks && !c->block_q;
 }
 static int gqa_rows_cases = 0;
+/* Rows that run the decode tile (cuda.cu's fwd_dec): at most 16 query rows, after GQA heads become rows, and at
+ * least 64 (sequence, head) pairs. */
+static int dec_tile_expected(const flashc_case *c) {
+    const int g = gqa_rows_expected(c);
+    return (g ? c->H / c->Hkv : c->Nq) <= 16 && c->B * (g ? c->Hkv : c->H) >= 64;
+}
+static int dec_tile_cases = 0;
 
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft) {
     size_t n = 0;
@@ -77,6 +85,13 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
             ok = 0;
         }
         gqa_rows_cases += rows;
+        const int dec = r.kernel_fwd && strstr(r.kernel_fwd, "16-row decode tile") != NULL;
+        if (dec != dec_tile_expected(&c)) {
+            printf("FAIL %-26s %s the decode tile (kernel: %s)\n", c.name, dec ? "ran on" : "did not run on",
+                   r.kernel_fwd ? r.kernel_fwd : "?");
+            ok = 0;
+        }
+        dec_tile_cases += dec;
         tally_add(kernels, r.kernel_fwd);
         feature_add(ft, &c, r.kernel_fwd);
         printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g) on %s%s%s\n", ok ? "ok  " : "FAIL", c.name,
@@ -350,6 +365,8 @@ int main(int argc, char **argv) {
     /* The decode rows with grouped heads ran with them as query rows (each checked in run_table). */
     printf("%s decode cases with GQA heads as rows: %d\n", quick || gqa_rows_cases > 0 ? "ok  " : "FAIL", gqa_rows_cases);
     if (!quick && gqa_rows_cases == 0) failures++;
+    printf("%s cases on the 16-row decode tile: %d\n", quick || dec_tile_cases > 0 ? "ok  " : "FAIL", dec_tile_cases);
+    if (!quick && dec_tile_cases == 0) failures++;
     if (hopper && !quick)
         for (int f = 0; f < FEAT_N; f++) {
             /* Every 16-bit case of a feature the Hopper kernel takes ran on it (the table's layouts are all

@@ -39,6 +39,9 @@ typedef struct cuda_state {
     cudaError_t info_err[8][2];
     fc_tile tile[8][2];
     int occupancy[8][2];
+    /* the same for the decode tile's kernel (fc_tile_dec); 0 blocks: not used */
+    fc_tile dec_tile[8][2];
+    int dec_occupancy[8][2];
 } cuda_state;
 
 /* The forward kernels compiled into this build (sources.cmake defines FLASHC_FWD_D<d> for each). */
@@ -201,6 +204,24 @@ static void fwd_info(cuda_state *s, int e, int bf16) {
     if (s->info_err[e][bf16] != cudaSuccess) cudaGetLastError();
     s->tile[e][bf16] = t;
     s->occupancy[e][bf16] = occ;
+    occ = 0;
+    if (fwd_entries[e].fn(&a, NULL, 3, &t, &occ) != cudaSuccess) {
+        cudaGetLastError();
+        occ = 0;
+    }
+    s->dec_tile[e][bf16] = t;
+    s->dec_occupancy[e][bf16] = occ;
+}
+
+/*
+ * Whether a forward of p runs the decode tile (fc_tile_dec): at most 16 query rows, where the kernel loads, and at
+ * least 64 (sequence, head) pairs. Measured on an H100 (bench/RESULTS.md, decode with GQA heads as rows: B 16 x Hkv 8
+ * = 128 pairs 152 -> 121 us at Nk 4096, 887 -> 859 at 32768); with 8 pairs (B 1, Nk 131072) the one-warp blocks of
+ * the split keys ran slower than the 128-row tile's four warps (243 -> 287 us, 367 with twice the splits), so few
+ * pairs keep the main tile. The crossover between 8 and 128 pairs is not measured; 64 is a guess.
+ */
+static int fwd_dec(struct flashc_context *ctx, const flashc_problem *p, int e) {
+    return p->Nq <= FC_DEC_ROWS && p->B * p->H >= 64 && state_of(ctx)->dec_occupancy[e][p->dtype != FLASHC_DTYPE_F16] > 0;
 }
 
 /* Whether the forward kernels take p: its kernel entry, or NOT_SUPPORTED with the reason. */
@@ -245,11 +266,12 @@ static flashc_status fwd_check(struct flashc_context *ctx, const flashc_problem 
  * many splits as make about one wave, keeping at least 4 key tiles per split (the combine's traffic and the
  * partials' rescaling must stay small next to the work saved).
  */
-static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e) {
+static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e, int dec) {
     const int bf16 = p->dtype != FLASHC_DTYPE_F16;
-    const fc_tile t = state_of(ctx)->tile[e][bf16];
+    const fc_tile t = dec ? state_of(ctx)->dec_tile[e][bf16] : state_of(ctx)->tile[e][bf16];
     const int64_t blocks = (p->Nq + t.br - 1) / t.br * p->H * p->B;
-    const int64_t wave = (int64_t)state_of(ctx)->sm_count * state_of(ctx)->occupancy[e][bf16];
+    const int64_t wave =
+        (int64_t)state_of(ctx)->sm_count * (dec ? state_of(ctx)->dec_occupancy : state_of(ctx)->occupancy)[e][bf16];
     if (blocks <= 0 || blocks * 5 >= wave * 4) return 1;
     const int64_t key_tiles = (p->Nk + t.bc - 1) / t.bc;
     int64_t n = (wave + blocks - 1) / blocks;
@@ -288,8 +310,9 @@ static void cuda_workspace_free(struct flashc_context *ctx, void *ptr) {
 /* The kernel arguments of a problem fwd_check accepted, for kernel entry e and nsplit key pieces. With more than
  * one piece the partials go to workspace (NULL in a plan, which only needs the choice). */
 static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e, int nsplit, void *workspace,
-                     flashc_fwd_args *out) {
-    const fc_tile t = state_of(ctx)->tile[e][p->dtype != FLASHC_DTYPE_F16]; /* known since fwd_check */
+                     flashc_fwd_args *out, int dec = 0) {
+    const int bf16 = p->dtype != FLASHC_DTYPE_F16;
+    const fc_tile t = dec ? state_of(ctx)->dec_tile[e][bf16] : state_of(ctx)->tile[e][bf16]; /* known since fwd_check */
     flashc_fwd_args a;
     memset(&a, 0, sizeof a);
     a.q = p->q.data;
@@ -328,12 +351,16 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
     *out = a;
 }
 
-/* The forward kernels, in the order of fwd_path_names; FWD_ROWS_GQA added: on the problem fwd_gqa_rows made. */
-typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90, FWD_ROWS_GQA = 3 } fwd_path;
+/* The forward kernels, in the order of fwd_path_names; FWD_ROWS_GQA added: on the problem fwd_gqa_rows made;
+ * FWD_DEC added: the mma.sync kernel with the decode tile (fc_tile_dec). */
+typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90, FWD_ROWS_GQA = 3, FWD_DEC = 6 } fwd_path;
 static const char *const fwd_path_names[] = {
     "sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine", "sm90 (wgmma, TMA, warp-specialized)",
     "sm80 (mma.sync), GQA heads as rows", "sm80 (mma.sync) + split-KV combine, GQA heads as rows",
-    "sm90 (wgmma, TMA, warp-specialized), GQA heads as rows"};
+    "sm90 (wgmma, TMA, warp-specialized), GQA heads as rows",
+    "sm80 (mma.sync), 16-row decode tile", "sm80 (mma.sync) + split-KV combine, 16-row decode tile", "",
+    "sm80 (mma.sync), GQA heads as rows, 16-row decode tile",
+    "sm80 (mma.sync) + split-KV combine, GQA heads as rows, 16-row decode tile", ""};
 
 /*
  * Decode with grouped heads (Nq 1, H = G Hkv, G > 1): the G query heads that share a kv head become G query rows
@@ -371,12 +398,13 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
     int e;
     FLASHC_TRY(fwd_check(ctx, p, &e));
     plan->entry = e;
-    plan->nsplit = fwd_splits(ctx, p, e);
+    const int dec = fwd_dec(ctx, p, e);
+    plan->nsplit = fwd_splits(ctx, p, e, dec);
     plan->workspace = fwd_workspace(p, plan->nsplit);
     fwd_path path = FWD_SM80;
     if (plan->nsplit > 1) {
         path = FWD_SM80_SPLIT;
-    } else if (state_of(ctx)->fwd_sm90) {
+    } else if (state_of(ctx)->fwd_sm90 && !dec) {
         flashc_fwd_args a;
         fwd_args(ctx, p, e, plan->nsplit, NULL, &a);
         /* A query without data (flashc_kernel_name) answers for 16-byte aligned tensors, the kind frameworks
@@ -390,7 +418,7 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
             plan->workspace = flashc_fwd_sm90_workspace(&a); /* a block mask's per-tile bitmaps */
         }
     }
-    plan->path = path + (gqa ? FWD_ROWS_GQA : 0);
+    plan->path = path + (gqa ? FWD_ROWS_GQA : 0) + (dec ? FWD_DEC : 0);
     plan->kernel = fwd_path_names[plan->path];
     return FLASHC_STATUS_OK;
 }
@@ -406,12 +434,13 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
                                   void *workspace) {
     CUDA_TRY(ctx, cudaSetDevice(ctx->device));
     flashc_problem rows; /* the plan's problem: GQA heads as rows where it chose that */
-    const flashc_problem *p = plan->path >= FWD_ROWS_GQA && fwd_gqa_rows(p0, &rows) ? &rows : p0;
+    const int dec = plan->path >= FWD_DEC;
+    const flashc_problem *p = plan->path % FWD_DEC >= FWD_ROWS_GQA && fwd_gqa_rows(p0, &rows) ? &rows : p0;
     flashc_fwd_args a;
-    fwd_args(ctx, p, plan->entry, plan->nsplit, workspace, &a);
+    fwd_args(ctx, p, plan->entry, plan->nsplit, workspace, &a, dec);
     if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
 
-    const fwd_path path = (fwd_path)(plan->path % FWD_ROWS_GQA);
+    const fwd_path path = (fwd_path)(plan->path % FWD_DEC % FWD_ROWS_GQA);
     cuda_state *s = state_of(ctx);
     fc90_grid grid = {NULL, s->sm_count, s->l2_bytes};
     if (path == FWD_SM90 && s->fc90_ctr) /* atomic: threads may share the context */
@@ -429,7 +458,7 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
         return FLASHC_STATUS_OK;
     }
-    cudaError_t err = fwd_entries[plan->entry].fn(&a, stream, 0, NULL, NULL);
+    cudaError_t err = fwd_entries[plan->entry].fn(&a, stream, dec ? 2 : 0, NULL, NULL);
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel launch");
     if (a.nsplit > 1) {
         err = flashc_fwd_sm80_combine(&a, stream);

@@ -190,10 +190,11 @@ static __device__ __forceinline__ void fc_load_tile(uint16_t *s, const char *g, 
  * blocks of one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows
  * start first). Block: nw warps; warp w owns query rows [w * 16 mt, (w + 1) * 16 mt) of the tile.
  */
-template <int D, int BF>
-__global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D, FC_SM90).minb)
+template <int D, int BF, bool DEC>
+__global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90)).nw * 32,
+                                  (DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90)).minb)
     fc_fwd_kernel(const __grid_constant__ flashc_fwd_args a) {
-    constexpr fc_tile TL = fc_tile_for(D, FC_SM90);
+    constexpr fc_tile TL = DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90);
     constexpr int BR = TL.br, BC = TL.bc, NW = TL.nw, ST = TL.st, NT = NW * 32;
     constexpr int MT = BR / (16 * NW);  /* m16 tiles per warp */
     constexpr int ROW = fc_smem_row(D), ROWB = ROW * 2;
@@ -481,16 +482,17 @@ __global__ void __launch_bounds__(fc_tile_for(D, FC_SM90).nw * 32, fc_tile_for(D
     }
 }
 
-template <int D, int BF>
-static cudaError_t fc_fwd_run(const flashc_fwd_args *a, cudaStream_t stream, int what, fc_tile *tile,
-                              int *occupancy) {
-    /* The tile column is the one the loaded kernel was compiled for (sm_90a binary, or sm_80 code/PTX). */
+template <int D, int BF, bool DEC>
+static cudaError_t fc_fwd_run_as(const flashc_fwd_args *a, cudaStream_t stream, int what, fc_tile *tile,
+                                 int *occupancy) {
+    /* The tile column is the one the loaded kernel was compiled for (sm_90a binary, or sm_80 code/PTX); the
+     * decode tile has one. */
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, fc_fwd_kernel<D, BF>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, fc_fwd_kernel<D, BF, DEC>);
     if (e != cudaSuccess) return e;
-    const fc_tile t = fc_tile_for(D, fa.ptxVersion >= 90);
+    const fc_tile t = DEC ? fc_tile_dec(D) : fc_tile_for(D, fa.ptxVersion >= 90);
     const int smem = (int)fc_fwd_smem_bytes(t);
-    e = fc_smem_optin<fc_fwd_kernel<D, BF>>(smem);
+    e = fc_smem_optin<fc_fwd_kernel<D, BF, DEC>>(smem);
     if (what == 1) {
         /* A GPU without enough shared memory for this tile reports occupancy 0 (the host refuses the problem). */
         *tile = t;
@@ -499,12 +501,18 @@ static cudaError_t fc_fwd_run(const flashc_fwd_args *a, cudaStream_t stream, int
             cudaGetLastError();
             return cudaSuccess;
         }
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, fc_fwd_kernel<D, BF>, t.nw * 32, smem);
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, fc_fwd_kernel<D, BF, DEC>, t.nw * 32, smem);
     }
     if (e != cudaSuccess) return e;
     const int64_t blocks = (int64_t)a->n_mblk * a->nsplit * a->H * a->B;
-    fc_fwd_kernel<D, BF><<<(unsigned)blocks, t.nw * 32, smem, stream>>>(*a);
+    fc_fwd_kernel<D, BF, DEC><<<(unsigned)blocks, t.nw * 32, smem, stream>>>(*a);
     return cudaGetLastError();
+}
+template <int D, int BF>
+static cudaError_t fc_fwd_run(const flashc_fwd_args *a, cudaStream_t stream, int what, fc_tile *tile,
+                              int *occupancy) {
+    return what >= 2 ? fc_fwd_run_as<D, BF, true>(a, stream, what - 2, tile, occupancy)
+                     : fc_fwd_run_as<D, BF, false>(a, stream, what, tile, occupancy);
 }
 
 #define FLASHC_FWD_INSTANTIATE(D)                                                                            \

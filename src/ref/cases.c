@@ -216,6 +216,9 @@ static const flashc_case full_table[] = {
     /* grouped heads the CUDA forward takes as query rows (one query, nothing per position or head) */
     CASE2("dec_n1_bf16_gqa8_used_causal", BF16, 3, 1, 3000, 16, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0),
     CASE("dec_n1_f16_mqa_d64_softcap", F16, 2, 1, 2500, 8, 1, 64, 0, -1, 5, 10.0f, 0, 0, 0, 0, BNHD, 1),
+    /* enough (sequence, head) pairs (>= 64) for the CUDA forward's 16-row decode tile */
+    CASE("dec_n4_bf16_b8_causal_tile16", BF16, 8, 4, 600, 16, 4, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1),
+    CASE("dec_n1_f16_b16_gqa4_tile16", F16, 16, 1, 500, 32, 8, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1),
 
     /* everything at once */
     CASE("all_bf16", BF16, 3, 255, 255, 4, 2, 64, 1, 90, -1, 8.0f, 2, 19, 29, 1, PAD, 1),
