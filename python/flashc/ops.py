@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from . import _core, _torch, flash_attn_interface
+from . import _core, _torch
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
@@ -173,6 +173,13 @@ def _eager(*tensors):
     return _current_dispatch_mode() is None and not torch._C._are_functorch_transforms_active()
 
 
+def _direct(return_attn_probs, inputs, varlen, **options):
+    """The eager fast path: _torch.apply, what flashc.flash_attn_func runs (called directly, not through the public
+    function, so that the public one can route to this module without a cycle)."""
+    out, lse = _torch.apply("q,k,v", inputs, varlen=varlen, **options)
+    return (out, lse, None) if return_attn_probs else out
+
+
 def _prepare(names_and_tensors, varlen, dropout_p, window_size, alibi_slopes, sinks):
     """Checks as flashc.flash_attn_func makes them (each a Python check on metadata, which torch.compile traces
     as guards), and the sinks as fp32 on q's device: the cast happens here, under autograd, so the sinks' gradient
@@ -209,9 +216,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Results are the same bits as flashc.flash_attn_func's (the same library calls); an eager call on plain tensors
     takes flashc.flash_attn_func's path itself, which costs less host time than the operators' dispatch."""
     if _eager(q, k, v, alibi_slopes, seqused_k, sinks):
-        return flash_attn_interface.flash_attn_func(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, seqused_k=seqused_k, sinks=sinks)
+        return _direct(return_attn_probs, (q, k, v), False, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                       causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       deterministic=deterministic, seqused_k=seqused_k, sinks=sinks)
     left, right, alibi_slopes, sinks = _prepare((("q", q), ("k", k), ("v", v)), False, dropout_p, window_size,
                                                 alibi_slopes, sinks)
     out, lse = torch.ops.flashc.fwd(q, k, v, None, None, 0, 0, softmax_scale, bool(causal), left, right,
@@ -234,9 +241,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if max_seqlen_q is None or max_seqlen_k is None:
         raise ValueError("flashc.ops.flash_attn_varlen_func: pass max_seqlen_q and max_seqlen_k as ints")
     if _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k, sinks):
-        return flash_attn_interface.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k, sinks=sinks)
+        return _direct(return_attn_probs, (q, k, v), True, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                       causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       deterministic=deterministic, seqused_k=seqused_k, sinks=sinks, cu_seqlens_q=cu_seqlens_q,
+                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     left, right, alibi_slopes, sinks = _prepare((("q", q), ("k", k), ("v", v)), True, dropout_p, window_size,
                                                 alibi_slopes, sinks)
     out, lse = torch.ops.flashc.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
