@@ -64,7 +64,7 @@ extern "C" {
 #endif
 
 #define FLASHC_VERSION_MAJOR 0
-#define FLASHC_VERSION_MINOR 3
+#define FLASHC_VERSION_MINOR 4
 #define FLASHC_VERSION_PATCH 0
 
 /* Status codes. Values are only ever appended. */
@@ -175,6 +175,29 @@ typedef struct flashc_params {
      * dsinks (backward only): where dL/dsinks is written, H fp32 summed over batch and rows; NULL: not computed. */
     const float *sinks;
     float *dsinks;
+
+    /* ---- 0.4 ---- */
+
+    /* Paged KV cache (flash-attn's block_table, vLLM's page table). When block_table is set, k and v are page pools
+     * (num_pages, page_size, Hkv, D), any strides, and block_table is int32 (B, block_table_max_pages) with row
+     * stride block_table_stride elements (0: block_table_max_pages; B is num_seqs with varlen): key j of sequence b
+     * is row j % page_size of page block_table[b * stride + j / page_size]. Each sequence then has
+     * Nk = block_table_max_pages * page_size logical key rows (varlen: cu_seqlens_k[b+1] - cu_seqlens_k[b] of them,
+     * lengths only: the pool is not packed, and max_seqlen_k <= Nk), of which it uses the first seqused_k[b] when
+     * seqused_k is set (flash-attn's cache_seqlens; the usual way to give each sequence its length). Only the pages
+     * those used keys lie on are read, and they must be in [0, num_pages): the CPU backend checks every one (and
+     * that no length needs more pages than a row of the table holds) and refuses the call before writing anything;
+     * entries past them may hold anything (-1, say). Pages may be shared between sequences (a common prefix).
+     * page_size: 0 takes k's shape[1]; otherwise it must equal it. Any page size >= 1.
+     * Backward with a block table: dk and dv are page pools of k's shape (any strides), each row holding the
+     * gradient of the key that lives there, and 0 on every row no used key maps to (unused pages included). A page
+     * that the used keys of two sequences (or one sequence twice) lie on is refused with NOT_SUPPORTED: its rows
+     * would get two gradients. The CUDA backend does not run paged caches yet (NOT_SUPPORTED).
+     * NULL: k, v are (B, Nk, Hkv, D). */
+    const int32_t *block_table;
+    int64_t block_table_max_pages;
+    int64_t block_table_stride;
+    int64_t page_size;
 } flashc_params;
 
 typedef struct flashc_context *flashc_context_t;
@@ -285,6 +308,23 @@ FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tens
 FLASHC_API flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
                                                const flashc_tensor *v_cache, const flashc_tensor *k_new,
                                                const flashc_tensor *v_new, const int32_t *cache_seqlens);
+
+/*
+ * Paged KV cache: appends in place as flashc_kvcache_append does, into page pools k_cache, v_cache (num_pages,
+ * page_size, Hkv, D), any strides: new row i of sequence b (k_new, v_new (B, Nnew, Hkv, D)) goes to logical row
+ * cache_seqlens[b] + i, i.e. row (cache_seqlens[b] + i) % page_size of page
+ * block_table[b * block_table_stride + (cache_seqlens[b] + i) / page_size] (block_table int32 (B, max_pages), stride 0:
+ * max_pages), as flashc_params describes it. Then attend with the same table and seqused_k = cache_seqlens + Nnew
+ * (flash-attn's flash_attn_with_kvcache with block_table). Every other row is left as it was. The CPU backend refuses,
+ * writing nothing, a length below 0 or whose new rows pass the table's max_pages * page_size, a page the new rows
+ * need outside [0, num_pages), and two sequences writing one row. The CUDA backend does not append to paged caches
+ * yet (NOT_SUPPORTED).
+ */
+FLASHC_API flashc_status flashc_kvcache_append_paged(flashc_context_t ctx, const flashc_tensor *k_cache,
+                                                     const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                                     const flashc_tensor *v_new, const int32_t *cache_seqlens,
+                                                     const int32_t *block_table, int64_t block_table_max_pages,
+                                                     int64_t block_table_stride);
 
 /*
  * Merge of two partial attention results, each over its own set of keys (cascade attention: a shared prefix and

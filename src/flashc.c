@@ -218,7 +218,8 @@ static const struct params_field {
     PARAMS_FIELD(num_seqs, 'q'),          PARAMS_FIELD(max_seqlen_q, 'q'),     PARAMS_FIELD(max_seqlen_k, 'q'),
     PARAMS_FIELD(dropout_p, 'f'),         PARAMS_FIELD(dropout_seed, 'Q'),     PARAMS_FIELD(dropout_offset, 'Q'),
     PARAMS_FIELD(deterministic, 'i'),     PARAMS_FIELD(seqused_k, 'p'),        PARAMS_FIELD(sinks, 'p'),
-    PARAMS_FIELD(dsinks, 'p'),
+    PARAMS_FIELD(dsinks, 'p'),            PARAMS_FIELD(block_table, 'p'),      PARAMS_FIELD(block_table_max_pages, 'q'),
+    PARAMS_FIELD(block_table_stride, 'q'), PARAMS_FIELD(page_size, 'q'),
 };
 
 int flashc_params_field(int index, const char **name, size_t *offset, size_t *size, char *type) {
@@ -237,8 +238,9 @@ int flashc_params_field(int index, const char **name, size_t *offset, size_t *si
  */
 #define PARAMS_END_0_2 (offsetof(flashc_params, deterministic) + sizeof(int))
 #define PARAMS_END_0_3 (offsetof(flashc_params, dsinks) + sizeof(float *))
-#define PARAMS_END_NOW PARAMS_END_0_3
-static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3};
+#define PARAMS_END_0_4 (offsetof(flashc_params, page_size) + sizeof(int64_t))
+#define PARAMS_END_NOW PARAMS_END_0_4
+static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3, PARAMS_END_0_4};
 #define PARAMS_ALIGN _Alignof(flashc_params)
 #define PARAMS_LAYOUT_SIZE(end) (((end) + PARAMS_ALIGN - 1) / PARAMS_ALIGN * PARAMS_ALIGN)
 _Static_assert(sizeof(flashc_params) == PARAMS_LAYOUT_SIZE(PARAMS_END_NOW),
@@ -471,6 +473,40 @@ static flashc_status byte_range(flashc_context_t ctx, const char *name, const vo
     return FLASHC_STATUS_OK;
 }
 
+/* The block table's description into p: k, v are page pools (num_pages, page_size, Hkv, D), and each sequence has
+ * max_pages * page_size logical key rows (p->Nk, p->total_k; varlen replaces Nk by max_seqlen_k later). */
+static flashc_status paged_read(flashc_context_t ctx, const flashc_params *params, const flashc_tensor *k,
+                                flashc_problem *p) {
+    const int64_t ps = params->page_size ? params->page_size : k->shape[1], mp = params->block_table_max_pages;
+    const int64_t stride = params->block_table_stride ? params->block_table_stride : mp;
+    if (ps != k->shape[1])
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "page_size %lld differs from k's shape[1] (%lld): with a block table k and v are page pools "
+                          "(num_pages, page_size, Hkv, D)",
+                          (long long)params->page_size, (long long)k->shape[1]);
+    if (mp <= 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "block_table_max_pages is %lld: a block table needs at least one page per sequence",
+                          (long long)mp);
+    if (stride < mp)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "block_table_stride %lld is shorter than a row of the table (%lld pages)", (long long)stride,
+                          (long long)mp);
+    int64_t nk;
+    if (!flashc_mul_i64(mp, ps, &nk) || nk > FLASHC_MAX_ROWS)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "block_table_max_pages * page_size = %lld * %lld keys per sequence: more than 2^31 - 1024 "
+                          "are not supported",
+                          (long long)mp, (long long)ps);
+    p->block_table = params->block_table;
+    p->bt_max_pages = mp;
+    p->bt_stride = stride;
+    p->page_size = ps;
+    p->num_pages = k->shape[0];
+    p->Nk = p->total_k = nk;
+    return FLASHC_STATUS_OK;
+}
+
 flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const flashc_tensor *q,
                                    const flashc_tensor *k, const flashc_tensor *v, const flashc_params *params,
                                    const flashc_tensor *out, float *lse, const flashc_tensor *dout,
@@ -488,10 +524,10 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "unknown op %d", (int)op);
 
     /* Every buffer of a data call: the views, then lse, cu_seqlens q / k, slopes, block mask. */
-    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, ILSE, ICUQ, ICUK, ISLOPE, IMASK, IUSED, ISINK, IDSINK, NRANGE };
+    enum { IQ, IK, IV, IO, IDO, IDQ, IDK, IDV, ILSE, ICUQ, ICUK, ISLOPE, IMASK, IUSED, ISINK, IDSINK, ITABLE, NRANGE };
     static const char *names[NRANGE] = {"q",  "k",  "v",           "out",          "dout",        "dq",     "dk",
                                         "dv", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes",
-                                        "block_mask", "seqused_k", "sinks", "dsinks"};
+                                        "block_mask", "seqused_k", "sinks", "dsinks", "block_table"};
     uintptr_t lo[NRANGE] = {0}, hi[NRANGE] = {0};
     FLASHC_TRY(check_view(ctx, "q", q, need, 0, &lo[IQ], &hi[IQ]));
     FLASHC_TRY(check_view(ctx, "k", k, need, 0, &lo[IK], &hi[IK]));
@@ -505,7 +541,7 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
                           (long long)k->shape[0], (long long)k->shape[1], (long long)k->shape[2],
                           (long long)k->shape[3], (long long)v->shape[0], (long long)v->shape[1],
                           (long long)v->shape[2], (long long)v->shape[3]);
-    if (k->shape[0] != q->shape[0])
+    if (k->shape[0] != q->shape[0] && !params->block_table)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "batch of q (%lld) and k (%lld) differ",
                           (long long)q->shape[0], (long long)k->shape[0]);
     if (k->shape[3] != q->shape[3])
@@ -521,6 +557,7 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     p->D = q->shape[3];
     p->total_q = p->Nq;
     p->total_k = p->Nk;
+    if (params->block_table) FLASHC_TRY(paged_read(ctx, params, k, p));
     if (p->H % p->Hkv != 0)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "H (%lld) is not a multiple of Hkv (%lld)",
                           (long long)p->H, (long long)p->Hkv);
@@ -578,11 +615,12 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
                               (long long)params->num_seqs);
         /* No sequence is longer than the packed rows that hold it: a larger bound is a mistake, and it would size
          * the work (tasks, grids, the block mask's rows) by rows that do not exist. */
-        if (params->max_seqlen_q > q->shape[1] || params->max_seqlen_k > k->shape[1])
+        if (params->max_seqlen_q > q->shape[1] || params->max_seqlen_k > (p->block_table ? p->Nk : k->shape[1]))
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                              "max_seqlen (%lld, %lld) exceeds the packed totals (%lld query, %lld key rows)",
+                              "max_seqlen (%lld, %lld) exceeds the packed totals (%lld query, %lld key rows%s)",
                               (long long)params->max_seqlen_q, (long long)params->max_seqlen_k,
-                              (long long)q->shape[1], (long long)k->shape[1]);
+                              (long long)q->shape[1], (long long)(p->block_table ? p->Nk : k->shape[1]),
+                              p->block_table ? ": block_table_max_pages * page_size" : "");
         p->varlen = 1;
         p->cu_q = params->cu_seqlens_q;
         p->cu_k = params->cu_seqlens_k;
@@ -590,7 +628,7 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         p->Nq = params->max_seqlen_q;
         p->Nk = params->max_seqlen_k;
         p->total_q = q->shape[1];
-        p->total_k = k->shape[1];
+        p->total_k = p->block_table ? p->Nk : k->shape[1]; /* paged: rows are not packed (flashc_seq_key_rows) */
     }
     /* Row counts stay in int32 even after the kernels round them up to whole tiles (at most 1024 rows). */
     if (p->total_q > FLASHC_MAX_ROWS || p->total_k > FLASHC_MAX_ROWS)
@@ -665,6 +703,13 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     }
     if (p->seqused_k) FLASHC_TRY(byte_range(ctx, "seqused_k", p->seqused_k, p->B, 4, &lo[IUSED], &hi[IUSED]));
     if (p->sinks) FLASHC_TRY(byte_range(ctx, "sinks", p->sinks, p->H, 4, &lo[ISINK], &hi[ISINK]));
+    if (p->block_table) { /* (B - 1) * stride + max_pages entries */
+        int64_t n;
+        if (!flashc_mul_i64(p->B - 1, p->bt_stride, &n) || !flashc_add_i64(n, p->bt_max_pages, &n))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "block_table_stride %lld overflows int64 offsets",
+                              (long long)p->bt_stride);
+        FLASHC_TRY(byte_range(ctx, "block_table", p->block_table, n, 4, &lo[ITABLE], &hi[ITABLE]));
+    }
     if (lse) {
         int64_t n; /* (B, H, Nq), varlen (H, total_q) */
         if (!flashc_mul_i64(p->H, p->total_q, &n) || !flashc_mul_i64(n, p->varlen ? 1 : p->B, &n))
@@ -877,13 +922,15 @@ static int views_may_meet(const flashc_tensor *a, const flashc_tensor *b, uintpt
     return shifted_views_meet(bytes / esz, sd, nd, span, n);
 }
 
-flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
-                                    const flashc_tensor *v_cache, const flashc_tensor *k_new,
-                                    const flashc_tensor *v_new, const int32_t *cache_seqlens) {
-    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+/* What both appends check: the views, their shapes and dtypes, and that the caches share no byte with each other's
+ * elements or with the inputs (extra: one more input range, the block table, or none). paged: the caches are page
+ * pools (num_pages, page_size, Hkv, D) whose batch need not match k_new's, and whose rows the new ones need not fit. */
+static flashc_status append_checks(flashc_context_t ctx, const flashc_tensor *k_cache, const flashc_tensor *v_cache,
+                                   const flashc_tensor *k_new, const flashc_tensor *v_new, const int32_t *cache_seqlens,
+                                   int paged, const char *extra_name, const void *extra, int64_t extra_count) {
     if (!cache_seqlens) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cache_seqlens is NULL");
-    enum { KC, VC, KN, VN, SL, N };
-    static const char *names[N] = {"k_cache", "v_cache", "k_new", "v_new", "cache_seqlens"};
+    enum { KC, VC, KN, VN, SL, EX, N };
+    const char *names[N] = {"k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", extra_name};
     uintptr_t lo[N] = {0}, hi[N] = {0};
     FLASHC_TRY(check_view(ctx, "k_cache", k_cache, 1, 1, &lo[KC], &hi[KC]));
     FLASHC_TRY(check_view(ctx, "v_cache", v_cache, 1, 1, &lo[VC], &hi[VC]));
@@ -895,30 +942,76 @@ flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k
     if (k_cache->dtype != v_cache->dtype || k_new->dtype != k_cache->dtype || v_new->dtype != k_cache->dtype)
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "the caches and the new keys and values must share "
                                                                "one dtype");
-    if (k_new->shape[0] != k_cache->shape[0] || k_new->shape[2] != k_cache->shape[2] ||
+    if ((!paged && k_new->shape[0] != k_cache->shape[0]) || k_new->shape[2] != k_cache->shape[2] ||
         k_new->shape[3] != k_cache->shape[3])
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                          "k_new (%lld, %lld, %lld, %lld) does not fit k_cache (%lld, %lld, %lld, %lld): batch, "
-                          "kv heads and head dim must match",
+                          "k_new (%lld, %lld, %lld, %lld) does not fit k_cache (%lld, %lld, %lld, %lld): %skv heads "
+                          "and head dim must match",
                           (long long)k_new->shape[0], (long long)k_new->shape[1], (long long)k_new->shape[2],
                           (long long)k_new->shape[3], (long long)k_cache->shape[0], (long long)k_cache->shape[1],
-                          (long long)k_cache->shape[2], (long long)k_cache->shape[3]);
-    if (k_new->shape[1] > k_cache->shape[1])
+                          (long long)k_cache->shape[2], (long long)k_cache->shape[3], paged ? "" : "batch, ");
+    if (!paged && k_new->shape[1] > k_cache->shape[1])
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%lld new rows do not fit a cache of %lld",
                           (long long)k_new->shape[1], (long long)k_cache->shape[1]);
-    FLASHC_TRY(byte_range(ctx, "cache_seqlens", cache_seqlens, k_cache->shape[0], 4, &lo[SL], &hi[SL]));
+    FLASHC_TRY(byte_range(ctx, "cache_seqlens", cache_seqlens, k_new->shape[0], 4, &lo[SL], &hi[SL]));
+    if (extra) FLASHC_TRY(byte_range(ctx, extra_name, extra, extra_count, 4, &lo[EX], &hi[EX]));
     /* The caches are written: they share no byte with each other or with the inputs. The two caches may interleave
      * without sharing an element (the k and v halves of one packed (B, N, 2, Hkv, D) cache). */
     if (views_may_meet(k_cache, v_cache, lo[KC], hi[KC], lo[VC], hi[VC]))
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "k_cache and v_cache share elements in memory");
     for (int o = KC; o <= VC; o++)
         for (int i = KN; i < N; i++)
-            if (overlaps(lo[o], hi[o], lo[i], hi[i]))
+            if (hi[i] > lo[i] && overlaps(lo[o], hi[o], lo[i], hi[i]))
                 return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s overlaps %s in memory", names[o], names[i]);
+    return FLASHC_STATUS_OK;
+}
+
+flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
+                                    const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                    const flashc_tensor *v_new, const int32_t *cache_seqlens) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    FLASHC_TRY(append_checks(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens, 0, "", NULL, 0));
     if (!ctx->ops->kvcache_append)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no KV-cache append",
                           flashc_backend_name(ctx->backend));
     FLASHC_TRY(ctx->ops->kvcache_append(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens));
+    flashc_clear_error(ctx);
+    return FLASHC_STATUS_OK;
+}
+
+flashc_status flashc_kvcache_append_paged(flashc_context_t ctx, const flashc_tensor *k_cache,
+                                          const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                          const flashc_tensor *v_new, const int32_t *cache_seqlens,
+                                          const int32_t *block_table, int64_t block_table_max_pages,
+                                          int64_t block_table_stride) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    if (!block_table) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "block_table is NULL");
+    const int64_t mp = block_table_max_pages, stride = block_table_stride ? block_table_stride : mp;
+    if (mp <= 0 || stride < mp)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "block table of %lld pages per row, row stride %lld: it needs at least one page, and the "
+                          "stride at least a row",
+                          (long long)mp, (long long)stride);
+    if (!k_new) return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "k_new is NULL");
+    int64_t n = 0; /* (B - 1) * stride + max_pages entries, when k_new's shape is sane (checked again below) */
+    if (k_new->shape[0] <= 0 || !flashc_mul_i64(k_new->shape[0] - 1, stride, &n) || !flashc_add_i64(n, mp, &n))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "k_new's batch %lld with a block table row stride of %lld: out of range",
+                          (long long)k_new->shape[0], (long long)stride);
+    FLASHC_TRY(append_checks(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens, 1, "block_table", block_table, n));
+    int64_t rows;
+    if (!flashc_mul_i64(mp, k_cache->shape[1], &rows) || rows > FLASHC_MAX_ROWS)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "%lld pages of %lld rows per sequence: more than 2^31 - "
+                          "1024 rows are not supported", (long long)mp, (long long)k_cache->shape[1]);
+    if (k_new->shape[1] > rows)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "%lld new rows do not fit a block table of %lld pages of %lld rows",
+                          (long long)k_new->shape[1], (long long)mp, (long long)k_cache->shape[1]);
+    if (!ctx->ops->kvcache_append_paged)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "paged KV (block_table) append is not supported by the %s "
+                          "backend yet", flashc_backend_name(ctx->backend));
+    FLASHC_TRY(ctx->ops->kvcache_append_paged(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, mp,
+                                              stride));
     flashc_clear_error(ctx);
     return FLASHC_STATUS_OK;
 }

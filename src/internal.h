@@ -77,6 +77,11 @@ typedef struct flashc_problem {
     const int32_t *cu_q, *cu_k;
     const int32_t *seqused_k; /* keys each sequence uses (NULL: all); the CUDA kernels clamp, the CPU checked */
     const float *sinks;       /* per query head; NULL: none */
+    /* Paged K/V: k, v (and dk, dv) are page pools (num_pages, page_size, Hkv, D); key j of sequence b is row
+     * j % page_size of page block_table[b * bt_stride + j / page_size] (flashc_kv_offset). Nk is then
+     * bt_max_pages * page_size, and with varlen cu_k gives lengths only (k0 is 0). NULL: not paged. */
+    const int32_t *block_table;
+    int64_t bt_max_pages, bt_stride, page_size, num_pages;
     float *dsinks;            /* backward: the sinks' gradient (H), NULL: not asked for */
     float dropout_p;
     uint64_t dropout_seed, dropout_offset;
@@ -91,7 +96,7 @@ typedef struct flashc_problem {
     /* Front only: the byte ranges [lo, hi) of every buffer a data call reads or writes (views, lse, cu_seqlens,
      * slopes, block mask), so that a caller's workspace can be checked against them too. */
     int nranges;
-    uintptr_t range_lo[16], range_hi[16];
+    uintptr_t range_lo[20], range_hi[20];
 } flashc_problem;
 
 struct flashc_context;
@@ -157,6 +162,13 @@ typedef struct flashc_backend_ops {
      * supported. */
     flashc_status (*merge)(struct flashc_context *ctx, const flashc_tensor *out_a, const float *lse_a,
                            const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out, float *lse);
+    /* flashc_kvcache_append_paged on validated views (k_cache, v_cache page pools (num_pages, page_size, Hkv, D),
+     * k_new, v_new (B, Nnew, Hkv, D)); the backend checks or clamps cache_seqlens and the table's entries. NULL: not
+     * supported. */
+    flashc_status (*kvcache_append_paged)(struct flashc_context *ctx, const flashc_tensor *k_cache,
+                                          const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                          const flashc_tensor *v_new, const int32_t *cache_seqlens,
+                                          const int32_t *block_table, int64_t max_pages, int64_t stride);
 } flashc_backend_ops;
 
 /*
@@ -204,8 +216,21 @@ static inline size_t flashc_dtype_size(flashc_dtype t) { return t == FLASHC_DTYP
 
 /* Sequence b's key rows inside the (possibly packed) tensors: from *k0, *rows of them. */
 static inline void flashc_seq_key_rows(const flashc_problem *p, int64_t b, int64_t *k0, int64_t *rows) {
-    *k0 = p->varlen ? p->cu_k[b] : 0;
+    *k0 = p->varlen && !p->block_table ? p->cu_k[b] : 0; /* paged: rows are found through the block table */
     *rows = p->varlen ? (int64_t)p->cu_k[b + 1] - p->cu_k[b] : p->Nk;
+}
+
+/* Element offset of (key row n, head h, dim 0) of sequence b in a k-like view t (k, v, dk, dv): with a block table
+ * row n % page_size of the page the table names, else (batch tb, row n) as flashc_seq_key_rows counts rows (tb is 0
+ * with varlen). The one place that maps keys to memory: the CPU drivers and the oracle both read K and V through
+ * it. */
+static inline int64_t flashc_kv_offset(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t tb,
+                                       int64_t n, int64_t h) {
+    if (p->block_table) {
+        const int64_t page = p->block_table[b * p->bt_stride + n / p->page_size];
+        return page * t->stride[0] + (n % p->page_size) * t->stride[1] + h * t->stride[2];
+    }
+    return tb * t->stride[0] + n * t->stride[1] + h * t->stride[2];
 }
 
 /* Sequence b's row range inside the (possibly packed) tensors: queries [q0, q0 + nq) and the keys it uses,

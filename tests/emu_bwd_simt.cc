@@ -221,6 +221,10 @@ int main(int argc, char **argv) {
     int ran = 0, passed = 0;
     for (size_t i = 0; i < n; i++) {
         if (!table[i].backward || (only && !strstr(table[i].name, only))) continue;
+        if (table[i].page_size > 0) { /* the CUDA kernels do not follow a block table (cuda.cu refuses paged K/V) */
+            printf("skip %-26s paged K/V: not supported by the CUDA backend yet\n", table[i].name);
+            continue;
+        }
         flashc_case_result r;
         ran++;
         if (flashc_case_run(ctx, &table[i], 2000 + i, &r) != 0) {

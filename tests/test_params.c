@@ -33,7 +33,8 @@ static const struct {
     FIELD(num_seqs, 'q'),         FIELD(max_seqlen_q, 'q'),     FIELD(max_seqlen_k, 'q'),
     FIELD(dropout_p, 'f'),        FIELD(dropout_seed, 'Q'),     FIELD(dropout_offset, 'Q'),
     FIELD(deterministic, 'i'),    FIELD(seqused_k, 'p'),        FIELD(sinks, 'p'),
-    FIELD(dsinks, 'p'),
+    FIELD(dsinks, 'p'),           FIELD(block_table, 'p'),      FIELD(block_table_max_pages, 'q'),
+    FIELD(block_table_stride, 'q'), FIELD(page_size, 'q'),
 };
 #define NFIELDS (sizeof expected / sizeof expected[0])
 
@@ -112,6 +113,17 @@ static void test_growth(void) {
     memset(out, 0, EL * sizeof(float));
     check("the 0.2 layout: forward runs, the 0.3 fields at their defaults",
           flashc_forward(ctx, &tq, &tq, &tq, &old, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
+              !memcmp(out, want, EL * sizeof(float)));
+
+    /* A caller built against 0.3's flashc.h: its struct ends after dsinks (padded to the struct's alignment). */
+    flashc_params old3 = prm;
+    old3.struct_size = (uint32_t)((offsetof(flashc_params, dsinks) + sizeof(float *) + _Alignof(flashc_params) - 1) /
+                                  _Alignof(flashc_params) * _Alignof(flashc_params));
+    old3.block_table = (const int32_t *)(uintptr_t)1; /* garbage a 0.3 caller never wrote */
+    old3.block_table_max_pages = -5;
+    memset(out, 0, EL * sizeof(float));
+    check("the 0.3 layout: forward runs, the 0.4 fields (block table) at their defaults",
+          flashc_forward(ctx, &tq, &tq, &tq, &old3, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
               !memcmp(out, want, EL * sizeof(float)));
 
     np.later[2] = 1;

@@ -29,7 +29,7 @@ from .flash_attn_interface import (
     flash_attn_with_kvcache,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "FlashcError", "FlashcCopyWarning", "attention", "attention_backward", "scaled_dot_product_attention",

@@ -148,8 +148,8 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
         const int cols = imin(bc, jhi - j0);
         if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
         int64_t ldk, ldv;
-        const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
-        const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+        const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
+        const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
         kern->gemm(cols, br, D, k, ldk, 1, t->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
         if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
             flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, NULL);
@@ -306,13 +306,20 @@ static size_t dkv_head_floats(const flashc_problem *p, const layout *L) {
     return SMUL(flashc_size_of_i64(p->varlen ? p->total_k : p->Nk), (size_t)L->dp);
 }
 
+/* Which batch of the per-head dK, dV buffers sequence b's rows lie in: its tensor batch, or with a block table (whose
+ * rows are counted per sequence, also with varlen) the sequence itself. */
+static int64_t dkv_batch(const flashc_problem *p, int64_t b) {
+    return p->block_table ? b : flashc_cpu_tensor_batch(p, b);
+}
+
 size_t flashc_cpu_backward_workspace(const flashc_problem *p, int nthreads) {
     const layout L = make_layout(p, 1);
     size_t floats = SADD(SMUL((size_t)nthreads, L.per_thread), di_floats(p));
     if (single_pass(p, nthreads)) {
         floats = SADD(floats, SMUL((size_t)nthreads, dq_seq_floats(p, &L)));
         if (p->H != p->Hkv) { /* per-head fp32 dK and dV: 2 * B * H * Nk * dp floats */
-            const size_t heads = SMUL(flashc_size_of_i64(p->varlen ? 1 : p->B), flashc_size_of_i64(p->H));
+            const size_t heads =
+                SMUL(flashc_size_of_i64(p->varlen && !p->block_table ? 1 : p->B), flashc_size_of_i64(p->H));
             floats = SADD(floats, SMUL(SMUL(2, heads), dkv_head_floats(p, &L)));
         }
     }
@@ -416,11 +423,11 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int64_t j0 = kb * L->bc;
     if (j0 >= nk) return;
-    const int cols = imin(L->bc, nk - j0), D = (int)p->D, dp = L->dp, br = L->br;
+    const int cols = imin(L->bc, nk - j0), dp = L->dp, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), group = p->H / p->Hkv;
     int64_t ldk, ldv;
-    const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
-    const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+    const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
+    const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
     memset(t->dk, 0, sizeof(float) * (size_t)cols * dp);
     memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
@@ -432,8 +439,8 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             accumulate_dkdv(p, kern, L, t, tb, h, q0 + i0, rows, cols);
         }
     }
-    flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);
-    flashc_cpu_store_rows(&p->dv, tb, k0 + j0, cols, hk, D, t->dv, dp, 1.0f);
+    flashc_cpu_kv_store_rows(p, &p->dk, b, k0 + j0, cols, hk, t->dk, dp, p->scale);
+    flashc_cpu_kv_store_rows(p, &p->dv, b, k0 + j0, cols, hk, t->dv, dp, 1.0f);
 }
 
 static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
@@ -451,8 +458,8 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
         const int cols = imin(bc, hi - j0);
         if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
         int64_t ldk, ldv;
-        const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
-        const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+        const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
+        const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
         tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
         kern->gemm(rows, D, cols, t->dpt, 1, ld, k, ldk, t->dq, dp, 1); /* dQ += dS K */
     }
@@ -479,8 +486,8 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     for (int64_t j0 = 0; j0 < nk; j0 += bc) {
         const int cols = imin(bc, nk - j0);
         int64_t ldk, ldv;
-        const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
-        const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+        const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
+        const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
         memset(t->dk, 0, sizeof(float) * (size_t)cols * dp);
         memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
         for (int64_t i0 = 0; i0 < nq; i0 += br) {
@@ -492,11 +499,11 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             kern->gemm(rows, D, cols, t->dpt, 1, L->ld, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1); /* dQ += dS K */
         }
         if (!dkv_heads) {
-            flashc_cpu_store_rows(&p->dk, tb, k0 + j0, cols, hk, D, t->dk, dp, p->scale);
-            flashc_cpu_store_rows(&p->dv, tb, k0 + j0, cols, hk, D, t->dv, dp, 1.0f);
+            flashc_cpu_kv_store_rows(p, &p->dk, b, k0 + j0, cols, hk, t->dk, dp, p->scale);
+            flashc_cpu_kv_store_rows(p, &p->dv, b, k0 + j0, cols, hk, t->dv, dp, 1.0f);
         } else { /* this head's share; summed over the group afterwards */
             const size_t hf = dkv_head_floats(p, L);
-            float *dkh = dkv_heads + ((size_t)tb * p->H + h) * 2 * hf + (size_t)(k0 + j0) * dp;
+            float *dkh = dkv_heads + ((size_t)dkv_batch(p, b) * p->H + h) * 2 * hf + (size_t)(k0 + j0) * dp;
             memcpy(dkh, t->dk, sizeof(float) * (size_t)cols * dp);
             memcpy(dkh + hf, t->dv, sizeof(float) * (size_t)cols * dp);
         }
@@ -509,7 +516,7 @@ static void reduce_group(const flashc_problem *p, const layout *L, const float *
                          int64_t hk) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int64_t tb = flashc_cpu_tensor_batch(p, b), group = p->H / p->Hkv;
+    const int64_t tb = dkv_batch(p, b), group = p->H / p->Hkv;
     const size_t hf = dkv_head_floats(p, L), dp = (size_t)L->dp;
     for (int which = 0; which < 2; which++)
         for (int64_t j = 0; j < nk; j++) {
@@ -518,7 +525,7 @@ static void reduce_group(const flashc_problem *p, const layout *L, const float *
                 const float *src = dkv_heads + ((size_t)tb * p->H + h) * 2 * hf + which * hf + (size_t)(k0 + j) * dp;
                 for (size_t d = 0; d < dp; d++) acc[d] += src[d];
             }
-            flashc_cpu_store_rows(which ? &p->dv : &p->dk, tb, k0 + j, 1, hk, p->D, acc, (int64_t)dp,
+            flashc_cpu_kv_store_rows(p, which ? &p->dv : &p->dk, b, k0 + j, 1, hk, acc, (int64_t)dp,
                                   which ? 1.0f : p->scale);
         }
 }
@@ -528,10 +535,9 @@ static void unused_keys_zero(const flashc_problem *p, const float *zero, int64_t
     int64_t q0, nq, k0, nk, rows;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     flashc_seq_key_rows(p, b, &k0, &rows);
-    const int64_t tb = flashc_cpu_tensor_batch(p, b);
     for (int64_t j = nk; j < rows; j++) {
-        flashc_cpu_store_rows(&p->dk, tb, k0 + j, 1, hk, p->D, zero, p->D, 1.0f);
-        flashc_cpu_store_rows(&p->dv, tb, k0 + j, 1, hk, p->D, zero, p->D, 1.0f);
+        flashc_cpu_kv_store_rows(p, &p->dk, b, k0 + j, 1, hk, zero, p->D, 1.0f);
+        flashc_cpu_kv_store_rows(p, &p->dv, b, k0 + j, 1, hk, zero, p->D, 1.0f);
     }
 }
 
@@ -567,6 +573,18 @@ void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern
         const int tid = 0;
 #endif
         tile_bufs t = carve(base + (size_t)tid * L.per_thread, &L, 1);
+        if (p->block_table) { /* paged: dk, dv are whole pools, 0 where no used key lies (the rows below overwrite) */
+            float *zero = t.dv;
+            memset(zero, 0, sizeof(float) * (size_t)L.dp);
+#ifdef _OPENMP
+#  pragma omp for schedule(static)
+#endif
+            for (int64_t w = 0; w < p->num_pages * p->page_size; w++)
+                for (int64_t hk = 0; hk < p->Hkv; hk++) {
+                    flashc_cpu_store_rows(&p->dk, w / p->page_size, w % p->page_size, 1, hk, p->D, zero, 0, 1.0f);
+                    flashc_cpu_store_rows(&p->dv, w / p->page_size, w % p->page_size, 1, hk, p->D, zero, 0, 1.0f);
+                }
+        }
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
@@ -598,7 +616,7 @@ void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern
 #  pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t task = 0; task < (single ? 0 : p->B * p->H * L.nqb); task++) dq_task(p, kern, &L, &t, dvec, task);
-        if (p->seqused_k) { /* keys past a sequence's used ones get no gradient */
+        if (p->seqused_k && !p->block_table) { /* keys past a sequence's used ones get no gradient (paged: zeroed) */
             float *zero = t.dk;
             memset(zero, 0, sizeof(float) * (size_t)L.dp);
 #ifdef _OPENMP

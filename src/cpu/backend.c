@@ -140,6 +140,7 @@ static int cpu_threads(const struct flashc_context *ctx) {
 /* ---- the table ----------------------------------------------------------------------------------------- */
 
 static flashc_status check_seqlens(struct flashc_context *ctx, const flashc_problem *p);
+static flashc_status check_pages(struct flashc_context *ctx, const flashc_problem *p);
 
 /* What lives in host memory, which only a backend that reads it can check: cu_seqlens and seqused_k against the
  * problem, the ALiBi slopes and the sinks. */
@@ -168,10 +169,54 @@ static flashc_status check_inputs(struct flashc_context *ctx, const flashc_probl
             flashc_seq_key_rows(p, b, &k0, &rows);
             if (p->seqused_k[b] < 0 || p->seqused_k[b] > rows)
                 return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                                  "seqused_k[%lld] is %d: it must lie in [0, %lld], the sequence's key rows",
-                                  (long long)b, (int)p->seqused_k[b], (long long)rows);
+                                  "seqused_k[%lld] is %d: it must lie in [0, %lld], the sequence's key rows%s",
+                                  (long long)b, (int)p->seqused_k[b], (long long)rows,
+                                  p->block_table && !p->varlen ? " (the block table's max_pages * page_size: the "
+                                                                 "table is too short for this length)"
+                                                               : "");
         }
+    if (p->block_table) FLASHC_TRY(check_pages(ctx, p));
     return FLASHC_STATUS_OK;
+}
+
+/* Paged K/V: every page the used keys of a sequence lie on is in [0, num_pages) (entries past them are not read).
+ * The backward writes dk, dv through the table, so there a page named twice (two sequences sharing a prefix, or one
+ * naming it twice) would have two writers: refused. */
+static flashc_status check_pages(struct flashc_context *ctx, const flashc_problem *p) {
+    int32_t *owner = NULL;
+    if (p->op == FLASHC_OP_BACKWARD) {
+        owner = (int32_t *)malloc(sizeof(int32_t) * (size_t)p->num_pages);
+        if (!owner) return FLASHC_ERR(ctx, FLASHC_STATUS_OUT_OF_MEMORY, "out of host memory checking the block table");
+        for (int64_t i = 0; i < p->num_pages; i++) owner[i] = -1;
+    }
+    flashc_status st = FLASHC_STATUS_OK;
+    for (int64_t b = 0; b < p->B && st == FLASHC_STATUS_OK; b++) {
+        int64_t q0, nq, k0, nk;
+        flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+        const int64_t pages = (nk + p->page_size - 1) / p->page_size;
+        const int32_t *row = p->block_table + b * p->bt_stride;
+        for (int64_t i = 0; i < pages; i++) {
+            const int64_t page = row[i];
+            if (page < 0 || page >= p->num_pages) {
+                st = FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                "block_table[%lld][%lld] = %lld is not a page of k and v (num_pages %lld): sequence "
+                                "%lld's %lld keys lie on its first %lld pages",
+                                (long long)b, (long long)i, (long long)page, (long long)p->num_pages, (long long)b,
+                                (long long)nk, (long long)pages);
+                break;
+            }
+            if (owner && owner[page] >= 0) {
+                st = FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                                "page %lld is named by the block table of sequence %d and of sequence %lld: the "
+                                "backward writes dk, dv through the table, and a shared page would have two writers",
+                                (long long)page, (int)owner[page], (long long)b);
+                break;
+            }
+            if (owner) owner[page] = (int32_t)b;
+        }
+    }
+    free(owner);
+    return st;
 }
 
 /* cu_seqlens against the problem: starting at 0, non-decreasing, within max_seqlen and the packed rows. */
@@ -185,12 +230,18 @@ static flashc_status check_seqlens(struct flashc_context *ctx, const flashc_prob
         if (lq < 0 || lk < 0)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "cu_seqlens decrease at sequence %lld",
                               (long long)b);
+        if (p->block_table && lk > p->bt_max_pages * p->page_size)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "sequence %lld has %lld keys (cu_seqlens_k): more than its block table row's %lld pages "
+                              "of %lld hold",
+                              (long long)b, (long long)lk, (long long)p->bt_max_pages, (long long)p->page_size);
         if (lq > p->Nq || lk > p->Nk)
             return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
                               "sequence %lld has lengths (%lld, %lld) above max_seqlen (%lld, %lld)", (long long)b,
                               (long long)lq, (long long)lk, (long long)p->Nq, (long long)p->Nk);
     }
-    if (p->cu_q[p->B] > p->total_q || p->cu_k[p->B] > p->total_k)
+    /* (paged: cu_seqlens_k only gives lengths, the keys are not packed) */
+    if (p->cu_q[p->B] > p->total_q || (!p->block_table && p->cu_k[p->B] > p->total_k))
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
                           "cu_seqlens end at (%d, %d), beyond the packed tensors' %lld query and %lld key rows",
                           (int)p->cu_q[p->B], (int)p->cu_k[p->B], (long long)p->total_q, (long long)p->total_k);
@@ -303,6 +354,73 @@ static flashc_status cpu_kvcache_append(struct flashc_context *ctx, const flashc
     return FLASHC_STATUS_OK;
 }
 
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The paged append: checks every sequence's rows and pages first (nothing written on refusal), and that no two new
+ * rows land on one cache row; then copies row by row through the table. */
+static flashc_status cpu_kvcache_append_paged(struct flashc_context *ctx, const flashc_tensor *k_cache,
+                                              const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                              const flashc_tensor *v_new, const int32_t *cache_seqlens,
+                                              const int32_t *block_table, int64_t max_pages, int64_t stride) {
+    const int64_t B = k_new->shape[0], n = k_new->shape[1], ps = k_cache->shape[1], npages = k_cache->shape[0];
+    const int64_t cap = max_pages * ps; /* the front checked it fits */
+    for (int64_t b = 0; b < B; b++) {
+        if (cache_seqlens[b] < 0 || cache_seqlens[b] > cap - n)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "cache_seqlens[%lld] = %d: %lld new rows from there do not fit the block table's %lld "
+                              "pages of %lld rows",
+                              (long long)b, (int)cache_seqlens[b], (long long)n, (long long)max_pages, (long long)ps);
+        for (int64_t j = cache_seqlens[b] / ps; n > 0 && j <= (cache_seqlens[b] + n - 1) / ps; j++) {
+            const int64_t page = block_table[b * stride + j];
+            if (page < 0 || page >= npages)
+                return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                                  "block_table[%lld][%lld] = %lld is not a page of the caches (num_pages %lld), and "
+                                  "new rows of sequence %lld go there",
+                                  (long long)b, (long long)j, (long long)page, (long long)npages, (long long)b);
+        }
+    }
+    /* Two sequences writing one row would leave the cache depending on the order of the copies. */
+    int64_t *dst = NULL, total;
+    if (!flashc_mul_i64(B, n, &total) || !(dst = (int64_t *)malloc(sizeof(int64_t) * (size_t)(total ? total : 1))))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_OUT_OF_MEMORY, "out of host memory checking the block table");
+    for (int64_t b = 0, k = 0; b < B; b++)
+        for (int64_t i = 0; i < n; i++, k++) {
+            const int64_t j = cache_seqlens[b] + i;
+            dst[k] = (int64_t)block_table[b * stride + j / ps] * ps + j % ps;
+        }
+    qsort(dst, (size_t)total, sizeof(int64_t), cmp_i64);
+    for (int64_t k = 1; k < total; k++)
+        if (dst[k] == dst[k - 1]) {
+            const int64_t row = dst[k];
+            free(dst);
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "two new rows go to row %lld of page %lld: the block table gives two sequences (or one "
+                              "twice) the same page",
+                              (long long)(row % ps), (long long)(row / ps));
+        }
+    free(dst);
+    const size_t esz = flashc_dtype_size(k_cache->dtype);
+    const flashc_tensor *to[2] = {k_cache, v_cache}, *src[2] = {k_new, v_new};
+    for (int w = 0; w < 2; w++)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t j = cache_seqlens[b] + i, page = block_table[b * stride + j / ps];
+                for (int64_t h = 0; h < k_cache->shape[2]; h++)
+                    for (int64_t d = 0; d < k_cache->shape[3]; d++) {
+                        const int64_t so = b * src[w]->stride[0] + i * src[w]->stride[1] + h * src[w]->stride[2] +
+                                           d * src[w]->stride[3];
+                        const int64_t o = page * to[w]->stride[0] + (j % ps) * to[w]->stride[1] +
+                                          h * to[w]->stride[2] + d * to[w]->stride[3];
+                        memcpy((char *)to[w]->data + o * (int64_t)esz, (const char *)src[w]->data + so * (int64_t)esz,
+                               esz);
+                    }
+            }
+    return FLASHC_STATUS_OK;
+}
+
 static flashc_status cpu_merge(struct flashc_context *ctx, const flashc_tensor *out_a, const float *lse_a,
                                const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out, float *lse) {
     flashc_cpu_merge(out_a, lse_a, out_b, lse_b, out, lse, cpu_threads(ctx));
@@ -323,4 +441,5 @@ const flashc_backend_ops flashc_cpu_ops = {
     .backward = cpu_backward,
     .kvcache_append = cpu_kvcache_append,
     .merge = cpu_merge,
+    .kvcache_append_paged = cpu_kvcache_append_paged,
 };

@@ -116,6 +116,17 @@ static inline int64_t flashc_cpu_offset(const flashc_tensor *t, int64_t b, int64
  */
 const float *flashc_cpu_rows(const flashc_cpu_kernels *kern, const flashc_tensor *t, int64_t b, int64_t row0,
                              int rows, int64_t h, int64_t D, float *buf, int64_t buf_ld, int64_t *ld);
+/*
+ * K-like rows (k, v) [row0, row0 + rows) of sequence b, head h, as flashc_cpu_rows gives them: row0 counts as
+ * flashc_seq_key_rows does (k0 + key), and with a block table each row is found through it (flashc_kv_offset), in
+ * place where the rows lie on one page of an fp32 view with unit stride along D, else converted into buf. What the
+ * tile forward, the decode path and the backward read K and V with.
+ */
+const float *flashc_cpu_kv_rows(const flashc_cpu_kernels *kern, const flashc_problem *p, const flashc_tensor *t,
+                                int64_t b, int64_t row0, int rows, int64_t h, float *buf, int64_t buf_ld, int64_t *ld);
+/* Stores scale * src[r][0..D) into K-like rows (dk, dv) [row0, row0 + rows) of sequence b, head h (paged or not). */
+void flashc_cpu_kv_store_rows(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
+                              int64_t h, const float *src, int64_t ld, float scale);
 /* Transposed load dst[d][r] = scale * t(row0 + r, d) for r < rows, zero for rows <= r < pad_rows. */
 void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, const flashc_tensor *t, int64_t b,
                        int64_t row0, int rows, int pad_rows, int64_t h, int64_t D, float scale);

@@ -250,7 +250,7 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             float *o = t->st + (size_t)j * L->hs, *m = o + (size_t)L->cap * dp, *l = m + L->cap;
             if (!step_visible(p, rows, n, j0, cols)) continue;
             int64_t ldk, ldv;
-            const float *k = flashc_cpu_rows(kern, &p->k, tb, k0 + j0, cols, hk, D, t->kbuf, dp, &ldk);
+            const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
             kern->dots(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, ldk, t->s, DEC_BC);
             if (step_needs_epilogue(p, rows, n, j0, cols)) step_epilogue(p, rows, n, nq, nk, j0, cols, t->s);
             for (int r = 0; r < n; r++)
@@ -261,7 +261,7 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
                     float *orow = o + (size_t)r * dp;
                     for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
                 }
-            const float *v = flashc_cpu_rows(kern, &p->v, tb, k0 + j0, cols, hk, D, t->vbuf, dp, &ldv);
+            const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
             kern->gemm(n, D, cols, t->s, DEC_BC, 1, v, ldv, o, dp, 1); /* O += P V */
         }
     }

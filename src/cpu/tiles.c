@@ -94,6 +94,21 @@ const float *flashc_cpu_rows(const flashc_cpu_kernels *kern, const flashc_tensor
     return buf;
 }
 
+const float *flashc_cpu_kv_rows(const flashc_cpu_kernels *kern, const flashc_problem *p, const flashc_tensor *t,
+                                int64_t b, int64_t row0, int rows, int64_t h, float *buf, int64_t buf_ld, int64_t *ld) {
+    const int64_t tb = flashc_cpu_tensor_batch(p, b);
+    if (!p->block_table) return flashc_cpu_rows(kern, t, tb, row0, rows, h, p->D, buf, buf_ld, ld);
+    /* Rows on one page lie at the page's row stride: read in place when fp32 with unit stride along D. */
+    if (t->dtype == FLASHC_DTYPE_F32 && t->stride[3] == 1 && row0 / p->page_size == (row0 + rows - 1) / p->page_size) {
+        *ld = t->stride[1];
+        return (const float *)t->data + flashc_kv_offset(p, t, b, tb, row0, h);
+    }
+    for (int r = 0; r < rows; r++)
+        load_row(kern, buf + (size_t)r * buf_ld, t, flashc_kv_offset(p, t, b, tb, row0 + r, h), p->D);
+    *ld = buf_ld;
+    return buf;
+}
+
 /*
  * Rows go through a block of LOAD_T_ROWS converted rows so that each store run dst[d][r0 .. r0 + LOAD_T_ROWS) is
  * a contiguous 64-byte line: writing one row at a time touches D lines ld floats apart per row, and when ld is a
@@ -113,6 +128,29 @@ void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, c
     }
     for (int64_t d = 0; d < D; d++)
         for (int r = rows; r < pad_rows; r++) dst[(size_t)d * ld + r] = 0.0f;
+}
+
+/* One row of D values at element offset off of t, scaled and converted to its dtype. */
+static void store_row(const flashc_tensor *t, int64_t off, int64_t D, const float *row, float scale) {
+    const int64_t sd = t->stride[3];
+    switch (t->dtype) {
+    case FLASHC_DTYPE_F32:
+        for (int64_t d = 0; d < D; d++) ((float *)t->data)[off + d * sd] = row[d] * scale;
+        break;
+    case FLASHC_DTYPE_F16:
+        for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_f16(row[d] * scale);
+        break;
+    default:
+        for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_bf16(row[d] * scale);
+        break;
+    }
+}
+
+void flashc_cpu_kv_store_rows(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
+                              int64_t h, const float *src, int64_t ld, float scale) {
+    const int64_t tb = flashc_cpu_tensor_batch(p, b);
+    for (int r = 0; r < rows; r++)
+        store_row(t, flashc_kv_offset(p, t, b, tb, row0 + r, h), p->D, src + (size_t)r * ld, scale);
 }
 
 void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,

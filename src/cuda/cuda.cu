@@ -424,6 +424,10 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
 }
 
 static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+    /* Every kernel reads k, v (and writes dk, dv) as (B, Nk, Hkv, D) views: none follows a block table yet. */
+    if (p->block_table)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "paged KV (block_table) is not supported by the CUDA backend yet");
     if (p->op == FLASHC_OP_FORWARD) return fwd_plan(ctx, p, plan);
     const cuda_state *s = state_of(ctx);
     const char *why = flashc_cuda_bwd_plan(p, s->bwd_sm90, s->bwd_simt, plan);

@@ -84,14 +84,17 @@ static void axpy(const oracle *o, double *y, double a, const double *x, int64_t 
     }
 }
 
-static double load(const flashc_tensor *t, int64_t b, int64_t n, int64_t h, int64_t d) {
-    int64_t off = b * t->stride[0] + n * t->stride[1] + h * t->stride[2] + d * t->stride[3];
+static double load_at(const flashc_tensor *t, int64_t off) {
     switch (t->dtype) {
     case FLASHC_DTYPE_F32: return ((const float *)t->data)[off];
     case FLASHC_DTYPE_F16: return flashc_f16_to_f32(((const uint16_t *)t->data)[off]);
     case FLASHC_DTYPE_BF16: return flashc_bf16_to_f32(((const uint16_t *)t->data)[off]);
     }
     return NAN;
+}
+
+static double load(const flashc_tensor *t, int64_t b, int64_t n, int64_t h, int64_t d) {
+    return load_at(t, b * t->stride[0] + n * t->stride[1] + h * t->stride[2] + d * t->stride[3]);
 }
 
 /*
@@ -103,6 +106,15 @@ static void gather(const oracle *o, const flashc_tensor *t, int64_t tb, int64_t 
                    double *dst) {
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < D; d++) dst[i * D + d] = store(o, load(t, tb, r0 + i, h, d));
+}
+
+/* Keys [0, n) of sequence b (rows k0 .. of batch tb, or through the block table), head h, as gather does. */
+static void gather_kv(const oracle *o, const flashc_tensor *t, int64_t b, int64_t tb, int64_t k0, int64_t n, int64_t h,
+                      int64_t D, double *dst) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t off = flashc_kv_offset(o->p, t, b, tb, k0 + i, h);
+        for (int64_t d = 0; d < D; d++) dst[i * D + d] = store(o, load_at(t, off + d * t->stride[3]));
+    }
 }
 
 static void oracle_free(oracle *o) {
@@ -221,8 +233,8 @@ int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out,
         for (int64_t h = 0; h < H; h++) {
             int64_t hk = h / group;
             gather(&o, &p->q, tb, q0, nq, h, D, o.q);
-            gather(&o, &p->k, tb, k0, nk, hk, D, o.k);
-            gather(&o, &p->v, tb, k0, nk, hk, D, o.v);
+            gather_kv(&o, &p->k, b, tb, k0, nk, hk, D, o.k);
+            gather_kv(&o, &p->v, b, tb, k0, nk, hk, D, o.v);
             scores_and_probs(&o, b, h, nq, nk);
             for (int64_t i = 0; i < nq; i++) {
                 int64_t row = tb * rows_q + q0 + i;
@@ -251,7 +263,10 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
     const int64_t rows_k = p->varlen ? p->total_k : p->Nk;
     const int64_t nbatch = p->varlen ? 1 : p->B;
     const double scale = p->scale;
-    const size_t nq_el = (size_t)(nbatch * rows_q * H * D), nk_el = (size_t)(nbatch * rows_k * Hkv * D);
+    /* dk, dv: like k, i.e. with a block table the page pools (num_pages, page_size, Hkv, D), 0 where no key lies */
+    const size_t nq_el = (size_t)(nbatch * rows_q * H * D),
+                 nk_el = p->block_table ? (size_t)(p->num_pages * p->page_size * Hkv * D)
+                                        : (size_t)(nbatch * rows_k * Hkv * D);
     /* dk/dv are summed over a group's heads in these, also when the caller does not want them */
     double *sum_dk = dk ? dk : malloc(nk_el * sizeof(double));
     double *sum_dv = dv ? dv : malloc(nk_el * sizeof(double));
@@ -274,8 +289,8 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
         for (int64_t h = 0; h < H; h++) {
             int64_t hk = h / group;
             gather(&o, &p->q, tb, q0, nq, h, D, o.q);
-            gather(&o, &p->k, tb, k0, nk, hk, D, o.k);
-            gather(&o, &p->v, tb, k0, nk, hk, D, o.v);
+            gather_kv(&o, &p->k, b, tb, k0, nk, hk, D, o.k);
+            gather_kv(&o, &p->v, b, tb, k0, nk, hk, D, o.v);
             gather(&o, &p->dout, tb, q0, nq, h, D, o.dout);
             scores_and_probs(&o, b, h, nq, nk);
             double *dk_h = o.acc, *dv_h = o.acc2; /* this head's dK (before scale) and dV */
@@ -314,8 +329,11 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
                 }
             }
             for (int64_t j = 0; j < nk; j++) {
-                double *ddk = sum_dk + ((tb * rows_k + k0 + j) * Hkv + hk) * D;
-                double *ddv = sum_dv + ((tb * rows_k + k0 + j) * Hkv + hk) * D;
+                const int64_t krow = p->block_table ? p->block_table[b * p->bt_stride + j / p->page_size] *
+                                                              p->page_size + j % p->page_size
+                                                    : tb * rows_k + k0 + j;
+                double *ddk = sum_dk + (krow * Hkv + hk) * D;
+                double *ddv = sum_dv + (krow * Hkv + hk) * D;
                 for (int64_t d = 0; d < D; d++) {
                     ddk[d] += store(&o, scale * dk_h[j * D + d]);
                     ddv[d] += store(&o, dv_h[j * D + d]);
@@ -351,8 +369,8 @@ int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag) 
         if (nq == 0) continue;
         for (int64_t h = 0; h < H; h++) {
             gather(&o, &p->q, tb, q0, nq, h, D, o.q);
-            gather(&o, &p->k, tb, k0, nk, h / group, D, o.k);
-            gather(&o, &p->v, tb, k0, nk, h / group, D, o.v);
+            gather_kv(&o, &p->k, b, tb, k0, nk, h / group, D, o.k);
+            gather_kv(&o, &p->v, b, tb, k0, nk, h / group, D, o.v);
             gather(&o, &p->dout, tb, q0, nq, h, D, o.dout);
             scores_and_probs(&o, b, h, nq, nk);
             for (int64_t i = 0; i < nq; i++) {
