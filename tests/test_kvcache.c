@@ -8,7 +8,8 @@
  * sequence, attention on a contiguous copy of its used keys alone (the same library, no seqused_k). A packed cache
  * (k and v halves interleaved) is taken. Refusals: rows past the capacity (nothing written), caches that share
  * elements or overlap an input, shapes that do not fit. Decode against a long cache gives the same bits at any thread
- * count.
+ * count. Paged caches (flashc_kvcache_append_paged, block_table): the same steps through a shuffled page pool give
+ * the contiguous cache's rows and attention bit for bit; bad tables, lengths and pages are refused, nothing written.
  */
 #include "ref/testkit.h"
 
@@ -182,6 +183,163 @@ static void refusals(flashc_context_t ctx) {
     free(buf);
 }
 
+/* A paged twin of the contiguous cache: pages of PS rows from a pool of NP pages (the table's MP pages per sequence in
+ * a shuffled order, the rest NaN). Appending and attending through it must give the contiguous cache's bits. */
+enum { PS = 16, MP = CAP / PS, NP = B * MP + 3 };
+static void paged(flashc_context_t ctx, int nnew) {
+    uint64_t rng = 4242 + (uint64_t)nnew;
+    const size_t row = (size_t)HKV * D, cache_el = (size_t)B * CAP * row, pool_el = (size_t)NP * PS * row;
+    float *kc = malloc(cache_el * 4), *vc = malloc(cache_el * 4), *kp = malloc(pool_el * 4), *vp = malloc(pool_el * 4);
+    float *kp0 = malloc(pool_el * 4), *kn = malloc((size_t)B * nnew * row * 4), *vn = malloc((size_t)B * nnew * row * 4);
+    float *q = malloc((size_t)B * nnew * H * D * 4), *o1 = malloc((size_t)B * nnew * H * D * 4),
+          *o2 = malloc((size_t)B * nnew * H * D * 4), lse1[B * H * 8], lse2[B * H * 8];
+    if (!kc || !vc || !kp || !vp || !kp0 || !kn || !vn || !q || !o1 || !o2 || nnew > 8) exit(2);
+    int32_t table[B * (MP + 1)], perm[NP];
+    for (int i = 0; i < NP; i++) perm[i] = i;
+    for (int i = NP - 1; i > 0; i--) {
+        const int j = (int)(flashc_rand_u64(&rng) % (uint64_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    for (int b = 0; b < B; b++) /* row stride MP + 1: one padding entry per row */
+        for (int i = 0; i <= MP; i++) table[b * (MP + 1) + i] = i < MP ? perm[b * MP + i] : -3;
+    for (size_t i = 0; i < pool_el; i++) kp[i] = vp[i] = NAN;
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < CAP; j++)
+            for (size_t e = 0; e < row; e++) {
+                const size_t c = ((size_t)b * CAP + j) * row + e,
+                             pidx = ((size_t)table[b * (MP + 1) + j / PS] * PS + j % PS) * row + e;
+                kc[c] = j < filled[b] ? frand(&rng) : NAN;
+                vc[c] = j < filled[b] ? frand(&rng) : NAN;
+                kp[pidx] = kc[c], vp[pidx] = vc[c];
+            }
+    for (size_t i = 0; i < (size_t)B * nnew * row; i++) kn[i] = frand(&rng), vn[i] = frand(&rng);
+    for (size_t i = 0; i < (size_t)B * nnew * H * D; i++) q[i] = frand(&rng);
+    const flashc_tensor tkc = flashc_tensor_contiguous(kc, FLASHC_DTYPE_F32, B, CAP, HKV, D),
+                        tvc = flashc_tensor_contiguous(vc, FLASHC_DTYPE_F32, B, CAP, HKV, D),
+                        tkp = flashc_tensor_contiguous(kp, FLASHC_DTYPE_F32, NP, PS, HKV, D),
+                        tvp = flashc_tensor_contiguous(vp, FLASHC_DTYPE_F32, NP, PS, HKV, D),
+                        tkn = flashc_tensor_contiguous(kn, FLASHC_DTYPE_F32, B, nnew, HKV, D),
+                        tvn = flashc_tensor_contiguous(vn, FLASHC_DTYPE_F32, B, nnew, HKV, D),
+                        tq = flashc_tensor_contiguous(q, FLASHC_DTYPE_F32, B, nnew, H, D),
+                        to1 = flashc_tensor_contiguous(o1, FLASHC_DTYPE_F32, B, nnew, H, D),
+                        to2 = flashc_tensor_contiguous(o2, FLASHC_DTYPE_F32, B, nnew, H, D);
+    char what[96];
+    int ok = flashc_kvcache_append(ctx, &tkc, &tvc, &tkn, &tvn, filled) == FLASHC_STATUS_OK &&
+             flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, filled, table, MP, MP + 1) == FLASHC_STATUS_OK;
+    int same = 1, untouched = 1;
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < CAP; j++)
+            for (size_t e = 0; e < row; e++) {
+                const size_t c = ((size_t)b * CAP + j) * row + e,
+                             pidx = ((size_t)table[b * (MP + 1) + j / PS] * PS + j % PS) * row + e;
+                same &= !memcmp(&kc[c], &kp[pidx], 4) && !memcmp(&vc[c], &vp[pidx], 4);
+            }
+    for (int pg = B * MP; pg < NP; pg++) /* pages the table does not name */
+        for (size_t e = 0; e < (size_t)PS * row; e++) untouched &= isnan(kp[(size_t)perm[pg] * PS * row + e]);
+    snprintf(what, sizeof what, "paged append of %d rows (pages of %d, shuffled): the contiguous cache's bits", nnew, PS);
+    check(what, ok && same && untouched);
+
+    int32_t used[B];
+    for (int b = 0; b < B; b++) used[b] = filled[b] + nnew;
+    flashc_params pc = flashc_params_default(), pp;
+    pc.causal = 1;
+    pc.seqused_k = used;
+    pp = pc;
+    pp.block_table = table;
+    pp.block_table_max_pages = MP;
+    pp.block_table_stride = MP + 1;
+    ok = flashc_forward(ctx, &tq, &tkc, &tvc, &pc, &to1, lse1, NULL, 0) == FLASHC_STATUS_OK &&
+         flashc_forward(ctx, &tq, &tkp, &tvp, &pp, &to2, lse2, NULL, 0) == FLASHC_STATUS_OK;
+    snprintf(what, sizeof what, "  ... attention through the table: the contiguous cache's bits (Nq %d)", nnew);
+    check(what, ok && !memcmp(o1, o2, (size_t)B * nnew * H * D * 4) && !memcmp(lse1, lse2, sizeof(float) * B * H * nnew));
+
+    /* refusals: nothing written */
+    memcpy(kp0, kp, pool_el * 4);
+    memset(o2, 0x7f, (size_t)B * nnew * H * D * 4);
+    const float o2_first = o2[0];
+    flashc_params bad = pp;
+    table[1 * (MP + 1) + 1] = NP; /* sequence 1 uses 17 + nnew keys: pages 0 and 1 */
+    flashc_status st = flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0);
+    check("a page past the pool, where used keys lie: INVALID_ARGUMENT, out untouched",
+          st == FLASHC_STATUS_INVALID_ARGUMENT && o2[0] == o2_first &&
+              strstr(flashc_context_last_error(ctx), "block_table[1][1]") != NULL);
+    table[1 * (MP + 1) + 1] = -1;
+    check("  ... and -1 there", flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) ==
+                                    FLASHC_STATUS_INVALID_ARGUMENT && o2[0] == o2_first);
+    table[1 * (MP + 1) + 1] = perm[1 * MP + 1];
+    table[1 * (MP + 1) + 3] = -1; /* past what sequence 1 uses: never read */
+    check("  ... but -1 past the used keys' pages is fine",
+          flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) == FLASHC_STATUS_OK &&
+              !memcmp(o1, o2, (size_t)B * nnew * H * D * 4));
+    table[1 * (MP + 1) + 3] = perm[1 * MP + 3];
+    memset(o2, 0x7f, (size_t)B * nnew * H * D * 4);
+    int32_t too_long[B] = {0, CAP + 1, 3}, negative[B] = {0, -2, 3};
+    bad.seqused_k = too_long;
+    check("a length longer than the table (max_pages * page_size): INVALID_ARGUMENT",
+          flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) == FLASHC_STATUS_INVALID_ARGUMENT &&
+              strstr(flashc_context_last_error(ctx), "too short") != NULL && o2[0] == o2_first);
+    bad.seqused_k = negative;
+    check("a negative length: INVALID_ARGUMENT",
+          flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) == FLASHC_STATUS_INVALID_ARGUMENT &&
+              o2[0] == o2_first);
+    bad = pp;
+    bad.page_size = PS * 2;
+    check("page_size other than k's shape[1]: INVALID_ARGUMENT",
+          flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) == FLASHC_STATUS_INVALID_ARGUMENT);
+    bad = pp;
+    bad.block_table_max_pages = 0;
+    check("max_pages 0: INVALID_ARGUMENT",
+          flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) == FLASHC_STATUS_INVALID_ARGUMENT);
+    bad = pp;
+    bad.block_table_stride = MP - 1;
+    check("a row stride shorter than a row: INVALID_ARGUMENT",
+          flashc_forward(ctx, &tq, &tkp, &tvp, &bad, &to2, lse2, NULL, 0) == FLASHC_STATUS_INVALID_ARGUMENT);
+
+    /* the backward refuses a page shared by two sequences (its dk rows would get two gradients) */
+    {
+        float *dq = malloc((size_t)B * nnew * H * D * 4), *dk = malloc(pool_el * 4), *dv = malloc(pool_el * 4);
+        if (!dq || !dk || !dv) exit(2);
+        const flashc_tensor tdq = flashc_tensor_contiguous(dq, FLASHC_DTYPE_F32, B, nnew, H, D),
+                            tdk = flashc_tensor_contiguous(dk, FLASHC_DTYPE_F32, NP, PS, HKV, D),
+                            tdv = flashc_tensor_contiguous(dv, FLASHC_DTYPE_F32, NP, PS, HKV, D);
+        ok = flashc_forward(ctx, &tq, &tkp, &tvp, &pp, &to2, lse2, NULL, 0) == FLASHC_STATUS_OK &&
+             flashc_backward(ctx, &tq, &tkp, &tvp, &to2, &to1, lse2, &pp, &tdq, &tdk, &tdv, NULL, 0) ==
+                 FLASHC_STATUS_OK;
+        const int32_t keep = table[2 * (MP + 1)];
+        table[2 * (MP + 1)] = table[1 * (MP + 1)]; /* sequences 1 and 2 share their first page (a prefix) */
+        memset(dk, 0x7f, pool_el * 4);
+        st = flashc_backward(ctx, &tq, &tkp, &tvp, &to2, &to1, lse2, &pp, &tdq, &tdk, &tdv, NULL, 0);
+        check("paged backward runs; a page shared by two sequences: NOT_SUPPORTED, dk untouched",
+              ok && st == FLASHC_STATUS_NOT_SUPPORTED && dk[0] == dk[pool_el - 1]);
+        check("  ... while the forward reads a shared page",
+              flashc_forward(ctx, &tq, &tkp, &tvp, &pp, &to2, lse2, NULL, 0) == FLASHC_STATUS_OK);
+        table[2 * (MP + 1)] = keep;
+        free(dq), free(dk), free(dv);
+    }
+
+    /* append refusals */
+    const int32_t past[B] = {0, CAP - nnew + 1, 0}, neg[B] = {0, -1, 0};
+    check("paged append past the table's rows: INVALID_ARGUMENT, nothing written",
+          flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, past, table, MP, MP + 1) ==
+                  FLASHC_STATUS_INVALID_ARGUMENT && !memcmp(kp, kp0, pool_el * 4));
+    check("paged append at a negative length: INVALID_ARGUMENT",
+          flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, neg, table, MP, MP + 1) ==
+              FLASHC_STATUS_INVALID_ARGUMENT);
+    table[2 * (MP + 1) + filled[2] / PS] = NP + 5;
+    check("paged append onto a page past the pool: INVALID_ARGUMENT, nothing written",
+          flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, filled, table, MP, MP + 1) ==
+                  FLASHC_STATUS_INVALID_ARGUMENT && !memcmp(kp, kp0, pool_el * 4));
+    const int32_t lens2[B] = {3, 3, 3};
+    table[2 * (MP + 1)] = table[1 * (MP + 1)]; /* two sequences append to one page at the same rows */
+    check("two sequences appending to one row: INVALID_ARGUMENT, nothing written",
+          flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, lens2, table, MP, MP + 1) ==
+                  FLASHC_STATUS_INVALID_ARGUMENT && !memcmp(kp, kp0, pool_el * 4));
+    check("paged append with a NULL table: INVALID_ARGUMENT",
+          flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, filled, NULL, MP, 0) ==
+              FLASHC_STATUS_INVALID_ARGUMENT);
+    free(kc), free(vc), free(kp), free(vp), free(kp0), free(kn), free(vn), free(q), free(o1), free(o2);
+}
+
 /* Decode against a long cache (keys split into pieces merged by lse) gives the same bits at any thread count and
  * from run to run: the split and every summation order come from the shape alone. */
 static void decode_threads(void) {
@@ -234,6 +392,8 @@ int main(void) {
     step(ctx, 1, 0, -1, "decode, not causal");
     packed_cache(ctx);
     refusals(ctx);
+    paged(ctx, 1);
+    paged(ctx, 5);
     decode_threads();
     flashc_context_destroy(ctx);
     printf("%d checks, %d failed\n", g_checks, g_failed);
