@@ -37,7 +37,7 @@ static int varlen_cases, varlen_sm90, varlen_tally; /* counted while varlen_tall
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
-    int ran = 0, passed = 0;
+    int ran = 0, passed = 0, skipped = 0;
     printf("%-4s %-26s %-4s %10s %10s %10s %10s\n", "", "case", "type", "grad err", "grad tol", "out err", "out tol");
     for (size_t i = 0; i < n; i++) {
         const flashc_case *c = &table[i];
@@ -48,6 +48,11 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         if (flashc_case_run(ctx, c, seed + i, &r) != 0) {
             printf("FAIL %-26s could not be set up\n", c->name);
             failures++;
+            continue;
+        }
+        if (r.skipped) { /* paged K/V, which the CUDA backend refuses for now: said, not counted either way */
+            printf("skip %-26s %s\n", c->name, r.message);
+            ran--, skipped++;
             continue;
         }
         tally_add(kernels, r.kernel_bwd);
@@ -67,7 +72,8 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         if (r.pass) passed++;
         else failures++;
     }
-    printf("backward table (%s): %d / %d passed\n", full ? "full" : "quick", passed, ran);
+    printf("backward table (%s): %d / %d passed, %d skipped (paged K/V)\n", full ? "full" : "quick", passed, ran,
+           skipped);
 }
 
 /* ---- deterministic mode ---------------------------------------------------------------------------------- */

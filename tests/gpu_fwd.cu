@@ -66,7 +66,7 @@ static int dec_tile_cases = 0;
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
-    int passed = 0;
+    int passed = 0, skipped = 0;
     for (size_t i = 0; i < n; i++) {
         flashc_case c = table[i];
         c.backward = 0; /* the CUDA backend is forward-only for now */
@@ -75,6 +75,11 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         if (flashc_case_run(ctx, &c, seed + i, &r) != 0) {
             printf("FAIL %-26s could not be set up\n", c.name);
             failures++;
+            continue;
+        }
+        if (r.skipped) { /* paged K/V, which the CUDA backend refuses for now: said, not counted either way */
+            printf("skip %-26s %s\n", c.name, r.message);
+            skipped++;
             continue;
         }
         int ok = r.pass;
@@ -100,7 +105,8 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         if (ok) passed++;
         else failures++;
     }
-    printf("table (%s): %d / %zu passed\n", full ? "full" : "quick", passed, n);
+    printf("table (%s): %d / %zu passed, %d skipped (paged K/V)\n", full ? "full" : "quick", passed, n - skipped,
+           skipped);
 }
 
 /* ---- long shapes, checked on row blocks ------------------------------------------------------------------ */
