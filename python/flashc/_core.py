@@ -88,18 +88,25 @@ def check_int32_range(name, values):
 _FIELDS = frozenset(name for name, _ in _lib.Params._fields_)
 
 
-def _set_field(p, name, value, feature):
+def _set_field(p, name, value, feature, since="0.3"):
     if name not in _FIELDS:
         raise NotImplementedError(
-            "flashc: %s needs libflashc 0.3 or later; the loaded %s (version %s) has no flashc_params.%s"
-            % (feature, _lib.library_path, _lib.version(), name))
+            "flashc: %s needs libflashc %s or later; the loaded %s (version %s) has no flashc_params.%s"
+            % (feature, since, _lib.library_path, _lib.version(), name))
     setattr(p, name, value)
+
+
+def check_block_table_shape(shape, b, varlen):
+    if len(shape) != 2 or shape[0] != b or shape[1] < 1:
+        raise ValueError("flashc: block_table must be 2-d (%s, max_pages) with max_pages >= 1, one row of page "
+                         "indices per sequence, got shape %s" % ("num_seqs" if varlen else "B", tuple(shape)))
 
 
 def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, alibi_ptr=None,
                 alibi_batch_stride=0, block_mask_ptr=None, block_size=(0, 0), block_mask_dims=(1, 1),
                 cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
-                seqused_k_ptr=None, sinks_ptr=None, dsinks_ptr=None):
+                seqused_k_ptr=None, sinks_ptr=None, dsinks_ptr=None, block_table_ptr=None, block_table_max_pages=0,
+                block_table_stride=0):
     p = _lib.lib.flashc_params_default()
     # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
     # softmax_scale=None means everywhere in this package.
@@ -127,6 +134,10 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
         _set_field(p, "sinks", sinks_ptr, "attention sinks")
     if dsinks_ptr:
         _set_field(p, "dsinks", dsinks_ptr, "the attention sinks' gradient")
+    if block_table_ptr:
+        _set_field(p, "block_table", block_table_ptr, "the paged KV cache (block_table)", "0.4")
+        p.block_table_max_pages = block_table_max_pages
+        p.block_table_stride = block_table_stride
     return p
 
 
@@ -153,6 +164,19 @@ def kvcache_append_status(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr
             "flashc_kvcache_append; the loaded %s (version %s) lacks it: rebuild it"
             % (_lib.library_path, _lib.version()))
     return _lib.lib.flashc_kvcache_append(ctx.handle, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr)
+
+
+def kvcache_append_paged_status(ctx, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr, block_table_ptr, max_pages,
+                                stride):
+    """flashc_kvcache_append_paged on flashc_tensor views: the new rows written in place into the page pools at the
+    pages block_table names; returns the status."""
+    if not _lib.bound("flashc_kvcache_append_paged"):
+        raise NotImplementedError(
+            "flashc: appending to a paged KV cache (flash_attn_with_kvcache with block_table, k, v) needs libflashc "
+            "0.4 or later; the loaded %s (version %s) lacks flashc_kvcache_append_paged: rebuild it"
+            % (_lib.library_path, _lib.version()))
+    return _lib.lib.flashc_kvcache_append_paged(ctx.handle, k_cache, v_cache, k_new, v_new, cache_seqlens_ptr,
+                                                block_table_ptr, max_pages, stride)
 
 
 def merge_lse_shape(out_shape):

@@ -174,6 +174,7 @@ for _name, (_res, _args) in _SIGNATURES.items():
 _OPTIONAL_SIGNATURES = {
     "flashc_kvcache_append": (ctypes.c_int, [_p, _TP, _TP, _TP, _TP, _p]),
     "flashc_merge": (ctypes.c_int, [_p, _TP, _p, _TP, _p, _TP, _p]),
+    "flashc_kvcache_append_paged": (ctypes.c_int, [_p, _TP, _TP, _TP, _TP, _p, _p, _i64, _i64]),
 }
 _BOUND = set()
 for _name, (_res, _args) in _OPTIONAL_SIGNATURES.items():

@@ -72,12 +72,13 @@ class _Options:
 
     def __init__(self, q4, k4, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                 max_seqlen_q=None, max_seqlen_k=None, deterministic=False, seqused_k=None, sinks=None):
+                 max_seqlen_q=None, max_seqlen_k=None, deterministic=False, seqused_k=None, sinks=None,
+                 block_table=None):
         device = q4.device
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.kw = dict(softmax_scale=softmax_scale, causal=bool(causal), window=_core.window_pair(window_size),
                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
-        self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = None
+        self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = self.table = None
         if self.varlen:
             if cu_seqlens_q is None or cu_seqlens_k is None:
                 raise ValueError("flashc: varlen needs both cu_seqlens_q and cu_seqlens_k")
@@ -93,6 +94,17 @@ class _Options:
             self.kw.update(num_seqs=self.B, max_seqlen_q=self.Nq, max_seqlen_k=self.Nk)
         else:
             self.B, self.Nq, self.Nk = q4.shape[0], q4.shape[1], k4.shape[1]
+        if block_table is not None:
+            # paged K/V: k4, v4 are page pools (num_pages, page_size, Hkv, D); each sequence has max_pages * page_size
+            # logical keys (varlen: its cu_seqlens_k length), its first seqused_k[b] used
+            t = torch.as_tensor(block_table)
+            _core.check_block_table_shape(tuple(t.shape), self.B, self.varlen)
+            if t.device.type == "cpu" and t.dtype == torch.int64:
+                _core.check_int32_range("block_table", t)
+            self.table = _index_tensor("block_table", t, device)
+            if not self.varlen:
+                self.Nk = self.table.shape[1] * k4.shape[1]
+            self.kw.update(block_table_max_pages=self.table.shape[1], block_table_stride=self.table.stride(0))
         self.H = q4.shape[2]
         if alibi_slopes is not None:
             a = torch.as_tensor(alibi_slopes).to(device=device, dtype=torch.float32).contiguous()
@@ -130,6 +142,7 @@ class _Options:
             seqused_k_ptr=self.used.data_ptr() if self.used is not None else None,
             sinks_ptr=self.sinks.data_ptr() if self.sinks is not None else None,
             dsinks_ptr=dsinks.data_ptr() if dsinks is not None else None,
+            block_table_ptr=self.table.data_ptr() if self.table is not None else None,
             **self.kw)
 
     def lse_shape(self, q4):
@@ -238,11 +251,13 @@ def _warn_copy(reason):
 # ---- autograd ------------------------------------------------------------------------------------------------------
 class _Layout:
     """How the user's tensors hold q, k, v: 'q,k,v' separate, 'qkv' packed (.., 3, H, D), 'q,kv' with kv packed
-    (.., 2, Hkv, D); varlen tensors have no batch dimension."""
+    (.., 2, Hkv, D); varlen tensors have no batch dimension, except paged k, v (page pools (num_pages, page_size,
+    Hkv, D), 'q,k,v' only)."""
 
-    def __init__(self, kind, varlen):
+    def __init__(self, kind, varlen, paged=False):
         self.kind = kind
         self.varlen = varlen
+        self.paged = paged
 
     def unpack(self, inputs):
         if self.kind == "qkv":
@@ -254,7 +269,9 @@ class _Layout:
         else:
             q, k, v = inputs
         if self.varlen:
-            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+            q = q.unsqueeze(0)
+            if not self.paged:
+                k, v = k.unsqueeze(0), v.unsqueeze(0)
         return q, k, v
 
     def grads(self, inputs):
@@ -280,7 +297,9 @@ class _Layout:
             dq, dk, dv = (torch.empty_like(t) for t in inputs)
             grads = (dq, dk, dv)
         if self.varlen:
-            dq, dk, dv = dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
+            dq = dq.unsqueeze(0)
+            if not self.paged:
+                dk, dv = dk.unsqueeze(0), dv.unsqueeze(0)
         return grads, (dq, dk, dv)
 
 
@@ -325,17 +344,21 @@ def apply(kind, inputs, varlen=False, dropout_p=0.0, sinks=None, **options):
     for n, t in zip(names, inputs):
         _check(n, t, device)
     base = 3 if varlen else 4
+    paged = options.get("block_table") is not None
+    if paged and kind != "q,k,v":
+        raise ValueError("flashc: a block_table (paged KV) takes separate k and v page pools, not packed ones")
     for n, t in zip(names, inputs):
-        nd = base + (1 if n in ("qkv", "kv") else 0)
+        nd = 4 if paged and n in ("k", "v") else base + (1 if n in ("qkv", "kv") else 0)
         if t.dim() != nd:
             layout = {"qkv": "(total, 3, H, D)" if varlen else "(B, N, 3, H, D)",
                       "kv": "(total, 2, Hkv, D)" if varlen else "(B, N, 2, Hkv, D)"}.get(
-                n, "(total, H, D)" if varlen else "(B, N, H, D)")
+                n, "(num_pages, page_size, Hkv, D) (a page pool: block_table is set)" if paged and n in ("k", "v")
+                else "(total, H, D)" if varlen else "(B, N, H, D)")
             raise ValueError("flashc: %s must be %d-d %s, got shape %s" % (n, nd, layout, tuple(t.shape)))
         if n in ("qkv", "kv") and t.shape[-3] != (3 if n == "qkv" else 2):
             raise ValueError("flashc: %s's packed dimension (-3) must have size %d, got %s"
                              % (n, 3 if n == "qkv" else 2, tuple(t.shape)))
-    layout = _Layout(kind, varlen)
+    layout = _Layout(kind, varlen, paged)
     q4, k4, v4 = layout.unpack(inputs)
     s32 = None
     if sinks is not None:
@@ -503,11 +526,13 @@ def _rotate(x, c, s, interleaved):
 
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                 alibi_slopes=None, sinks=None):
-    """(out, lse) of flash-attn's flash_attn_with_kvcache on a contiguous cache: k, v (B, Nnew, Hkv, D), rotated
-    first when rotary tables are given, are written in place into k_cache, v_cache (B, Nk_max, Hkv, D) at rows
-    cache_seqlens[b] .. + Nnew - 1 (flashc_kvcache_append), then q (B, Nq, H, D) attends to each sequence's first
-    cache_seqlens[b] + Nnew rows (seqused_k). Everything stays on the device (no host sync) and on torch's current
+                 alibi_slopes=None, sinks=None, block_table=None):
+    """(out, lse) of flash-attn's flash_attn_with_kvcache: k, v (B, Nnew, Hkv, D), rotated first when rotary tables
+    are given, are written in place into k_cache, v_cache (B, Nk_max, Hkv, D) at rows cache_seqlens[b] .. + Nnew - 1
+    (flashc_kvcache_append), then q (B, Nq, H, D) attends to each sequence's first cache_seqlens[b] + Nnew rows
+    (seqused_k). With block_table (B, max_pages) int32 the caches are page pools (num_pages, page_size, Hkv, D) and
+    row j of sequence b lives at row j % page_size of page block_table[b, j // page_size] (Nk_max = max_pages *
+    page_size; flashc_kvcache_append_paged). Everything stays on the device (no host sync) and on torch's current
     stream; no autograd."""
     device = q.device if isinstance(q, torch.Tensor) else None
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
@@ -526,7 +551,19 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
                             % (n, t.dtype, q.dtype))
     b, nq, h, d = q.shape
     nk, hkv = k_cache.shape[1], k_cache.shape[2]
-    if v_cache.shape != k_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+    table = None
+    if block_table is not None:
+        table = torch.as_tensor(block_table)
+        _core.check_block_table_shape(tuple(table.shape), b, False)
+        if table.device.type == "cpu" and table.dtype == torch.int64:
+            _core.check_int32_range("block_table", table)
+        table = _index_tensor("block_table", table, device)
+        nk = table.shape[1] * k_cache.shape[1]  # each sequence's rows: max_pages * page_size
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
+            raise ValueError("flashc: with block_table, k_cache and v_cache must both be page pools (num_pages, "
+                             "page_size, Hkv, D) with q's D = %d, got %s and %s"
+                             % (d, tuple(k_cache.shape), tuple(v_cache.shape)))
+    elif v_cache.shape != k_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
         raise ValueError("flashc: k_cache and v_cache must both be (B, Nk_max, Hkv, D) with q's B = %d and D = %d, "
                          "got %s and %s" % (b, d, tuple(k_cache.shape), tuple(v_cache.shape)))
     if hkv == 0 or h % hkv:
@@ -567,7 +604,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
                 q = _rotate(q, cq, sq, rotary_interleaved)
         used = seqlens if nnew == 0 or seqlens is None else seqlens + nnew
         opts = _Options(q, k_cache, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=used, sinks=sinks)
+                        softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=used, sinks=sinks, block_table=table)
         if nnew > 0 and b > 0 and d > 0:
             _append(q, k_cache, v_cache, k, v, seqlens, opts)
         return _forward(q, k_cache, v_cache, opts)
@@ -584,8 +621,15 @@ def _append(q, k_cache, v_cache, k, v, seqlens, opts):
             layout = st == _lib.STATUS_NOT_SUPPORTED and not all(t.is_contiguous() for t in (q, k_cache, v_cache))
             if st != _lib.STATUS_OK and not layout:
                 _lib.check(st, "flashc_supported", ctx.handle)
-        st = _core.kvcache_append_status(ctx, _view(k_cache), _view(v_cache), _view(k), _view(v), seqlens.data_ptr())
-        _lib.check(st, "flashc_kvcache_append", ctx.handle)
+        if opts.table is None:
+            st = _core.kvcache_append_status(ctx, _view(k_cache), _view(v_cache), _view(k), _view(v),
+                                             seqlens.data_ptr())
+            _lib.check(st, "flashc_kvcache_append", ctx.handle)
+        else:
+            t = opts.table
+            st = _core.kvcache_append_paged_status(ctx, _view(k_cache), _view(v_cache), _view(k), _view(v),
+                                                   seqlens.data_ptr(), t.data_ptr(), t.shape[1], t.stride(0))
+            _lib.check(st, "flashc_kvcache_append_paged", ctx.handle)
     # The library wrote the caches behind torch's back: tell autograd, which would otherwise miss the change in a
     # tensor saved for a backward (torch >= 2.1 has the call).
     bump = getattr(torch.autograd.graph, "increment_version", None)

@@ -20,12 +20,13 @@ Two keyword-only arguments of flashc's own follow flash-attn's on every function
   returned softmax_lse includes it (a row that sees no key gets out 0 and lse = sinks[h]). Differentiable: the
   gradient comes back in the sinks' dtype; computed in fp32.
 
-flash_attn_with_kvcache works on a contiguous cache (B, Nk_max, Hkv, D): in-place append of k, v at cache_seqlens,
-rotary embedding, attention to each sequence's used rows (flashc's seqused_k); it takes sinks (keyword-only) but not
-seqused_k, which cache_seqlens sets.
+flash_attn_with_kvcache works on a contiguous cache (B, Nk_max, Hkv, D) or, with block_table, a paged one (page
+pools (num_pages, page_size, Hkv, D)): in-place append of k, v at cache_seqlens, rotary embedding, attention to each
+sequence's used rows (flashc's seqused_k); it takes sinks (keyword-only) but not seqused_k, which cache_seqlens sets.
+flash_attn_varlen_func takes block_table too. Paged KV runs on the CPU backend only for now.
 
-Not supported yet, each raising NotImplementedError that names it: dropout_p > 0, paged KV (block_table), and
-flash_attn_with_kvcache's cache_batch_idx and cache_leftpad. torch is imported on the first call, not at import.
+Not supported yet, each raising NotImplementedError that names it: dropout_p > 0 and flash_attn_with_kvcache's
+cache_batch_idx and cache_leftpad. torch is imported on the first call, not at import.
 """
 
 __all__ = [
@@ -182,12 +183,15 @@ def flash_attn_varlen_func(
     """q (total_q, H, D), k and v (total_k, Hkv, D) -> out (total_q, H, D). Sequence b is rows
     cu_seqlens[b] .. cu_seqlens[b + 1] - 1; masks and ALiBi positions count from each sequence's start.
     seqused_k (num_seqs,) int32: sequence b uses the first seqused_k[b] of its keys; sinks (H,): attention sinks
-    (see the module's docstring)."""
-    if block_table is not None:
-        raise NotImplementedError("flashc: paged KV cache (block_table) is not supported yet")
+    (see the module's docstring).
+    block_table (num_seqs, max_pages) int32, as flash-attn: k and v are then page pools (num_pages, page_size, Hkv, D)
+    and key j of sequence b lives at row j % page_size of page block_table[b, j // page_size]; cu_seqlens_k gives
+    each sequence's key count (<= max_pages * page_size), not offsets. CPU only for now (the CUDA backend raises
+    NOT_SUPPORTED); differentiable, dk and dv coming back as page pools (0 where no key lies)."""
+    extra = {} if block_table is None else dict(block_table=block_table)
     return _run("q,k,v", (q, k, v), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **extra)
 
 
 def flash_attn_with_kvcache(
@@ -228,12 +232,16 @@ def flash_attn_with_kvcache(
     flash-attn. num_splits is accepted and ignored (flashc chooses its own split of the keys). sinks (H,),
     keyword-only: attention sinks (see the module's docstring).
 
+    block_table (B, max_pages) int32: a paged cache, as flash-attn: k_cache, v_cache are page pools (num_pages,
+    page_size, Hkv, D) and row j of sequence b lives at row j % page_size of page block_table[b, j // page_size]
+    (Nk_max = max_pages * page_size); new rows are written at their pages. Any page size; CPU only for now (the
+    CUDA backend raises NOT_SUPPORTED).
+
     Returns out (B, Nq, H, D), or (out, softmax_lse) with return_softmax_lse, softmax_lse fp32 (B, H, Nq). Not
-    supported yet, each raising NotImplementedError: cache_batch_idx, cache_leftpad and block_table (paged KV).
+    supported yet, each raising NotImplementedError: cache_batch_idx and cache_leftpad.
     """
     for name, value, what in (("cache_batch_idx", cache_batch_idx, "indexing the caches by batch"),
-                              ("cache_leftpad", cache_leftpad, "left-padded caches"),
-                              ("block_table", block_table, "the paged KV cache")):
+                              ("cache_leftpad", cache_leftpad, "left-padded caches")):
         if value is not None:
             raise NotImplementedError(
                 "flashc: flash_attn_with_kvcache's %s (%s): flashc does not support it yet; pass a contiguous cache "
@@ -243,5 +251,5 @@ def flash_attn_with_kvcache(
     out, lse = _torch.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-                                   sinks=sinks)
+                                   sinks=sinks, block_table=block_table)
     return (out, lse) if return_softmax_lse else out

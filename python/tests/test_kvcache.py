@@ -1,6 +1,8 @@
 """flash_attn_with_kvcache on a contiguous cache: the in-place append (flashc_kvcache_append), attention to each
 sequence's used rows (seqused_k), rotary embedding, and the arguments flashc refuses, on CPU and (when torch sees a
-GPU and libflashc has the CUDA backend) CUDA.
+GPU and libflashc has the CUDA backend) CUDA. Paged caches (block_table, CPU): the same calls through a shuffled page
+pool against the contiguous cache they mirror, bit for bit, and flash_attn_varlen_func with block_table against the
+packed keys, gradients included.
 
 The reference is independent of the library's append: sequence b's keys are its first cache_seqlens[b] rows of the
 cache as it was before the call, followed by the new rows (rotated with flash-attn's own torch formulation,
@@ -323,8 +325,7 @@ def test_errors_cpu(gen):
         return flashc.flash_attn_with_kvcache(q, kc, vc, **args)
 
     for name, value in (("cache_batch_idx", torch.tensor([1, 0], dtype=torch.int32)),
-                        ("cache_leftpad", torch.tensor([0, 1], dtype=torch.int32)),
-                        ("block_table", torch.zeros(b, 1, dtype=torch.int32))):
+                        ("cache_leftpad", torch.tensor([0, 1], dtype=torch.int32))):
         with pytest.raises(NotImplementedError, match=r"%s.*flashc does not support it yet" % name):
             call(**{name: value})
     with pytest.raises(ValueError, match=r"cache_seqlens must be an int or 1-d .*\(B,\) = \(2,\), got shape \(3,\)"):
@@ -447,3 +448,140 @@ def test_cuda_stream_and_graph(gen):
         assert same_bits(kc, kc_e) and same_bits(vc, vc_e)
         seqlens.add_(1)
     assert torch.isfinite(out_g).all()
+
+
+# ---- paged caches (block_table) ----------------------------------------------------------------------------------
+def paged_twin(kc, vc, page_size, gen_extra=3):
+    """A page pool and block table holding the contiguous caches kc, vc (B, Nk_max, Hkv, D), Nk_max a multiple of
+    page_size: pages in a shuffled order, a few more pages than the table names, all NaN."""
+    b, nk, hkv, d = kc.shape
+    mp = nk // page_size
+    npages = b * mp + gen_extra
+    perm = torch.randperm(npages)
+    table = perm[:b * mp].reshape(b, mp).to(torch.int32)
+    kp = torch.full((npages, page_size, hkv, d), float("nan"), dtype=kc.dtype)
+    vp = kp.clone()
+    kp[table.long()] = kc.reshape(b, mp, page_size, hkv, d)
+    vp[table.long()] = vc.reshape(b, mp, page_size, hkv, d)
+    return kp, vp, table, perm[b * mp:]
+
+
+def unpage(pool, table):
+    """The contiguous (B, max_pages * page_size, Hkv, D) view of a page pool through its table."""
+    b, mp = table.shape
+    return pool[table.long()].reshape(b, mp * pool.shape[1], *pool.shape[2:])
+
+
+PAGED_CASES = [c for c in CASES if c[0] in ("decode_causal_gqa", "prefill_causal", "no_kv_causal", "window_softcap",
+                                            "alibi_bh_sinks", "decode_mqa")]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[c[0] for c in PAGED_CASES])
+def test_paged_kvcache_cpu(case, dtype, page_size, gen):
+    """flash_attn_with_kvcache through a block table: the appended pool and the attention equal the contiguous
+    cache's bit for bit (same logical length max_pages * page_size), and the call against the contiguous cache is
+    itself checked against the fp64 reference by run_case."""
+    _, b, nk, nq, nnew, h, hkv, d, filled, opts = case
+    nk = -(-nk // page_size) * page_size  # whole pages
+    opts = resolve(opts, b, h, "cpu")
+    kc, vc = make_cache(b, nk, hkv, d, filled, dtype, "cpu")
+    kp, vp, table, unused = paged_twin(kc, vc, page_size)
+    q = torch.randn(b, nq, h, d).to(dtype)
+    k = v = None
+    if nnew is not None:
+        k, v = torch.randn(b, nnew, hkv, d).to(dtype), torch.randn(b, nnew, hkv, d).to(dtype)
+    seqlens = torch.tensor(filled, dtype=torch.int32)
+    out_c, lse_c = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, return_softmax_lse=True,
+                                                  **opts)
+    out_p, lse_p = flashc.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=seqlens, block_table=table,
+                                                  return_softmax_lse=True, **opts)
+    assert same_bits(out_p, out_c) and same_bits(lse_p, lse_c)
+    assert same_bits(unpage(kp, table), kc) and same_bits(unpage(vp, table), vc)
+    assert torch.isnan(kp[unused]).all() and torch.isnan(vp[unused]).all(), "a page the table does not name was written"
+
+
+def test_paged_rotary_cpu(gen):
+    """Rotary embedding with a paged append: positions count in the sequence (max_pages * page_size of them)."""
+    b, nk, ps, hkv, h, d = 2, 64, 16, 2, 4, 64
+    kc, vc = make_cache(b, nk, hkv, d, [5, 40], torch.float32, "cpu")
+    kp, vp, table, _ = paged_twin(kc, vc, ps)
+    q, k, v = torch.randn(b, 3, h, d), torch.randn(b, 3, hkv, d), torch.randn(b, 3, hkv, d)
+    cos, sin = rotary_tables(nk, 32, torch.float32, "cpu")
+    sl = torch.tensor([5, 40], dtype=torch.int32)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, cache_seqlens=sl, causal=True)
+    out_c = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    out_p = flashc.flash_attn_with_kvcache(q, kp, vp, k, v, block_table=table, **kw)
+    assert same_bits(out_p, out_c) and same_bits(unpage(kp, table), kc)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_varlen_cpu(dtype, page_size, gen):
+    """flash_attn_varlen_func with block_table (k, v page pools, cu_seqlens_k as lengths) against the same keys
+    packed, forward and gradients (dk, dv come back as pools: 0 on rows no key maps to)."""
+    lens_q, lens_k, h, hkv, d = [3, 1, 7], [40, 0, 70], 4, 2, 32
+    mp = -(-max(lens_k) // page_size)
+    b = len(lens_q)
+    npages = b * mp + 2
+    perm = torch.randperm(npages)
+    table = perm[:b * mp].reshape(b, mp).to(torch.int32)
+    kp = torch.randn(npages, page_size, hkv, d).to(dtype)
+    vp = torch.randn(npages, page_size, hkv, d).to(dtype)
+    q = torch.randn(sum(lens_q), h, d).to(dtype)
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    # the packed twin: sequence b's keys are its pages' first lens_k[b] rows
+    kc = torch.cat([unpage(kp, table[i:i + 1])[0, :n] for i, n in enumerate(lens_k)])
+    vc = torch.cat([unpage(vp, table[i:i + 1])[0, :n] for i, n in enumerate(lens_k)])
+    go = torch.randn(sum(lens_q), h, d).to(dtype)
+
+    def run(k, v, **kw):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse, _ = flashc.flash_attn_varlen_func(qq, kk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                    return_attn_probs=True, **kw)
+        out.backward(go)
+        return out.detach(), lse, qq.grad, kk.grad, vv.grad
+
+    out_c, lse_c, dq_c, dk_c, dv_c = run(kc, vc)
+    out_p, lse_p, dq_p, dk_p, dv_p = run(kp, vp, block_table=table)
+    assert dk_p.shape == kp.shape and dv_p.shape == vp.shape
+    torch.testing.assert_close(out_p, out_c, rtol=0, atol=0)
+    torch.testing.assert_close(lse_p, lse_c, rtol=0, atol=0)
+    torch.testing.assert_close(dq_p, dq_c, rtol=0, atol=0)
+    named = torch.zeros(npages * page_size, dtype=torch.bool)
+    for i, n in enumerate(lens_k):
+        rows = (table[i].long()[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:n]
+        named[rows] = True
+        off = sum(lens_k[:i])
+        torch.testing.assert_close(dk_p.reshape(-1, hkv, d)[rows], dk_c[off:off + n], rtol=0, atol=0)
+        torch.testing.assert_close(dv_p.reshape(-1, hkv, d)[rows], dv_c[off:off + n], rtol=0, atol=0)
+    assert (dk_p.reshape(-1, hkv, d)[~named] == 0).all() and (dv_p.reshape(-1, hkv, d)[~named] == 0).all()
+
+
+def test_paged_errors_cpu(gen):
+    b, nk, ps, hkv, h, d = 2, 32, 16, 2, 4, 32
+    kc, vc = make_cache(b, nk, hkv, d, [5, 20], torch.float32, "cpu")
+    kp, vp, table, _ = paged_twin(kc, vc, ps, gen_extra=0)
+    q, k, v = torch.randn(b, 1, h, d), torch.randn(b, 1, hkv, d), torch.randn(b, 1, hkv, d)
+    sl = torch.tensor([5, 20], dtype=torch.int32)
+    kp0 = kp.clone()
+    bad = table.clone()
+    bad[1, 1] = kp.shape[0]  # sequence 1's row 20 lies on its second page
+    with pytest.raises(flashc.FlashcError, match=r"block_table\[1\]\[1\]") as e:
+        flashc.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=bad)
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+    assert same_bits(kp, kp0), "a refused append wrote the pool"
+    with pytest.raises(flashc.FlashcError, match="do not fit the block table"):
+        flashc.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=torch.tensor([5, 32], dtype=torch.int32),
+                                       block_table=table)
+    with pytest.raises(ValueError, match="block_table must be 2-d"):
+        flashc.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=table[0])
+    with pytest.raises(ValueError, match="block_table must be 2-d"):
+        flashc.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=table[:1])
+    with pytest.raises(TypeError, match="block_table must be an integer tensor"):
+        flashc.flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=sl, block_table=table.float())
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"\(num_pages, page_size, Hkv, D\)"):
+        flashc.flash_attn_varlen_func(q[:, 0], kc[0], vc[0], cu, cu, 1, 1, block_table=table)

@@ -524,11 +524,11 @@ def test_errors_torch(gen):
     assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
     with pytest.raises(NotImplementedError, match="dropout"):
         flashc.flash_attn_func(q, q, q, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flashc.flash_attn_with_kvcache(q, q, q, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table must be 2-d"):
+        flashc.flash_attn_with_kvcache(q, q, q, block_table=torch.zeros(1, dtype=torch.int32))
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flashc.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, block_table=torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="block_table must be 2-d"):
+        flashc.flash_attn_varlen_func(q[0], q, q, cu, cu, 8, 8, block_table=torch.zeros(2, 1))
     with pytest.raises(TypeError, match="float64"):
         flashc.flash_attn_func(q.double(), q.double(), q.double())
     with pytest.raises(ValueError, match="4-d"):
