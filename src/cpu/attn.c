@@ -71,8 +71,6 @@ static layout make_layout(const flashc_problem *p, int backward) {
     return L;
 }
 
-static float *align64(void *ptr) { return (float *)(((uintptr_t)ptr + 63) & ~(uintptr_t)63); }
-
 static tile_bufs carve(float *x, const layout *L, int backward) {
     tile_bufs b;
     memset(&b, 0, sizeof b);
@@ -236,7 +234,7 @@ static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     const layout L = make_layout(p, 0);
     const int64_t ntasks = p->B * p->H * L.nqb, splits = kv_splits(p, &L, nthreads);
-    float *base = align64(workspace), *partials = base + (size_t)nthreads * L.per_thread;
+    float *base = flashc_cpu_align64(workspace), *partials = base + (size_t)nthreads * L.per_thread;
     const size_t pf = partial_floats(&L);
 #ifdef _OPENMP
 #  pragma omp parallel num_threads(nthreads)
@@ -559,7 +557,7 @@ static void sinks_grad(const flashc_problem *p, const float *dvec) {
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     const layout L = make_layout(p, 1);
     const int single = single_pass(p, nthreads);
-    float *dvec = align64(workspace);
+    float *dvec = flashc_cpu_align64(workspace);
     float *base = dvec + di_floats(p);
     float *extra = base + (size_t)nthreads * L.per_thread; /* single pass: per-thread dQ, then per-head dK, dV */
     float *dkv_heads = single && p->H != p->Hkv ? extra + (size_t)nthreads * dq_seq_floats(p, &L) : NULL;

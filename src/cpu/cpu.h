@@ -105,6 +105,9 @@ flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward);
 #define FLASHC_CPU_LD_PAD 16
 
 
+/* The first 64-byte boundary at or after ptr: where a workspace's float buffers start (one cache line). */
+static inline float *flashc_cpu_align64(void *ptr) { return (float *)(((uintptr_t)ptr + 63) & ~(uintptr_t)63); }
+
 /* Element offset of (batch b, row n, head h, dim 0) in a view. */
 static inline int64_t flashc_cpu_offset(const flashc_tensor *t, int64_t b, int64_t n, int64_t h) {
     return b * t->stride[0] + n * t->stride[1] + h * t->stride[2];

@@ -287,7 +287,7 @@ static void store_block(const flashc_problem *p, const dec_layout *L, float *st,
 void flashc_cpu_decode(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, int64_t splits,
                        void *workspace) {
     const dec_layout L = make_layout(p, splits);
-    float *base = (float *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    float *base = flashc_cpu_align64(workspace);
     float *parts = base + (size_t)nthreads * L.per_thread;
     const int64_t nunits = (int64_t)units_of(p, &L), per_piece = L.nhb * L.nrb;
 #ifdef _OPENMP

@@ -155,22 +155,7 @@ void flashc_cpu_kv_store_rows(const flashc_problem *p, const flashc_tensor *t, i
 
 void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
                            const float *src, int64_t ld, float scale) {
-    const int64_t sd = t->stride[3];
-    for (int r = 0; r < rows; r++) {
-        const float *row = src + (size_t)r * ld;
-        int64_t off = flashc_cpu_offset(t, b, row0 + r, h);
-        switch (t->dtype) {
-        case FLASHC_DTYPE_F32:
-            for (int64_t d = 0; d < D; d++) ((float *)t->data)[off + d * sd] = row[d] * scale;
-            break;
-        case FLASHC_DTYPE_F16:
-            for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_f16(row[d] * scale);
-            break;
-        default:
-            for (int64_t d = 0; d < D; d++) ((uint16_t *)t->data)[off + d * sd] = flashc_f32_to_bf16(row[d] * scale);
-            break;
-        }
-    }
+    for (int r = 0; r < rows; r++) store_row(t, flashc_cpu_offset(t, b, row0 + r, h), D, src + (size_t)r * ld, scale);
 }
 
 /* ---- masks --------------------------------------------------------------------------------------------- */
