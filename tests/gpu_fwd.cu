@@ -63,6 +63,17 @@ static int dec_tile_expected(const flashc_case *c) {
 }
 static int dec_tile_cases = 0;
 
+/* Whether the kernel that ran (name kernel) carries the variant named what exactly when the case expects it; counts
+ * the cases that ran it in *cases. */
+static int variant_ok(const flashc_case *c, const char *kernel, const char *what, int expected, int *cases) {
+    const int ran = kernel && strstr(kernel, what) != NULL;
+    *cases += ran;
+    if (ran == expected) return 1;
+    printf("FAIL %-26s %s %s (kernel: %s)\n", c->name, ran ? "ran with" : "did not run with", what,
+           kernel ? kernel : "?");
+    return 0;
+}
+
 static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
@@ -83,20 +94,8 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
             continue;
         }
         int ok = r.pass;
-        const int rows = r.kernel_fwd && strstr(r.kernel_fwd, "GQA heads as rows") != NULL;
-        if (rows != gqa_rows_expected(&c)) {
-            printf("FAIL %-26s %s GQA heads as rows (kernel: %s)\n", c.name, rows ? "ran with" : "did not run with",
-                   r.kernel_fwd ? r.kernel_fwd : "?");
-            ok = 0;
-        }
-        gqa_rows_cases += rows;
-        const int dec = r.kernel_fwd && strstr(r.kernel_fwd, "16-row decode tile") != NULL;
-        if (dec != dec_tile_expected(&c)) {
-            printf("FAIL %-26s %s the decode tile (kernel: %s)\n", c.name, dec ? "ran on" : "did not run on",
-                   r.kernel_fwd ? r.kernel_fwd : "?");
-            ok = 0;
-        }
-        dec_tile_cases += dec;
+        ok &= variant_ok(&c, r.kernel_fwd, "GQA heads as rows", gqa_rows_expected(&c), &gqa_rows_cases);
+        ok &= variant_ok(&c, r.kernel_fwd, "16-row decode tile", dec_tile_expected(&c), &dec_tile_cases);
         tally_add(kernels, r.kernel_fwd);
         feature_add(ft, &c, r.kernel_fwd);
         printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g) on %s%s%s\n", ok ? "ok  " : "FAIL", c.name,
