@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build run test test-gpu asan tsan test-clang install clean
+.PHONY: all build run test test-gpu test-install asan tsan test-clang install clean
 
 all: build
 
@@ -98,6 +98,13 @@ test-clang:
 	  grep ': warning:' $(BUILD)-clang/build.log | sort -u || true; exit $$rc
 	echo "leak:libomp.so" > $(BUILD)-clang/lsan.supp
 	cd $(BUILD)-clang && LSAN_OPTIONS=suppressions=$$PWD/lsan.supp $(ASAN_ENV) ctest --output-on-failure -j $(JOBS) -LE "gpu|python"
+
+# Installs the build into a temporary prefix and links a program from outside the tree against it, as README.md's
+# "Installing" section shows: pkg-config (shared, and --static), find_package(flashc) (flashc::flashc,
+# flashc::flashc_static). With the CUDA backend built this checks the static library's CUDA runtime dependency;
+# no GPU is needed (the program runs a CPU attention).
+test-install: build
+	cmake/install-test/run.sh $(BUILD)
 
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX),)
