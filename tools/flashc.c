@@ -89,9 +89,13 @@ int cli_info(int argc, char **argv) {
                 snprintf(name, sizeof name, "?");
             printf("  cuda:%d    %s\n", d, name);
         }
-        printf("command:   %s\n", cli_cuda_runtime() ? "run, check and bench can use CUDA"
-                                                     : "built without the CUDA runtime: run, check and bench use "
-                                                       "the CPU");
+        /* What run, check and bench do with --backend auto: CUDA only with a GPU to run on. */
+        if (!cli_cuda_runtime())
+            printf("command:   built without the CUDA runtime: run, check and bench use the CPU\n");
+        else if (n > 0)
+            printf("command:   run, check and bench can use CUDA (the default with --backend auto)\n");
+        else
+            printf("command:   no GPU found: run, check and bench use the CPU\n");
         flashc_context_t ctx = NULL;
         if (n > 0 && flashc_context_create(&ctx, FLASHC_BACKEND_CUDA, 0) == FLASHC_STATUS_OK) {
             /* Which kernels cuda:0 runs, at the benchmark sweep's shape (bf16, B 1, N 4096, H 2048 / D). */
