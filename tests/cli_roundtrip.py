@@ -9,8 +9,15 @@ error <= 2 * (error of the naive algorithm in that precision) + 1e-5 (f32 inputs
 them with bf16 operands, are held to the bf16 rule). Then feeds broken inputs (missing file,
 corrupt header, wrong dtype, Fortran order, truncated data, wrong rank, mismatched shapes, bad options) and
 checks the exit code, that the message names the file, and that no output is left behind.
+Last, the other subcommands' promises: `flashc info` says CUDA can be used only when it lists a GPU; `flashc bench`
+prints the median, min and max of each measurement and names the standard attention it ran (OpenBLAS or the C
+loops), and its --json / --csv files are well-formed and hold the same rows (min <= median <= max, both outputs
+agreeing), with null / empty fields where nothing was measured; refused file arguments write nothing.
 """
+import csv
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -222,6 +229,145 @@ def case(tmp, rng, name, dt, B, Nq, Nk, H, Hkv, D, causal=False, window=None, sc
         fail("%s: error above the bound" % name)
 
 
+# ---- info and bench ------------------------------------------------------------------------------------------
+
+def command(args, timeout=300):
+    p = subprocess.run([FLASHC] + args, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def info_case():
+    rc, out, err = command(["info"])
+    m = re.search(r"^gpus:\s+(\d+)", out, re.M)
+    gpus = int(m.group(1)) if m else 0  # "gpus: - (CUDA backend not compiled)"
+    if rc != 0:
+        fail("info: exit %d, %r" % (rc, err.strip()))
+    elif "can use CUDA" in out and gpus == 0:
+        fail("info: says CUDA can be used with no GPU listed:\n" + out)
+    elif m and gpus == 0 and "no GPU found" not in out and "without the CUDA runtime" not in out:
+        fail("info: no GPU listed, and no line says run, check and bench use the CPU:\n" + out)
+    else:
+        print("ok    %-28s %d GPU(s): %s" % ("info", gpus, (re.findall(r"^command:.*$", out, re.M) or ["-"])[0]))
+
+
+def check_stats(name, st):
+    """st: one measurement's dict from the JSON; returns what is wrong, or ''."""
+    if st is None:
+        return "%s: missing" % name
+    if not (isinstance(st.get("runs"), int) and st["runs"] >= 1):
+        return "%s: runs %r" % (name, st.get("runs"))
+    lo, med, hi = st.get("ms_min"), st.get("ms_median"), st.get("ms_max")
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (lo, med, hi)) or not lo <= med <= hi:
+        return "%s: min/median/max %r %r %r" % (name, lo, med, hi)
+    if not (isinstance(st.get("gflops"), (int, float)) and st["gflops"] > 0):
+        return "%s: gflops %r" % (name, st.get("gflops"))
+    return ""
+
+
+def bench_case(tmp, name, extra, want_std, tol=1e-4):
+    """One small CPU sweep (N 48 and 96: not a multiple of any tile) written to JSON and CSV, checked against
+    each other and against the printed table."""
+    jpath, cpath = os.path.join(tmp, name + ".json"), os.path.join(tmp, name + ".csv")
+    args = ["bench", "--backend", "cpu", "--nmin", "48", "--nmax", "96", "--heads", "2", "--dim", "24", "--reps",
+            "3", "--budget", "1", "--json", jpath, "--csv", cpath] + extra
+    rc, out, err = command(args)
+    if rc != 0:
+        return fail("bench %s: exit %d, %r" % (name, rc, err.strip()))
+    problems = []
+    header = [ln for ln in out.splitlines() if ln.lstrip().startswith("N ")]
+    if not header or header[0].split()[:5] != ["N", "B", "flash", "ms", "min"]:
+        problems.append("the table has no min/max columns: %r" % header)
+    std_line = [ln for ln in out.splitlines() if ln.startswith("standard:")]
+    if want_std and not (std_line and ("OpenBLAS" in std_line[0] or "C loops" in std_line[0])):
+        problems.append("the standard: line does not say what ran: %r" % std_line)
+    with open(jpath) as f:
+        doc = json.load(f)
+    with open(cpath, newline="") as f:
+        lines = list(csv.reader(f))
+    rows = doc.get("rows", [])
+    if [r.get("N") for r in rows] != [48, 96]:
+        problems.append("json rows N %r" % [r.get("N") for r in rows])
+    if want_std and doc.get("standard") not in ("openblas", "c-loops"):
+        problems.append("json standard %r" % doc.get("standard"))
+    if not want_std and doc.get("standard") is not None:
+        problems.append("json standard %r with --no-std" % doc.get("standard"))
+    printed = {int(ln.split()[0]): ln.split() for ln in out.splitlines() if re.match(r"^\s+\d+\s", ln)}
+    for r in rows:
+        for what in ("flash",) + (("standard",) if want_std else ()):
+            wrong = check_stats("N=%s %s" % (r.get("N"), what), r.get(what))
+            if wrong:
+                problems.append(wrong)
+        if not want_std and (r.get("standard") is not None or r.get("speedup") is not None):
+            problems.append("N=%s: standard numbers with --no-std" % r.get("N"))
+        if want_std and not (isinstance(r.get("max_abs_diff"), float) and r["max_abs_diff"] < tol):
+            problems.append("N=%s: flash and standard differ by %r" % (r.get("N"), r.get("max_abs_diff")))
+        p = printed.get(r.get("N"))
+        if not p or [float(x) for x in p[2:5]] != [round(r["flash"][k], 3) for k in ("ms_median", "ms_min", "ms_max")]:
+            # the table prints ms to 3 decimals, the file 6 significant digits: compare within both roundings
+            if not p or any(abs(float(x) - r["flash"][k]) > 1.5e-3 + 1e-5 * r["flash"][k]
+                            for x, k in zip(p[2:5], ("ms_median", "ms_min", "ms_max"))):
+                problems.append("N=%s: the table's flash ms/min/max %r are not the file's %r" % (r.get("N"), p, r["flash"]))
+    want_cols = ["backend", "dtype", "causal", "H", "D", "N", "B", "flash_ms_median", "flash_ms_min", "flash_ms_max",
+                 "flash_runs", "flash_gflops", "flash_workspace_bytes", "standard", "std_ms_median", "std_ms_min",
+                 "std_ms_max", "std_runs", "std_gflops", "std_bytes", "speedup", "max_abs_diff"]
+    if not lines or lines[0] != want_cols:
+        problems.append("csv header %r" % (lines[:1],))
+    elif len(lines) != 1 + len(rows) or any(len(ln) != len(want_cols) for ln in lines):
+        problems.append("csv: %d lines, widths %r" % (len(lines), [len(ln) for ln in lines]))
+    else:
+        for ln, r in zip(lines[1:], rows):
+            c = dict(zip(want_cols, ln))
+            if int(c["N"]) != r["N"] or abs(float(c["flash_ms_median"]) - r["flash"]["ms_median"]) > 1e-9:
+                problems.append("csv row %r is not json row N=%s" % (ln, r["N"]))
+            std_fields = [c[k] for k in want_cols[14:19]]
+            if want_std and (c["standard"] != doc["standard"] or "" in std_fields):
+                problems.append("csv row %r: standard columns" % ln)
+            if not want_std and any(std_fields) or not want_std and c["standard"]:
+                problems.append("csv row %r: standard columns with --no-std" % ln)
+    if problems:
+        for msg in problems:
+            fail("bench %s: %s" % (name, msg))
+    else:
+        print("ok    %-28s %s" % ("bench " + name, (std_line or ["standard: -"])[0][:90]))
+
+
+def bench_refusals(tmp):
+    adir = os.path.join(tmp, "adir")
+    os.makedirs(adir, exist_ok=True)
+    keep = os.path.join(tmp, "keep.csv")
+    with open(keep, "w") as f:
+        f.write("old\n")
+    small = ["bench", "--backend", "cpu", "--nmin", "32", "--nmax", "32", "--heads", "1", "--dim", "16", "--reps",
+             "1", "--no-std"]
+    cases = [
+        ("bench --json a directory", small + ["--json", adir, "--csv", keep], 1, "is a directory"),
+        ("bench --json = --csv", small + ["--json", keep, "--csv", keep], 2, "same file"),
+        ("bench --csv given twice", small + ["--csv", keep, "--csv", keep + "2"], 2, "twice"),
+        ("bench --json= (empty)", small + ["--json="], 2, "empty"),
+        ("bench --csv in no directory", small + ["--csv", os.path.join(tmp, "nodir", "x.csv")], 1, "does not exist"),
+    ]
+    for name, args, want_rc, needle in cases:
+        rc, out, err = command(args)
+        with open(keep) as f:
+            kept = f.read() == "old\n"
+        stray = [n for n in os.listdir(tmp) if ".flashc-" in n] + os.listdir(adir)
+        if rc != want_rc or needle not in err or not kept or stray:
+            fail("%s: exit %d (want %d), stderr %r (want %r), old file kept %s, left behind %r"
+                 % (name, rc, want_rc, err.strip(), needle, kept, stray))
+        else:
+            print("ok    %-28s exit %d: %s" % (name, rc, err.strip().splitlines()[0]))
+
+
+def info_and_bench(tmp):
+    info_case()
+    bench_case(tmp, "standard", [], want_std=True)
+    bench_case(tmp, "causal", ["--causal"], want_std=True)
+    # the output stored in f16: one rounding (2^-11 relative) of values below 4 in magnitude
+    bench_case(tmp, "f16", ["--dtype", "f16"], want_std=True, tol=4e-3)
+    bench_case(tmp, "no_std", ["--no-std"], want_std=False)
+    bench_refusals(tmp)
+
+
 # ---- failures ------------------------------------------------------------------------------------------------
 
 def expect_error(tmp, name, args, needles, code=1):
@@ -334,6 +480,7 @@ def main():
         case(tmp, rng, "bhnd", "f32", B=2, Nq=33, Nk=33, H=2, Hkv=2, D=24, causal=True, bhnd=True)
         case(tmp, rng, "bhnd_three_d", "f16", B=1, Nq=19, Nk=26, H=4, Hkv=2, D=32, bhnd=True, three_d=True)
         error_cases(tmp, rng)
+        info_and_bench(tmp)
     if FAILURES:
         print("cli_roundtrip: %d failure(s), seed %d" % (len(FAILURES), seed))
         return 1

@@ -2,10 +2,12 @@
  * bench.c - `flashc bench`: flash attention against standard attention over a sweep of sequence lengths.
  *
  * Standard attention here is the textbook one the FlashAttention paper measures against: S = scale * Q K^T
- * materialized for every (batch, head) in fp32, a row softmax over it in place (P), then O = P V. It is written
- * as plain C loops laid out so the compiler vectorizes the inner ones (an AVX2 copy is picked at run time on
- * x86), with OpenMP over rows; it runs only while its B*H*N*N buffer fits the memory cap, and only on the CPU.
- * Both sides are timed as the median of repeated runs after one warm-up; a time budget per measurement stops
+ * materialized for every (batch, head) in fp32, a row softmax over it in place (P), then O = P V. Its two
+ * products run on OpenBLAS's sgemm when the command was built with OpenBLAS (FLASHC_BENCH_OPENBLAS: CMake found
+ * it), so the baseline runs at the machine's matrix-multiply rate; otherwise on plain C loops laid out so the
+ * compiler vectorizes the inner ones (an AVX2 copy is picked at run time on x86), with OpenMP over rows. It runs
+ * only while its B*H*N*N buffer fits the memory cap, and only on the CPU.
+ * Both sides are timed as repeated runs after one warm-up (median, min, max); a time budget per measurement stops
  * the repetitions early on long runs so the default sweep stays around a minute on two cores.
  */
 #ifndef _POSIX_C_SOURCE
@@ -13,6 +15,7 @@
 #endif
 
 #include "cli.h"
+#include "npy.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -22,15 +25,20 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef FLASHC_BENCH_OPENBLAS
+#include <cblas.h> /* OpenBLAS's: cblas_sgemm, openblas_set_num_threads, openblas_get_config */
+#endif
 
 static const char bench_usage[] =
     "usage: flashc bench [options]\n"
     "\n"
-    "Sweeps N = 256, 512, 1024, ... up to --nmax (Nq = Nk = N) and prints per N: the flash attention time (median\n"
-    "of --reps runs after a warm-up), its rate (4*B*H*N*N*D FLOPs, halved when causal; GFLOP/s on the CPU,\n"
-    "TFLOP/s on CUDA) and its extra memory (the workspace the library asks for); then the same for standard\n"
-    "attention (S = QK^T materialized in fp32 for all heads, softmax, O = PV; CPU only) while its B*H*N*N buffer\n"
-    "fits the cap, the speedup, and the largest difference between the two outputs. Progress goes to stderr.\n"
+    "Sweeps N = 256, 512, 1024, ... up to --nmax (Nq = Nk = N) and prints per N: the flash attention time (median,\n"
+    "min and max of --reps runs after a warm-up), its rate at the median (4*B*H*N*N*D FLOPs, halved when causal;\n"
+    "GFLOP/s on the CPU, TFLOP/s on CUDA) and its extra memory (the workspace the library asks for); then the same\n"
+    "for standard attention (S = QK^T materialized in fp32 for all heads, softmax, O = PV; CPU only; its products\n"
+    "on OpenBLAS when the command was built with it, else on C loops: the header line says which) while its\n"
+    "B*H*N*N buffer fits the cap, the speedup, and the largest difference between the two outputs. Progress goes\n"
+    "to stderr.\n"
     "\n"
     "options:\n"
     "  --backend auto|cpu|cuda   default auto\n"
@@ -45,7 +53,12 @@ static const char bench_usage[] =
     "  --reps R                  timed runs per measurement (default 10 on the CPU, 30 on CUDA)\n"
     "  --budget S                stop repeating a measurement after S seconds (default 2)\n"
     "  --std-cap GIB             largest standard-attention buffer to allocate (default 4, at most 1/4 of RAM)\n"
-    "  --no-std                  skip standard attention\n";
+    "  --no-std                  skip standard attention\n"
+    "  --json FILE               also write the results as JSON (the settings, then one object per N: times in\n"
+    "                            ms, rates in GFLOP/s, null where not measured)\n"
+    "  --csv FILE                also write them as CSV (a header line, then one line per N; empty where not\n"
+    "                            measured)\n"
+    "Output files are written whole at the end of a successful sweep, or not at all.\n";
 
 /* ---- standard attention ----------------------------------------------------------------------------------- */
 
@@ -110,6 +123,39 @@ static inline float std_exp(float x) {
     return p * scale;
 }
 
+/* Rows i0 .. i0+nr-1 of one (b, h)'s S (row r at srow + r * N, Nq == Nk == N) become P = softmax(S) in place,
+ * the keys after the diagonal dropped when causal; partial max/sum arrays keep the reductions vectorizable. */
+static inline
+#if defined(__GNUC__)
+    __attribute__((always_inline))
+#endif
+    void
+    std_softmax_body(float *srow, int64_t N, int64_t i0, int nr, int causal) {
+    for (int r = 0; r < nr; r++) {
+        float *sr = srow + r * N;
+        const int64_t i = i0 + r;
+        if (causal)
+            for (int64_t j = i + 1; j < N; j++) sr[j] = -INFINITY;
+        float part[STD_NR];
+        for (int jj = 0; jj < STD_NR; jj++) part[jj] = -INFINITY;
+        int64_t j = 0;
+        for (; j + STD_NR <= N; j += STD_NR)
+            for (int jj = 0; jj < STD_NR; jj++) part[jj] = sr[j + jj] > part[jj] ? sr[j + jj] : part[jj];
+        float m = -INFINITY;
+        for (int jj = 0; jj < STD_NR; jj++) m = part[jj] > m ? part[jj] : m;
+        for (; j < N; j++) m = sr[j] > m ? sr[j] : m;
+        for (j = 0; j < N; j++) sr[j] = std_exp(sr[j] - m);
+        for (int jj = 0; jj < STD_NR; jj++) part[jj] = 0.0f;
+        for (j = 0; j + STD_NR <= N; j += STD_NR)
+            for (int jj = 0; jj < STD_NR; jj++) part[jj] += sr[j + jj];
+        float sum = 0.0f;
+        for (int jj = 0; jj < STD_NR; jj++) sum += part[jj];
+        for (; j < N; j++) sum += sr[j];
+        const float inv = 1.0f / sum;
+        for (j = 0; j < N; j++) sr[j] *= inv;
+    }
+}
+
 /* Rows i0 .. i0+nr-1 (nr <= STD_RB) of one (b, h): S rows, softmax, O rows. scratch holds 2 * STD_RB * D
  * floats. */
 static inline
@@ -159,30 +205,8 @@ static inline
         }
     }
 
-    /* P = softmax(S) row by row, in place; partial max/sum arrays keep the reductions vectorizable */
-    for (int r = 0; r < nr; r++) {
-        float *sr = srow + r * N;
-        const int64_t i = i0 + r;
-        if (p->causal)
-            for (int64_t j = i + 1; j < N; j++) sr[j] = -INFINITY;
-        float part[STD_NR];
-        for (int jj = 0; jj < STD_NR; jj++) part[jj] = -INFINITY;
-        int64_t j = 0;
-        for (; j + STD_NR <= N; j += STD_NR)
-            for (int jj = 0; jj < STD_NR; jj++) part[jj] = sr[j + jj] > part[jj] ? sr[j + jj] : part[jj];
-        float m = -INFINITY;
-        for (int jj = 0; jj < STD_NR; jj++) m = part[jj] > m ? part[jj] : m;
-        for (; j < N; j++) m = sr[j] > m ? sr[j] : m;
-        for (j = 0; j < N; j++) sr[j] = std_exp(sr[j] - m);
-        for (int jj = 0; jj < STD_NR; jj++) part[jj] = 0.0f;
-        for (j = 0; j + STD_NR <= N; j += STD_NR)
-            for (int jj = 0; jj < STD_NR; jj++) part[jj] += sr[j + jj];
-        float sum = 0.0f;
-        for (int jj = 0; jj < STD_NR; jj++) sum += part[jj];
-        for (; j < N; j++) sum += sr[j];
-        const float inv = 1.0f / sum;
-        for (j = 0; j < N; j++) sr[j] *= inv;
-    }
+    /* P = softmax(S) row by row, in place */
+    std_softmax_body(srow, N, i0, nr, p->causal);
 
     /* O = P V */
     memset(oacc, 0, (size_t)(nr * D) * sizeof(float));
@@ -229,6 +253,9 @@ static inline
 static void std_rows_generic(const std_problem *p, int64_t b, int64_t h, int64_t i0, int nr, float *scratch) {
     std_rows_body(p, b, h, i0, nr, scratch);
 }
+static void std_softmax_generic(float *srow, int64_t N, int64_t i0, int nr, int causal) {
+    std_softmax_body(srow, N, i0, nr, causal);
+}
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define STD_HAVE_AVX2 1
@@ -236,21 +263,62 @@ __attribute__((target("avx2,fma"))) static void std_rows_avx2(const std_problem 
                                                               int64_t i0, int nr, float *scratch) {
     std_rows_body(p, b, h, i0, nr, scratch);
 }
+__attribute__((target("avx2,fma"))) static void std_softmax_avx2(float *srow, int64_t N, int64_t i0, int nr,
+                                                                 int causal) {
+    std_softmax_body(srow, N, i0, nr, causal);
+}
 #endif
 
 typedef void (*std_rows_fn)(const std_problem *, int64_t, int64_t, int64_t, int, float *);
+typedef void (*std_softmax_fn)(float *, int64_t, int64_t, int, int);
 
-static std_rows_fn std_pick(const char **isa) {
+/* The copies this CPU runs, and what to call them ("avx2", "generic"). */
+typedef struct std_kernels {
+    std_rows_fn rows;
+    std_softmax_fn softmax;
+    const char *isa;
+} std_kernels;
+
+static std_kernels std_pick(void) {
+    std_kernels k = {std_rows_generic, std_softmax_generic, "generic"};
 #ifdef STD_HAVE_AVX2
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        *isa = "avx2";
-        return std_rows_avx2;
+        k.rows = std_rows_avx2;
+        k.softmax = std_softmax_avx2;
+        k.isa = "avx2";
     }
 #endif
-    *isa = "generic";
-    return std_rows_generic;
+    return k;
 }
+
+#ifdef FLASHC_BENCH_OPENBLAS
+/* The same standard attention with its two products on OpenBLAS's sgemm, per (b, h): S = scale Q K^T straight
+ * from the (B, N, H, D) rows (leading dimension H*D), the softmax above, O = P V into the output rows. The heads
+ * are spread over up to `threads` OpenMP threads, each calling a single-threaded sgemm; when there are fewer
+ * heads than threads, OpenBLAS gets the remaining threads inside each call. (Two thread pools spinning side by
+ * side on the same cores would slow both, so the split is one or the other per call.) */
+static void std_attention_blas(const std_problem *p, std_softmax_fn softmax, int threads) {
+    const int64_t N = p->N, D = p->D, H = p->H, Hkv = p->Hkv, BH = p->B * p->H;
+    const int outer = threads < BH ? threads : (int)BH, inner = threads / (outer > 0 ? outer : 1);
+    openblas_set_num_threads(inner > 0 ? inner : 1);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(outer) schedule(dynamic, 1)
+#endif
+    for (int64_t bh = 0; bh < BH; bh++) {
+        const int64_t b = bh / H, h = bh % H, hk = h / (H / Hkv);
+        const float *q = p->q + (b * N * H + h) * D, *k = p->k + (b * N * Hkv + hk) * D;
+        const float *v = p->v + (b * N * Hkv + hk) * D;
+        float *s = p->s + bh * N * N, *o = p->o + (b * N * H + h) * D;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)N, (blasint)N, (blasint)D, p->scale, q,
+                    (blasint)(H * D), k, (blasint)(Hkv * D), 0.0f, s, (blasint)N);
+        softmax(s, N, 0, (int)N, p->causal);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (blasint)N, (blasint)D, (blasint)N, 1.0f, s,
+                    (blasint)N, v, (blasint)(Hkv * D), 0.0f, o, (blasint)(H * D));
+    }
+    (void)outer;
+}
+#endif
 
 /* Returns 0, or -1 when a thread's scratch could not be allocated. */
 static int std_attention(const std_problem *p, std_rows_fn rows, int threads) {
@@ -303,6 +371,7 @@ typedef struct bench_opts {
     double budget;
     double std_cap;
     int std_on;
+    const char *json_path, *csv_path; /* NULL: not written */
 } bench_opts;
 
 static uint64_t rng_next(uint64_t *s) {
@@ -332,11 +401,6 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static double median(double *t, int n) {
-    qsort(t, (size_t)n, sizeof *t, cmp_double);
-    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
-
 static double phys_memory_bytes(void) {
 #if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
     long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
@@ -362,13 +426,21 @@ static void progress_clear(void) {
     }
 }
 
-/* Runs fn once as a warm-up, then up to reps times within the budget; returns the median, or -1 on failure. */
+/* Seconds per run of one measurement: the median and the spread of the timed runs. */
+typedef struct bench_stats {
+    double median, min, max;
+    int runs; /* 0: not measured */
+} bench_stats;
+
+/* Runs fn once as a warm-up, then up to reps times within the budget; returns 0 with the times in st, or -1 on
+ * failure. */
 typedef int (*bench_fn)(void *arg);
 
-static double time_runs(flashc_backend b, bench_fn fn, void *arg, int reps, double budget) {
+static int time_runs(flashc_backend b, bench_fn fn, void *arg, int reps, double budget, bench_stats *st) {
     cli_timer *timer = cli_timer_create(b);
     double *t = (double *)malloc((size_t)reps * sizeof *t);
-    double result = -1.0;
+    int rc = -1;
+    memset(st, 0, sizeof *st);
     if (!timer || !t) goto out;
     cli_timer_start(timer);
     if (fn(arg) != 0) goto out;
@@ -383,11 +455,16 @@ static double time_runs(flashc_backend b, bench_fn fn, void *arg, int reps, doub
         if (t[n] < 0) goto out;
         spent += t[n++];
     }
-    result = median(t, n);
+    qsort(t, (size_t)n, sizeof *t, cmp_double);
+    st->median = n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+    st->min = t[0];
+    st->max = t[n - 1];
+    st->runs = n;
+    rc = 0;
 out:
     free(t);
     cli_timer_destroy(timer);
-    return result;
+    return rc;
 }
 
 typedef struct flash_call {
@@ -408,54 +485,214 @@ static int flash_run(void *arg) {
 
 typedef struct std_call {
     std_problem p;
-    std_rows_fn rows;
+    std_kernels kern;
+    int blas;
     int threads;
 } std_call;
 
 static int std_run(void *arg) {
     std_call *c = (std_call *)arg;
-    return std_attention(&c->p, c->rows, c->threads);
+#ifdef FLASHC_BENCH_OPENBLAS
+    if (c->blas) {
+        std_attention_blas(&c->p, c->kern.softmax, c->threads);
+        return 0;
+    }
+#endif
+    return std_attention(&c->p, c->kern.rows, c->threads);
+}
+
+/* One N of the sweep, as printed and as written to --json / --csv. */
+typedef struct bench_row {
+    int64_t N, B;
+    double flops;
+    bench_stats flash;
+    size_t ws_bytes;
+    bench_stats std; /* runs 0: not measured (see std_state) */
+    int std_state;   /* 0 not asked for (GPU, --no-std), 1 run, 2 over the cap */
+    double std_bytes;
+    double maxdiff; /* < 0: none */
+} bench_row;
+
+/* The JSON text of a string (quotes and escapes included). */
+static void json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        const unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            fprintf(f, "\\%c", c);
+        else if (c < 0x20)
+            fprintf(f, "\\u%04x", c);
+        else
+            fputc(c, f);
+    }
+    fputc('"', f);
+}
+
+/* A number, or null where there is none (JSON has no NaN or infinity). */
+static void json_number(FILE *f, double x, int have) {
+    if (have && isfinite(x))
+        fprintf(f, "%.6g", x);
+    else
+        fputs("null", f);
+}
+
+static void json_stats(FILE *f, const bench_stats *st, double flops) {
+    fputs("{\"ms_median\": ", f);
+    json_number(f, 1e3 * st->median, 1);
+    fputs(", \"ms_min\": ", f);
+    json_number(f, 1e3 * st->min, 1);
+    fputs(", \"ms_max\": ", f);
+    json_number(f, 1e3 * st->max, 1);
+    fprintf(f, ", \"runs\": %d, \"gflops\": ", st->runs);
+    json_number(f, flops / st->median * 1e-9, st->median > 0);
+}
+
+static void write_json(FILE *f, const bench_opts *o, const char *device, const char *std_name, const char *std_detail,
+                       int threads, const bench_row *rows, int nrows) {
+    fprintf(f, "{\n  \"flashc\": ");
+    json_string(f, flashc_version());
+    fprintf(f, ",\n  \"backend\": \"%s\",\n  \"device\": ", flashc_backend_name(o->backend));
+    json_string(f, device);
+    fprintf(f, ",\n  \"dtype\": \"%s\",\n  \"causal\": %s,\n  \"heads\": %lld,\n  \"dim\": %lld,\n  \"threads\": ",
+            flashc_dtype_name(o->dtype), o->causal ? "true" : "false", (long long)o->H, (long long)o->D);
+    if (o->backend == FLASHC_BACKEND_CPU)
+        fprintf(f, "%d", threads);
+    else
+        fputs("null", f);
+    fprintf(f, ",\n  \"reps\": %d,\n  \"budget_s\": %.6g,\n  \"standard\": ", o->reps, o->budget);
+    if (std_name) {
+        json_string(f, std_name);
+        fputs(",\n  \"standard_detail\": ", f);
+        json_string(f, std_detail);
+    } else {
+        fputs("null,\n  \"standard_detail\": null", f);
+    }
+    fputs(",\n  \"rows\": [", f);
+    for (int i = 0; i < nrows; i++) {
+        const bench_row *r = &rows[i];
+        fprintf(f, "%s\n    {\"N\": %lld, \"B\": %lld, \"flops\": %.0f,\n     \"flash\": ", i ? "," : "",
+                (long long)r->N, (long long)r->B, r->flops);
+        json_stats(f, &r->flash, r->flops);
+        fprintf(f, ", \"workspace_bytes\": %zu},\n     \"standard\": ", r->ws_bytes);
+        if (r->std_state == 1) {
+            json_stats(f, &r->std, r->flops);
+            fprintf(f, ", \"bytes\": %.0f}", r->std_bytes);
+        } else {
+            fputs("null", f);
+        }
+        fprintf(f, ", \"standard_skipped\": %s,\n     \"speedup\": ",
+                r->std_state == 2 ? "\"over --std-cap\"" : "null");
+        json_number(f, r->std.median / r->flash.median, r->std_state == 1);
+        fputs(", \"max_abs_diff\": ", f);
+        json_number(f, r->maxdiff, r->maxdiff >= 0);
+        fputc('}', f);
+    }
+    fputs("\n  ]\n}\n", f);
+}
+
+static void csv_number(FILE *f, double x, int have) {
+    fputc(',', f);
+    if (have && isfinite(x)) fprintf(f, "%.6g", x);
+}
+
+static void write_csv(FILE *f, const bench_opts *o, const char *std_name, const bench_row *rows, int nrows) {
+    fputs("backend,dtype,causal,H,D,N,B,flash_ms_median,flash_ms_min,flash_ms_max,flash_runs,flash_gflops,"
+          "flash_workspace_bytes,standard,std_ms_median,std_ms_min,std_ms_max,std_runs,std_gflops,std_bytes,"
+          "speedup,max_abs_diff\n",
+          f);
+    for (int i = 0; i < nrows; i++) {
+        const bench_row *r = &rows[i];
+        const int sr = r->std_state == 1;
+        fprintf(f, "%s,%s,%d,%lld,%lld,%lld,%lld", flashc_backend_name(o->backend), flashc_dtype_name(o->dtype),
+                o->causal, (long long)o->H, (long long)o->D, (long long)r->N, (long long)r->B);
+        csv_number(f, 1e3 * r->flash.median, 1);
+        csv_number(f, 1e3 * r->flash.min, 1);
+        csv_number(f, 1e3 * r->flash.max, 1);
+        fprintf(f, ",%d", r->flash.runs);
+        csv_number(f, r->flops / r->flash.median * 1e-9, 1);
+        fprintf(f, ",%zu,%s", r->ws_bytes, sr ? std_name : r->std_state == 2 ? "over-cap" : "");
+        csv_number(f, 1e3 * r->std.median, sr);
+        csv_number(f, 1e3 * r->std.min, sr);
+        csv_number(f, 1e3 * r->std.max, sr);
+        fputc(',', f);
+        if (sr) fprintf(f, "%d", r->std.runs);
+        csv_number(f, r->flops / r->std.median * 1e-9, sr);
+        fputc(',', f);
+        if (r->std_state != 0) fprintf(f, "%.0f", r->std_bytes);
+        csv_number(f, r->std.median / r->flash.median, sr);
+        csv_number(f, r->maxdiff, r->maxdiff >= 0);
+        fputc('\n', f);
+    }
 }
 
 static int bench_sweep(const bench_opts *o) {
     int rc = 1;
-    char name[256], b1[32], b2[32];
+    char name[256], b1[32], b2[32], err[512];
     flashc_context_t ctx = NULL;
-    if (flashc_context_create(&ctx, o->backend, o->device) != FLASHC_STATUS_OK)
-        return cli_fail("bench", "cannot create a %s context: %s", flashc_backend_name(o->backend),
-                        flashc_context_last_error(NULL));
+    bench_row *rows = NULL;
+    int nrows = 0;
+    /* The output files are checked and opened first (as temporaries beside them, renamed into place at the end),
+     * so a bad name fails before the sweep, and a failed sweep leaves the disk as it was. */
+    npy_out outs[2];
+    memset(outs, 0, sizeof outs);
+    const char *paths[2] = {o->json_path, o->csv_path};
+    for (int i = 0; i < 2; i++)
+        if (paths[i] && npy_out_open(&outs[i], paths[i], err, sizeof err) != 0) {
+            cli_fail("bench", "%s", err);
+            goto out;
+        }
+    if (flashc_context_create(&ctx, o->backend, o->device) != FLASHC_STATUS_OK) {
+        cli_fail("bench", "cannot create a %s context: %s", flashc_backend_name(o->backend),
+                 flashc_context_last_error(NULL));
+        goto out;
+    }
     if (o->threads > 0 && flashc_context_set_threads(ctx, o->threads) != FLASHC_STATUS_OK) {
         cli_fail("bench", "%s", flashc_context_last_error(ctx));
-        flashc_context_destroy(ctx);
-        return 1;
+        goto out;
     }
     if (flashc_device_name(o->backend, o->device, name, sizeof name) != FLASHC_STATUS_OK) snprintf(name, sizeof name, "?");
     const int cpu = o->backend == FLASHC_BACKEND_CPU;
     const int threads = o->threads > 0 ? o->threads : cli_omp_max_threads();
-    const char *isa = "-";
-    std_rows_fn rows = std_pick(&isa);
+    const std_kernels kern = std_pick();
     double cap = o->std_cap * 1073741824.0, phys = phys_memory_bytes();
     if (phys > 0 && cap > phys / 4) cap = phys / 4;
 
+    /* Which standard attention runs: OpenBLAS's sgemm where the command was built with it, else the C loops. */
+    char std_detail[256];
+#ifdef FLASHC_BENCH_OPENBLAS
+    const int blas = 1;
+    const char *std_name = "openblas";
+    snprintf(std_detail, sizeof std_detail, "OpenBLAS sgemm (%s), softmax in C (%s)", openblas_get_config(),
+             kern.isa);
+#else
+    const int blas = 0;
+    const char *std_name = "c-loops";
+    snprintf(std_detail, sizeof std_detail, "C loops (%s); no BLAS found when the command was built", kern.isa);
+#endif
+    if (!cpu || !o->std_on) std_name = NULL;
+
     int total = 0;
     for (int64_t n = o->nmin; n <= o->nmax; n *= 2) total++;
+    if (!(rows = (bench_row *)calloc((size_t)total, sizeof *rows))) {
+        cli_fail("bench", "out of memory");
+        goto out;
+    }
 
     printf("flashc bench: %s, %s, H=%lld D=%lld, %s", flashc_backend_name(o->backend), flashc_dtype_name(o->dtype),
            (long long)o->H, (long long)o->D, o->causal ? "causal" : "non-causal");
     if (cpu) printf(", %d thread%s", threads, threads == 1 ? "" : "s");
-    printf("; median of <= %d runs after a warm-up (%.0f s budget)\n", o->reps, o->budget);
+    printf("; median, min and max of <= %d runs after a warm-up (%.0f s budget)\n", o->reps, o->budget);
     printf("device: %s\n", name);
-    if (cpu && o->std_on)
-        printf("standard: S = QK^T materialized in fp32 for all heads, softmax, O = PV; C loops (%s), "
-               "cap %s\n",
-               isa, cli_bytes(cap, b1, sizeof b1));
+    if (std_name)
+        printf("standard: S = QK^T materialized in fp32 for all heads, softmax, O = PV; %s; cap %s\n", std_detail,
+               cli_bytes(cap, b1, sizeof b1));
     else if (!cpu)
         printf("standard: not measured on %s (CPU only)\n", flashc_backend_name(o->backend));
     /* GPU rates read better in TFLOP/s */
     const double rate_unit = cpu ? 1e-9 : 1e-12;
     const char *rate_name = cpu ? "GFLOP/s" : "TFLOP/s";
-    printf("%7s %5s %11s %9s %11s %11s %9s %11s %8s %10s\n", "N", "B", "flash ms", rate_name, "flash mem",
-           "std ms", rate_name, "std mem", "speedup", "max|diff|");
+    printf("%7s %5s %10s %10s %10s %9s %10s %10s %10s %10s %9s %10s %8s %10s\n", "N", "B", "flash ms", "min", "max",
+           rate_name, "flash mem", "std ms", "min", "max", rate_name, "std mem", "speedup", "max|diff|");
     fflush(stdout); /* before the progress lines on stderr */
 
     int idx = 0, skipped = 0;
@@ -470,15 +707,21 @@ static int bench_sweep(const bench_opts *o) {
             goto out;
         }
         const size_t n = (size_t)(B * N * H * D), esize = cli_dtype_size(o->dtype), bytes = n * esize;
-        const double flops = 4.0 * (double)B * (double)H * (double)N * (double)N * (double)D * (o->causal ? 0.5 : 1.0);
-        const double s_bytes = (double)B * H * N * N * sizeof(float) + (double)B * H * D * N * sizeof(float);
-        const int std_run_now = cpu && o->std_on && s_bytes <= cap;
+        bench_row *row = &rows[nrows];
+        memset(row, 0, sizeof *row);
+        row->N = N;
+        row->B = B;
+        row->maxdiff = -1.0;
+        row->flops = 4.0 * (double)B * (double)H * (double)N * (double)N * (double)D * (o->causal ? 0.5 : 1.0);
+        /* S for every head; the C loops also keep K transposed */
+        row->std_bytes = (double)B * H * N * N * sizeof(float) + (blas ? 0.0 : (double)B * H * D * N * sizeof(float));
+        const int std_run_now = std_name && row->std_bytes <= cap;
+        row->std_state = !std_name ? 0 : std_run_now ? 1 : 2;
 
         void *host[4] = {NULL, NULL, NULL, NULL}, *dev[4] = {NULL, NULL, NULL, NULL};
         float *f32[4] = {NULL, NULL, NULL, NULL}, *s = NULL, *kt = NULL;
         flash_call fc;
         memset(&fc, 0, sizeof fc);
-        double t_flash = -1.0, t_std = -1.0, maxdiff = -1.0;
         int ok = 1;
         for (int t = 0; t < 4 && ok; t++) {
             ok = (host[t] = malloc(bytes)) != NULL;
@@ -522,8 +765,8 @@ static int bench_sweep(const bench_opts *o) {
             ok = 0;
             goto row_done;
         }
-        t_flash = time_runs(o->backend, flash_run, &fc, o->reps, o->budget);
-        if (t_flash < 0) {
+        row->ws_bytes = fc.ws_bytes;
+        if (time_runs(o->backend, flash_run, &fc, o->reps, o->budget, &row->flash) != 0) {
             progress_clear();
             cli_fail("bench", "N=%lld: %s", (long long)N, flashc_context_last_error(ctx));
             ok = 0;
@@ -536,42 +779,48 @@ static int bench_sweep(const bench_opts *o) {
 
         if (std_run_now) {
             s = (float *)malloc((size_t)(B * H * N * N) * sizeof(float));
-            kt = (float *)malloc((size_t)(B * H * D * N) * sizeof(float));
-            if (s && kt) {
+            if (!blas) kt = (float *)malloc((size_t)(B * H * D * N) * sizeof(float));
+            if (s && (blas || kt)) {
                 progress("bench: N=%lld (%d/%d) standard...", N, idx, total);
                 std_call sc = {{f32[0], f32[1], f32[2], f32[3], s, kt, B, N, H, H, D, 1.0f / sqrtf((float)D),
                                 o->causal},
-                               rows, threads};
-                t_std = time_runs(FLASHC_BACKEND_CPU, std_run, &sc, o->reps, o->budget);
-                if (t_std > 0) maxdiff = 0.0;
-                for (size_t i = 0; t_std > 0 && i < n; i++) {
-                    double d = fabs((double)cli_load(host[3], o->dtype, i) - (double)f32[3][i]);
-                    if (!(d <= maxdiff)) maxdiff = d; /* NaN sticks */
+                               kern, blas, threads};
+                if (time_runs(FLASHC_BACKEND_CPU, std_run, &sc, o->reps, o->budget, &row->std) == 0) {
+                    row->maxdiff = 0.0;
+                    for (size_t i = 0; i < n; i++) {
+                        double d = fabs((double)cli_load(host[3], o->dtype, i) - (double)f32[3][i]);
+                        if (!(d <= row->maxdiff)) row->maxdiff = d; /* NaN sticks */
+                    }
                 }
             }
+            if (row->std.runs == 0) row->std_state = 0; /* no memory for S, or it failed: shown as not run */
         }
 
     row_done:
         progress_clear();
         if (ok) {
-            char ts[32] = "-", gs[32] = "-", sp[32] = "-", md[32] = "-", sm[32] = "-";
-            if (t_std > 0) {
-                snprintf(ts, sizeof ts, "%.3f", 1e3 * t_std);
-                snprintf(gs, sizeof gs, "%.1f", flops / t_std * rate_unit);
-                snprintf(sp, sizeof sp, "%.2fx", t_std / t_flash);
+            char ts[3][32] = {"-", "-", "-"}, gs[32] = "-", sp[32] = "-", md[32] = "-", sm[32] = "-";
+            if (row->std.runs > 0) {
+                snprintf(ts[0], sizeof ts[0], "%.3f", 1e3 * row->std.median);
+                snprintf(ts[1], sizeof ts[1], "%.3f", 1e3 * row->std.min);
+                snprintf(ts[2], sizeof ts[2], "%.3f", 1e3 * row->std.max);
+                snprintf(gs, sizeof gs, "%.1f", row->flops / row->std.median * rate_unit);
+                snprintf(sp, sizeof sp, "%.2fx", row->std.median / row->flash.median);
             }
-            if (maxdiff >= 0 || maxdiff != maxdiff) snprintf(md, sizeof md, "%.2e", maxdiff);
-            if (cpu && o->std_on) {
-                cli_bytes(s_bytes, sm, sizeof sm);
+            if (row->maxdiff >= 0 || row->maxdiff != row->maxdiff) snprintf(md, sizeof md, "%.2e", row->maxdiff);
+            if (std_name) {
+                cli_bytes(row->std_bytes, sm, sizeof sm);
                 if (!std_run_now) {
                     strncat(sm, "*", sizeof sm - strlen(sm) - 1);
                     skipped = 1;
                 }
             }
-            printf("%7lld %5lld %11.3f %9.1f %11s %11s %9s %11s %8s %10s\n", (long long)N, (long long)B,
-                   1e3 * t_flash, flops / t_flash * rate_unit, cli_bytes((double)fc.ws_bytes, b2, sizeof b2), ts, gs,
-                   sm, sp, md);
+            printf("%7lld %5lld %10.3f %10.3f %10.3f %9.1f %10s %10s %10s %10s %9s %10s %8s %10s\n", (long long)N,
+                   (long long)B, 1e3 * row->flash.median, 1e3 * row->flash.min, 1e3 * row->flash.max,
+                   row->flops / row->flash.median * rate_unit, cli_bytes((double)fc.ws_bytes, b2, sizeof b2), ts[0],
+                   ts[1], ts[2], gs, sm, sp, md);
             fflush(stdout);
+            nrows++;
         }
         free(s);
         free(kt);
@@ -584,8 +833,28 @@ static int bench_sweep(const bench_opts *o) {
         if (!ok) goto out;
     }
     if (skipped) printf("* over the cap (--std-cap): standard attention not run\n");
+
+    /* Both files written and closed before either replaces its name. */
+    for (int i = 0; i < 2; i++) {
+        if (!paths[i]) continue;
+        if (i == 0)
+            write_json(outs[i].f, o, name, std_name, std_detail, threads, rows, nrows);
+        else
+            write_csv(outs[i].f, o, std_name, rows, nrows);
+        if (npy_out_close(&outs[i], err, sizeof err) != 0) {
+            cli_fail("bench", "%s", err);
+            goto out;
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        if (paths[i] && npy_out_commit(&outs[i], err, sizeof err) != 0) {
+            cli_fail("bench", "%s", err);
+            goto out;
+        }
     rc = 0;
 out:
+    for (int i = 0; i < 2; i++) npy_out_discard(&outs[i]);
+    free(rows);
     flashc_context_destroy(ctx);
     return rc;
 }
@@ -597,6 +866,7 @@ int cli_bench(int argc, char **argv) {
     int64_t D = 0, H = 0, B = 0, nmin = 0, nmax = 0, threads = 0, reps = 0, device = 0;
     float budget = 2.0f, std_cap = 4.0f;
     int causal = 0, std_on = 1;
+    const char *json_path = NULL, *csv_path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL, *a = argv[i];
         int m;
@@ -635,10 +905,22 @@ int cli_bench(int argc, char **argv) {
         } else if ((m = cli_opt(argc, argv, &i, "std-cap", &v)) != 0) {
             if (m < 0 || cli_parse_f32("bench", "std-cap", v, &std_cap) != 0) return 2;
             if (std_cap < 0) return cli_usage_error("bench", "--std-cap must not be negative");
+        } else if ((m = cli_opt(argc, argv, &i, "json", &v)) != 0) {
+            if (m < 0) return 2;
+            if (json_path) return cli_usage_error("bench", "--json given twice");
+            if (!v[0]) return cli_usage_error("bench", "--json: the file name is empty");
+            json_path = v;
+        } else if ((m = cli_opt(argc, argv, &i, "csv", &v)) != 0) {
+            if (m < 0) return 2;
+            if (csv_path) return cli_usage_error("bench", "--csv given twice");
+            if (!v[0]) return cli_usage_error("bench", "--csv: the file name is empty");
+            csv_path = v;
         } else {
             return cli_usage_error("bench", "unknown argument '%s'", a);
         }
     }
+    if (json_path && csv_path && cli_same_file(json_path, csv_path))
+        return cli_usage_error("bench", "--json and --csv name the same file '%s'", csv_path);
 
     bench_opts o;
     memset(&o, 0, sizeof o);
@@ -661,5 +943,7 @@ int cli_bench(int argc, char **argv) {
     o.budget = budget;
     o.std_cap = std_cap;
     o.std_on = std_on;
+    o.json_path = json_path;
+    o.csv_path = csv_path;
     return bench_sweep(&o);
 }

@@ -505,7 +505,7 @@ int npy_out_open(npy_out *o, const char *path, char *err, size_t errlen) {
     int exists = stat(path, &st) == 0;
     if (!exists && errno != ENOENT) return npy_fail(err, errlen, path, "cannot create: %s", strerror(errno));
     if (exists && S_ISDIR(st.st_mode))
-        return npy_fail(err, errlen, path, "is a directory; --out and --lse want file names");
+        return npy_fail(err, errlen, path, "is a directory; an output wants a file name");
     if (exists && !S_ISREG(st.st_mode)) return npy_out_direct(o, path, 0, err, errlen);
 
     o->target = npy_follow_links(path);
@@ -586,6 +586,16 @@ int npy_out_open(npy_out *o, const char *path, char *err, size_t errlen) {
 int npy_out_write(npy_out *o, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data, char *err,
                   size_t errlen) {
     int rc = npy_write_stream(o->f, o->name, dtype, ndim, shape, data, err, errlen);
+    if (rc != 0) { /* err says why; the temporary is the caller's to discard */
+        fclose(o->f);
+        o->f = NULL;
+        return rc;
+    }
+    return npy_out_close(o, err, errlen);
+}
+
+int npy_out_close(npy_out *o, char *err, size_t errlen) {
+    int rc = ferror(o->f) ? npy_fail(err, errlen, o->name, "write error") : 0;
     if (rc == 0 && fflush(o->f) != 0) rc = npy_fail(err, errlen, o->name, "write error: %s", strerror(errno));
     /* A temporary must be on disk before it replaces the old file, or a crash could leave an empty name.
      * Devices, FIFOs and some file systems do not sync (EINVAL, ENOTSUP): nothing more can be done there. */

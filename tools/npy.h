@@ -49,6 +49,9 @@ int npy_out_open(npy_out *o, const char *path, char *err, size_t errlen);
 /* Writes the array, flushes, syncs and closes. On failure call npy_out_discard. */
 int npy_out_write(npy_out *o, flashc_dtype dtype, int ndim, const int64_t *shape, const void *data, char *err,
                   size_t errlen);
+/* For text written to o->f by the caller: checks the stream, flushes, syncs and closes. On failure call
+ * npy_out_discard. */
+int npy_out_close(npy_out *o, char *err, size_t errlen);
 /* Renames the temporary over the name; releases o either way. */
 int npy_out_commit(npy_out *o, char *err, size_t errlen);
 /* Removes the temporary, if any, and releases o; safe on a zeroed or released npy_out. */
