@@ -13,6 +13,7 @@ import numbers
 import warnings
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _core, _lib
 
@@ -405,13 +406,149 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, dropout_p=0.0, cu_seq
 
 
 # ---- torch.nn.functional.scaled_dot_product_attention's interface --------------------------------------------------
+MASK_FORMS = (
+    "flashc runs these attn_mask forms (bool with True = attend, or additive float with only 0 and -inf), "
+    "broadcastable to (B, H, Nq, Nk): key padding (the same set of keys for every query row, any set, per batch "
+    "and head), a top-left causal mask (torch.ones(Nq, Nk).tril()), a bottom-right causal mask (flash-attn's, "
+    "tril(diagonal=Nk - Nq)), key padding combined with either causal mask, and an all-True mask (no mask). "
+    "Other masks (sliding windows, block-diagonal or document masks, float biases) are not supported here: "
+    "flashc.attention takes windows, ALiBi, cu_seqlens and block-sparse masks directly")
+
+
+def _traced(tensors):
+    """Whether a call must go through torch.ops.flashc.fwd / bwd rather than _torch.apply: under torch.compile or
+    torch.export, on fake, functional or subclass tensors, under a dispatch mode (make_fx, FlopCounterMode) or a
+    torch.func transform, or during a CUDA-graph capture (the rule flashc.ops applies to flash-attn's functions)."""
+    if torch.compiler.is_compiling():
+        return True
+    for t in tensors:
+        if t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return True
+    if _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active():
+        return True
+    return tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def attend(q4, k4, v4, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, seqused_k=None,
+           block_mask=None, block_size=None, sinks=None):
+    """out (B, Nq, H, D) of q4 (B, Nq, H, D), k4, v4 (B, Nk, Hkv, D), differentiable w.r.t. q, k, v and sinks:
+    _torch.apply on plain eager tensors, torch.ops.flashc.fwd (whose autograd formula calls flashc.bwd) where
+    torch.compile, torch.export, a dispatch mode or a CUDA-graph capture sees the call. The same library calls
+    either way."""
+    if not _traced((q4, k4, v4, seqused_k, block_mask, sinks)):
+        out4, _ = apply("q,k,v", (q4, k4, v4), softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, seqused_k=seqused_k, block_mask=block_mask, block_size=block_size,
+                        sinks=sinks)
+        return out4
+    from . import ops  # noqa: F401  (registers torch.ops.flashc.fwd / bwd on first use)
+
+    left, right = _core.window_pair(window_size)
+    bq, bk = block_size if block_mask is not None else (0, 0)
+    if sinks is not None:
+        sinks = sinks.to(device=q4.device, dtype=torch.float32)
+    out4, _ = torch.ops.flashc.fwd(q4, k4, v4, None, None, 0, 0, softmax_scale, bool(causal), left, right,
+                                   float(softcap or 0.0), None, block_mask, bq, bk, seqused_k, sinks, False)
+    return out4
+
+
+def _mask_4d(mask, lead, full):
+    """attn_mask as a 4-d (Bm, Hm, Qm, Km) view, each dimension 1 or full (B, H, Nq, Nk), the leading dimensions
+    of q beyond the last three merged into B (a copy only when the mask varies over several of them)."""
+    m = mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
+    if all(s == 1 for s in m.shape[:-3]):
+        return m.reshape((1,) + tuple(m.shape[-3:]))
+    return m.expand(tuple(lead) + tuple(m.shape[-3:])).reshape((-1,) + tuple(m.shape[-3:]))
+
+
+def mask_plan(mask, lead, h, nq, nk):
+    """What an SDPA attn_mask is, checked exactly: (kind, seqused_k, keys) with kind None, 'top-left' or
+    'bottom-right' (causal), seqused_k int32 (B,) or None, keys None or a bool (Bm, Hm, Nk') key set (Bm in {1, B},
+    Hm in {1, H}, Nk' the keys the causal kind leaves: Nq for top-left with Nq < Nk). Raises for other masks.
+
+    Cost: a few elementwise passes and reductions over the mask's own elements (Bm x Hm x Qm x Km, without its
+    broadcast dimensions) and one device-to-host copy of 8 booleans: one synchronization on CUDA, and a graph break
+    under torch.compile (the path taken depends on the mask's values)."""
+    full = tuple(lead) + (h, nq, nk)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError("flashc.scaled_dot_product_attention: attn_mask must be a torch.Tensor, got %s"
+                        % type(mask).__name__)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError("flashc.scaled_dot_product_attention: attn_mask must be bool (True = attend) or floating "
+                        "(additive 0 / -inf), got %s" % mask.dtype)
+    try:
+        fits = torch.broadcast_shapes(tuple(mask.shape), full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError("flashc.scaled_dot_product_attention: attn_mask of shape %s does not broadcast to "
+                         "(..., H, Nq, Nk) = %s" % (tuple(mask.shape), full))
+    m = _mask_4d(mask, lead, full)
+    if m.is_floating_point():
+        values_ok = ((m == 0) | (m == float("-inf"))).all()
+        keep = m == 0
+    else:
+        values_ok = torch.ones((), dtype=torch.bool, device=m.device)
+        keep = m
+    bm, hm, qm, km = keep.shape
+    kset = keep.any(dim=2).expand(bm, hm, nk)  # the keys some row of (b, h) sees
+    cand = kset[:, :, None, :]
+    if qm == 1:
+        # the same keys for every row: key padding as it stands (with Nq == 1 a causal mask is one too)
+        m_none = torch.ones((), dtype=torch.bool, device=m.device)
+        m_tl = m_br = torch.zeros((), dtype=torch.bool, device=m.device)
+    else:
+        i = torch.arange(nq, device=m.device)[:, None]
+        j = torch.arange(nk, device=m.device)[None, :]
+        m_none = (keep == cand).all()
+        m_tl = (keep == (cand & (j <= i))).all()
+        m_br = (keep == (cand & (j <= i + nk - nq))).all()
+    n_tl = min(nq, nk)  # a top-left causal mask shows no query any key past Nq - 1
+    lengths = kset.sum(-1, dtype=torch.int32)  # (Bm, Hm)
+    prefix = ((kset == (torch.arange(nk, device=m.device) < lengths[..., None])).all()
+              & (lengths == lengths[:, :1]).all())
+    flags = torch.stack([values_ok, m_none, m_tl, m_br, kset.all(), kset[..., :n_tl].all(), prefix]).tolist()
+    values_ok, m_none, m_tl, m_br, all_keys, all_tl, prefix = flags
+    if not values_ok:
+        raise ValueError("flashc.scaled_dot_product_attention: a float attn_mask must hold only 0 (attend) and -inf "
+                         "(masked); additive biases are not supported. " + MASK_FORMS)
+    if m_none:
+        kind, all_seen = None, all_keys
+    elif m_br:  # with Nq == Nk top-left and bottom-right are one mask: flashc's causal is bottom-right
+        kind, all_seen = "bottom-right", all_keys
+    elif m_tl:
+        kind, all_seen = "top-left", all_tl
+        if nq < nk:
+            kset = kset[..., :nq]
+    else:
+        raise ValueError("flashc.scaled_dot_product_attention: attn_mask is none of the supported forms. "
+                         + MASK_FORMS)
+    if all_seen:
+        return kind, None, None
+    if kind is None and prefix:
+        # right padding without causal: each sequence's first n keys, never reading the rest
+        return kind, lengths[:, 0], None
+    return kind, None, kset
+
+
+def _causal_args(kind, nq, nk):
+    """(keys kept, flashc causal, window) for a causal kind. torch's is_causal is top-left aligned (query i sees
+    keys j <= i); flashc's causal is bottom-right (j <= i + Nk - Nq). Equal when Nq == Nk. With Nq < Nk no query
+    sees a key past Nq - 1, so those keys are dropped (a view) and the square problem is causal. With Nq > Nk,
+    window_right = Nq - Nk turns j <= i + Nk - Nq + right into j <= i."""
+    if kind == "bottom-right":
+        return nk, True, (-1, -1)
+    if kind == "top-left":
+        if nq < nk:
+            return nq, True, (-1, -1)
+        if nq > nk:
+            return nk, False, (-1, nq - nk)
+        return nk, True, (-1, -1)
+    return nk, False, (-1, -1)
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if attn_mask is not None:
-        raise NotImplementedError(
-            "flashc.scaled_dot_product_attention: attn_mask is not supported (flashc has causal, sliding-window, "
-            "ALiBi and block-sparse masks, not arbitrary dense ones); pass is_causal=True for a causal mask or use "
-            "flashc.attention(..., block_mask=...)")
-    _core.check_dropout(dropout_p)
+    if dropout_p is not None and dropout_p != 0:
+        _core.check_dropout(dropout_p)
     for n, t in (("query", query), ("key", key), ("value", value)):
         _check(n, t, query.device if isinstance(query, torch.Tensor) else None)
         if t.dim() < 3:
@@ -420,6 +557,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError("flashc.scaled_dot_product_attention: query, key and value must have the same number of "
                          "dimensions")
+    if attn_mask is not None and is_causal:
+        raise ValueError("flashc.scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both "
+                         "(as torch requires); a causal mask combined with padding is recognized in attn_mask")
     lead = query.shape[:-3]
 
     def bnhd(t):
@@ -433,20 +573,24 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         raise ValueError("flashc.scaled_dot_product_attention: query has %d heads and key/value %d; pass "
                          "enable_gqa=True for grouped-query attention" % (H, Hkv))
     nq, nk = q4.shape[1], k4.shape[1]
-    kw = dict(softmax_scale=scale)
-    if is_causal:
-        # torch's is_causal is top-left aligned (query i sees keys j <= i); flashc's causal is bottom-right
-        # (j <= i + Nk - Nq). Equal when Nq == Nk. With Nq < Nk no query sees a key past Nq - 1, so keys beyond
-        # it are dropped (a view) and the square problem is causal. With Nq > Nk, window_right = Nq - Nk turns
-        # j <= i + Nk - Nq + right into j <= i.
-        if nq < nk:
-            k4, v4 = k4[:, :nq], v4[:, :nq]
-            kw["causal"] = True
-        elif nq > nk:
-            kw["window_size"] = (-1, nq - nk)
-        else:
-            kw["causal"] = True
-    out4, _ = apply("q,k,v", (q4, k4, v4), **kw)
+    kind, used, keys = "top-left" if is_causal else None, None, None
+    if attn_mask is not None:
+        if attn_mask.device != query.device:
+            raise ValueError("flashc.scaled_dot_product_attention: attn_mask is on %s but query is on %s"
+                             % (attn_mask.device, query.device))
+        kind, used, keys = mask_plan(attn_mask, lead, H, nq, nk)
+    kept, causal, window = _causal_args(kind, nq, nk)
+    if kept < nk:
+        k4, v4 = k4[:, :kept], v4[:, :kept]
+    block_mask = block_size = None
+    if keys is not None and nq > 0:
+        # one mask byte per key (blocks of Nq rows x 1 key): each (batch, head) attends to its key set exactly
+        block_mask = keys.to(torch.uint8)[:, :, None, :]
+        block_size = (nq, 1)
+    if used is not None:
+        used = used.expand(q4.shape[0]).contiguous()  # (1,) for a mask without a batch dimension
+    out4 = attend(q4, k4, v4, softmax_scale=scale, causal=causal, window_size=window, seqused_k=used,
+                  block_mask=block_mask, block_size=block_size)
     out = out4.transpose(1, 2)  # (B, H, Nq, D) view
     return out[0] if query.dim() == 3 else out.reshape(tuple(lead) + tuple(out.shape[1:]))
 

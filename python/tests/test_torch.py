@@ -397,13 +397,206 @@ def test_sdpa_shapes_and_errors(gen):
     out = flashc.scaled_dot_product_attention(q5, q5, q5)
     ref = F.scaled_dot_product_attention(q5.double(), q5.double(), q5.double())
     assert out.shape == q5.shape and rel_err(out, ref) <= 1e-5
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        flashc.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(20, 20, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout"):
         flashc.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match="enable_gqa"):
         flashc.scaled_dot_product_attention(torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16),
                                             torch.randn(1, 2, 8, 16))
+
+
+# ---- SDPA attn_mask: the forms flashc recognizes, each against torch's own SDPA with the same mask ------------------
+def _keys(kind, b, h, nk, per_head):
+    """A key set (B, H or 1, Nk) bool: right padding (a prefix), left padding (a suffix), or any set (holes);
+    one batch sees no key at all, one sees every key."""
+    hh = h if per_head else 1
+    if kind == "holes":
+        keys = torch.rand(b, hh, nk) < 0.6
+    else:
+        n = torch.randint(1, nk + 1, (b, hh, 1))
+        j = torch.arange(nk)
+        keys = j < n if kind == "right" else j >= nk - n
+    keys[0] = False if b > 2 else keys[0]  # a batch whose rows see nothing: out 0, as torch gives
+    keys[-1] = True
+    return keys
+
+
+def make_mask(form, b, h, nq, nk, per_head=False):
+    """The bool mask of a form, broadcastable to (B, H, Nq, Nk)."""
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    tl, br = j <= i, j <= i + nk - nq
+    if form == "all_true":
+        return torch.ones(b, 1, nq, nk, dtype=torch.bool)
+    if form == "tl":
+        return tl
+    if form == "br":
+        return br
+    pad, _, causal = form.partition("+")
+    keys = _keys(pad, b, h, nk, per_head)[:, :, None, :]  # (B, H|1, 1, Nk)
+    if causal == "tl":
+        return keys & tl
+    if causal == "br":
+        return keys & br
+    return keys
+
+
+MASK_FORMS = ["all_true", "tl", "br", "right", "left", "holes", "right+tl", "left+br", "holes+tl", "holes+br",
+              "left+tl", "right+br"]
+MASK_SHAPES = [(40, 40), (25, 60), (60, 25), (1, 50)]
+
+
+def sdpa_mask_case(form, nq, nk, as_float, per_head=False, b=3, h=4, hkv=2, d=32):
+    q = torch.randn(b, h, nq, d)
+    k = torch.randn(b, hkv, nk, d)
+    v = torch.randn(b, hkv, nk, d)
+    do = torch.randn(b, h, nq, d)
+    mask = make_mask(form, b, h, nq, nk, per_head)
+    if as_float:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    return q, k, v, do, mask
+
+
+def sdpa_ref(q, k, v, do, mask, scale):
+    """torch's SDPA in fp64 with the same mask (kv heads repeated); rows that see no key give 0 there too."""
+    r = [t.double().clone().requires_grad_() for t in (q, k, v)]
+    g = q.shape[1] // k.shape[1]
+    m = mask.double() if mask.is_floating_point() else mask
+    out = F.scaled_dot_product_attention(r[0], r[1].repeat_interleave(g, 1), r[2].repeat_interleave(g, 1),
+                                         attn_mask=m, scale=scale)
+    out.backward(do.double())
+    return out.detach(), [t.grad for t in r]
+
+
+@pytest.mark.parametrize("as_float", [False, True], ids=["bool", "float"])
+@pytest.mark.parametrize("nq,nk", MASK_SHAPES, ids=["square", "q_lt_k", "q_gt_k", "decode"])
+@pytest.mark.parametrize("form", MASK_FORMS)
+def test_sdpa_attn_mask_forms(form, nq, nk, as_float, gen):
+    """Every recognized attn_mask form, forward and gradients, against torch's SDPA given the same mask (fp64)."""
+    q, k, v, do, mask = sdpa_mask_case(form, nq, nk, as_float, per_head=form.startswith("holes"))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashc.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.3, enable_gqa=True)
+    ref, ref_g = sdpa_ref(q, k, v, do, mask, 0.3)
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) <= 1e-5, "out: relative error %.3g" % rel_err(out, ref)
+    out.backward(do)
+    for name, leaf, want in zip(("dq", "dk", "dv"), leaves, ref_g):
+        # relative to the gradient, with a floor for gradients that are 0 in exact arithmetic (a row that sees one
+        # key gives dq = 0 up to fp32 rounding)
+        err = (leaf.grad.double() - want).norm().item()
+        assert err <= 1e-5 * want.norm().item() + 1e-6 * leaf.norm().item(), "%s: error %.3g" % (name, err)
+
+
+def test_sdpa_attn_mask_paths(gen, monkeypatch):
+    """Which flashc arguments each form runs as: an all-True mask as no mask, right padding without causal as
+    seqused_k (the keys past each length are never read), a causal mask as causal (top-left with Nq < Nk on the
+    first Nq keys), the others as one mask byte per key (block_size (Nq, 1))."""
+    from flashc import _torch as ft
+
+    seen = []
+    real = ft.attend
+
+    def spy(q4, k4, v4, **kw):
+        seen.append(dict(kw, nk=k4.shape[1]))
+        return real(q4, k4, v4, **kw)
+
+    monkeypatch.setattr(ft, "attend", spy)
+    b, h, d = 3, 2, 16
+
+    def run(mask, nq=24, nk=24):
+        q, k = torch.randn(b, h, nq, d), torch.randn(b, h, nk, d)
+        flashc.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        return seen[-1]
+
+    kw = run(torch.ones(24, 24, dtype=torch.bool))
+    assert kw["seqused_k"] is None and kw["block_mask"] is None and not kw["causal"]
+    kw = run(torch.zeros(b, 1, 1, 24).masked_fill(torch.arange(24) >= torch.tensor([5, 24, 9])[:, None, None, None],
+                                                  float("-inf")))
+    assert kw["seqused_k"].tolist() == [5, 24, 9] and kw["block_mask"] is None
+    kw = run(torch.ones(16, 40, dtype=torch.bool).tril(), nq=16, nk=40)
+    assert kw["causal"] and kw["nk"] == 16 and kw["block_mask"] is None and kw["seqused_k"] is None
+    kw = run(torch.ones(16, 40, dtype=torch.bool).tril(diagonal=24), nq=16, nk=40)
+    assert kw["causal"] and kw["nk"] == 40 and kw["block_mask"] is None
+    kw = run(torch.ones(40, 16, dtype=torch.bool).tril(), nq=40, nk=16)
+    assert not kw["causal"] and kw["window_size"] == (-1, 24)
+    left = torch.arange(24) >= torch.tensor([0, 3, 7])[:, None]  # left padding, causal: HF's batched prefill
+    kw = run(left[:, None, None, :] & torch.ones(24, 24, dtype=torch.bool).tril())
+    assert kw["causal"] and kw["block_size"] == (24, 1) and kw["block_mask"].shape == (b, 1, 1, 24)
+    assert torch.equal(kw["block_mask"][:, 0, 0].bool(), left)
+
+
+def test_sdpa_attn_mask_refusals(gen):
+    b, h, n, d = 2, 2, 12, 16
+    q = torch.randn(b, h, n, d)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    window = (j <= i) & (j > i - 4)
+    with pytest.raises(ValueError, match="none of the supported forms.*key padding.*top-left causal"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=window)
+    docs = (i // 6) == (j // 6)  # block-diagonal (two documents)
+    with pytest.raises(ValueError, match="none of the supported forms"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=docs)
+    per_row = torch.ones(n, n, dtype=torch.bool)
+    per_row[3, 5] = False  # one element off an all-True mask: caught by the exact check
+    with pytest.raises(ValueError, match="none of the supported forms"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=per_row)
+    causal_hole = (j <= i).clone()
+    causal_hole[7, 2] = False
+    with pytest.raises(ValueError, match="none of the supported forms"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=causal_hole)
+    bias = torch.randn(n, n)
+    with pytest.raises(ValueError, match="only 0.*-inf"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+    with pytest.raises(ValueError, match="only 0.*-inf"):  # HF's eager masks use finfo.min, not -inf
+        flashc.scaled_dot_product_attention(
+            q, q, q, attn_mask=torch.zeros(n, n).masked_fill(j > i, torch.finfo(torch.float32).min))
+    with pytest.raises(TypeError, match="bool"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(n, n, dtype=torch.int64))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(n, n + 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not both"):
+        flashc.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(n, n, dtype=torch.bool), is_causal=True)
+
+
+def test_sdpa_attn_mask_leading_dims(gen):
+    """(..., H, N, D) with two leading dimensions and no batch dimension, masks broadcast over them."""
+    q = torch.randn(2, 3, 2, 10, 16)
+    keys = torch.rand(2, 3, 1, 1, 10) < 0.7
+    keys[..., 0] = True
+    for mask in (keys, keys & torch.ones(10, 10, dtype=torch.bool).tril()):
+        out = flashc.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        ref = F.scaled_dot_product_attention(q.double(), q.double(), q.double(), attn_mask=mask)
+        assert rel_err(out, ref) <= 1e-5
+    q3 = torch.randn(2, 10, 16)
+    mask = torch.arange(10) < 6
+    out = flashc.scaled_dot_product_attention(q3, q3, q3, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q3.double(), q3.double(), q3.double(), attn_mask=mask)
+    assert out.shape == q3.shape and rel_err(out, ref) <= 1e-5
+
+
+def test_sdpa_compile_fullgraph(gen):
+    """torch.compile(fullgraph=True) traces flashc.scaled_dot_product_attention (no mask, is_causal, GQA) through
+    torch.ops.flashc.fwd / bwd: no graph break, the eager call's values and gradients."""
+    if not hasattr(torch, "compile"):
+        pytest.skip("torch without torch.compile")
+
+    def f(q, k, v):
+        return flashc.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    q, k, v = torch.randn(2, 4, 24, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves)
+    out.sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = f(*ref_leaves)
+    ref.sum().backward()
+    assert torch.equal(out, ref)
+    for a, r in zip(leaves, ref_leaves):
+        assert torch.equal(a.grad, r.grad)
+    # with an attn_mask the recognition reads the mask's values: a graph break, so only without fullgraph
+    mask = torch.arange(40) < torch.tensor([30, 40])[:, None, None, None]
+    g = torch.compile(lambda q, k, v: flashc.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                          enable_gqa=True), backend="aot_eager")
+    assert torch.equal(g(q, k, v), flashc.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
 
 
 def no_copy_ops(fn):
