@@ -18,8 +18,20 @@ run: build
 	$(BUILD)/flashc bench
 
 # Builds, then runs every test that this machine can run (GPU tests: `make test-gpu`).
+# The Python tests (python/tests) and the .npy tests of the flashc command (cli_roundtrip, cli_safety) are registered
+# only when the configure step could import numpy (and pytest); when they are not, a banner says so before and
+# after the run, since a green run without them tests much less.
+PY_SKIP_BANNER = if ! (cd $(BUILD) && ctest -N -R '^python$$' | grep -q 'Total Tests: [1-9]'); then \
+	  py=$$(sed -n 's/^_Python3_EXECUTABLE:INTERNAL=//p' $(BUILD)/CMakeCache.txt); \
+	  echo "************************************************************************************************"; \
+	  echo "make test: the Python tests are SKIPPED (and cli_roundtrip, cli_safety if numpy is missing):"; \
+	  echo "  $${py:-no Python 3 interpreter} could not import numpy and pytest when $(BUILD) was configured."; \
+	  echo "  Install them ($${py:-python3} -m pip install numpy pytest), then: cmake $(BUILD) && make test"; \
+	  echo "************************************************************************************************"; \
+	fi
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu
+	@$(PY_SKIP_BANNER)
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -LE gpu; rc=$$?; cd $(CURDIR) && $(PY_SKIP_BANNER); exit $$rc
 
 test-gpu: build
 	cd $(BUILD) && ctest --output-on-failure -L gpu
