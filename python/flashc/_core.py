@@ -17,7 +17,9 @@ DROPOUT_MSG = (
 
 
 def check_dropout(dropout_p):
-    if dropout_p is None:
+    # p == 0 returns before any float() or math.isnan: torch.compile(dynamic=True) may pass a symbolic float, which
+    # a comparison traces (as a guard) but math.isnan does not.
+    if dropout_p is None or dropout_p == 0:
         return
     p = float(dropout_p)
     if p < 0.0 or p >= 1.0 or math.isnan(p):

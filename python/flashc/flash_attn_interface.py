@@ -37,12 +37,13 @@ __all__ = [
 
 def _run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
          return_attn_probs, seqused_k, sinks, **varlen_args):
-    from . import _torch
+    # flashc.ops imports torch and registers torch.ops.flashc.fwd / bwd on the first call; it sends an eager call on
+    # plain tensors down the direct path and anything traced (torch.compile, torch.export, make_fx, a CUDA-graph
+    # capture) through the operators.
+    from . import ops
 
-    out, lse = _torch.apply(kind, inputs, varlen=varlen, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                            deterministic=deterministic, seqused_k=seqused_k, sinks=sinks, **varlen_args)
-    return (out, lse, None) if return_attn_probs else out
+    return ops.run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   deterministic, return_attn_probs, seqused_k, sinks, **varlen_args)
 
 
 def flash_attn_qkvpacked_func(

@@ -116,6 +116,21 @@ def test_opcheck_varlen(device, gen):
                               (torch.randn_like(q), q, k, v, out.detach(), lse) + op_args(**opts, **extra))
 
 
+@pytest.mark.parametrize("device", ["cpu"])  # paged K/V: the CPU backend only for now
+def test_opcheck_paged(device, gen):
+    """block_table (the operators' last argument): k, v and dk, dv are page pools."""
+    cu_q = torch.tensor([0, 9, 30], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 40, 57], dtype=torch.int32, device=device)
+    table = torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32, device=device)
+    q = torch.randn(30, 4, 32, device=device)
+    k, v = torch.randn(6, 16, 2, 32, device=device), torch.randn(6, 16, 2, 32, device=device)
+    opts = op_args(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=21, max_seqlen_k=40, causal=True) + (table,)
+    args = leaves(q, k, v) + opts
+    torch.library.opcheck(torch.ops.flashc.fwd.default, args)
+    out, lse = torch.ops.flashc.fwd(*args)
+    torch.library.opcheck(torch.ops.flashc.bwd.default, (torch.randn_like(q), q, k, v, out.detach(), lse) + opts)
+
+
 def test_schema_declares_no_mutation():
     for op in (torch.ops.flashc.fwd.default, torch.ops.flashc.bwd.default):
         assert not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments), op._schema
@@ -153,9 +168,12 @@ def test_errors(path):
         ops.flash_attn_func(q[0], q, q)
     with pytest.raises(TypeError, match="dtype"):
         ops.flash_attn_func(q.double(), q, q)
-    with pytest.raises(ValueError, match="max_seqlen"):
-        cu = torch.tensor([0, 8], dtype=torch.int32)
-        ops.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, None, 8)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    if path == "op":  # traced calls need the maxima as ints; the direct path computes them from cu_seqlens
+        with pytest.raises(ValueError, match="max_seqlen"):
+            ops.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, None, 8)
+    else:
+        assert ops.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, None, 8).shape == q[0].shape
     with pytest.raises(flashc.FlashcError):  # the library's own check runs inside the op: H % Hkv != 0
         ops.flash_attn_func(torch.randn(1, 8, 3, 16), q, q)
 
@@ -173,9 +191,9 @@ def test_fast_path_only_in_plain_eager(monkeypatch, gen):
         direct.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(ops, "_direct", counting)
     q, k, v, _ = inputs((1, 16, 2, 16), (1, 16, 2, 16), torch.float32, "cpu")
     expect = flashc.flash_attn_func(q, k, v, causal=True)
+    monkeypatch.setattr(ops, "_direct", counting)
     assert torch.equal(ops.flash_attn_func(q, k, v, causal=True), expect) and len(direct) == 1
 
     def f(q, k, v):
@@ -372,6 +390,82 @@ def test_compile_varlen(gen):
         for g, r, s in zip(ga, ref_grads, (sq, sk, sk)):
             assert rel_err(g[s], r[0]) <= 1e-5
     assert lens_q == (cu_q[1:] - cu_q[:-1]).tolist() and lens_k == (cu_k[1:] - cu_k[:-1]).tolist()
+
+
+def public_cases():
+    """(name, function, inputs, extra positional arguments) for each of flash-attn's six functions as flashc exports
+    them (flashc.flash_attn_func etc., not flashc.ops'), and a paged varlen call."""
+    b, n, h, hkv, d = 2, 24, 4, 2, 32
+    cu = torch.tensor([0, 17, 41], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 51], dtype=torch.int32)
+    pool_k, pool_v = torch.randn(6, 16, hkv, d), torch.randn(6, 16, hkv, d)
+    table = torch.tensor([[4, 0], [2, 5]], dtype=torch.int32)
+    lens = torch.tensor([0, 30, 51], dtype=torch.int32)  # cumulative: sequence b has lens[b+1] - lens[b] keys
+    return [
+        ("func", flashc.flash_attn_func, (torch.randn(b, n, h, d), torch.randn(b, n + 7, hkv, d),
+                                          torch.randn(b, n + 7, hkv, d)), ()),
+        ("qkvpacked", flashc.flash_attn_qkvpacked_func, (torch.randn(b, n, 3, h, d),), ()),
+        ("kvpacked", flashc.flash_attn_kvpacked_func, (torch.randn(b, n, h, d), torch.randn(b, n + 5, 2, hkv, d)), ()),
+        ("varlen", flashc.flash_attn_varlen_func, (torch.randn(41, h, d), torch.randn(51, hkv, d),
+                                                   torch.randn(51, hkv, d)), (cu, cu_k, 24, 30)),
+        ("varlen_qkvpacked", flashc.flash_attn_varlen_qkvpacked_func, (torch.randn(41, 3, h, d),), (cu, 24)),
+        ("varlen_kvpacked", flashc.flash_attn_varlen_kvpacked_func, (torch.randn(41, h, d), torch.randn(51, 2, hkv, d)),
+         (cu, cu_k, 24, 30)),
+        ("varlen_paged", lambda q, k, v, *a, **kw: flashc.flash_attn_varlen_func(q, k, v, *a, block_table=table, **kw),
+         (torch.randn(41, h, d), pool_k, pool_v), (cu, lens, 24, 32)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7), ids=[c[0] for c in public_cases()])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_public_functions(case, dynamic, gen):
+    """flashc's six flash-attn functions (and a paged varlen call) under torch.compile(fullgraph=True) (no graph
+    break, the operators in the graph), with dropout_p passed as an argument: out, lse and every gradient the same
+    bits as the eager call (the direct path). dynamic=True makes the sizes and dropout_p symbolic."""
+    torch._dynamo.reset()
+    name, fn, xs, extra = public_cases()[case]
+
+    def f(*args, p=0.0):
+        out, lse, _ = fn(*args, *extra, dropout_p=p, causal=True, softcap=5.0, return_attn_probs=True)
+        return out, lse
+
+    gm = []
+
+    def backend(g, example_inputs):
+        gm.append(g)
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(g, example_inputs)
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True, dynamic=dynamic)
+    a, b = leaves(*xs), leaves(*xs)
+    out_c, lse_c = compiled(*a, p=0.0)
+    out_e, lse_e = f(*b)
+    # fullgraph=True raises on a graph break; with dynamic=True dynamo may hand the backend an empty graph first
+    assert [("flashc.fwd" in g.code) for g in gm if "flashc" in g.code or len(g.graph.nodes) > 2] == [True]
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+    do = torch.randn_like(out_e)
+    for x, y in zip(torch.autograd.grad(out_c, a, do), torch.autograd.grad(out_e, b, do)):
+        assert torch.equal(x, y), name
+    with pytest.raises(NotImplementedError, match="dropout"):
+        f(*b, p=0.1)
+
+
+def test_first_call_inside_compile():
+    """A process whose first flashc call is inside torch.compile: flashc.ops is imported (and the operators
+    registered) while the function is traced, still without a graph break."""
+    import subprocess
+    import sys
+
+    code = ("import torch, flashc\n"
+            "f = torch.compile(lambda q: flashc.flash_attn_func(q, q, q, causal=True), fullgraph=True,"
+            " backend='aot_eager')\n"
+            "q = torch.randn(1, 8, 2, 16, requires_grad=True)\n"
+            "f(q).sum().backward()\n"
+            "assert 'flashc.ops' in __import__('sys').modules\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_export(gen):
