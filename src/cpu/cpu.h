@@ -8,6 +8,7 @@
 #ifndef FLASHC_CPU_H
 #define FLASHC_CPU_H
 
+#include "../dropout.h"
 #include "../internal.h"
 
 #ifdef __cplusplus
@@ -60,6 +61,19 @@ typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, in
 typedef void (*flashc_cpu_softmax_rows_fn)(int rows, int cols, float *s, int64_t lds, float *m, float *l,
                                            float *alpha);
 
+/*
+ * Dropout on a key-major tile st[c][r] (keys j0 + c, query rows i0 + r of one (sequence, head) stream): each element
+ * becomes st * kept where dropout.h keeps (i0 + r, j0 + c), else 0. One Philox call per (row, group of four keys),
+ * SIMD lanes over rows. ld = 1, rows = 1 takes one row of a row-major tile.
+ */
+typedef struct flashc_cpu_dropout {
+    uint64_t seed, stream; /* Philox key, and the counter's high half (flashc_dropout_stream) */
+    uint32_t threshold;    /* dropped iff x < threshold */
+    float kept;            /* factor of kept elements: 1 in the forward (the store scales), 1 / (1 - p) in backward */
+} flashc_cpu_dropout;
+typedef void (*flashc_cpu_dropout_fn)(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d,
+                                      int64_t i0, int64_t j0);
+
 typedef struct flashc_cpu_kernels {
     const char *name; /* e.g. "avx2_6x16" */
     int mr, nr;       /* register tile of gemm */
@@ -71,6 +85,7 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_cvt_fn bf16_to_f32;
     flashc_cpu_dots_fn dots;                 /* decode.c */
     flashc_cpu_softmax_rows_fn softmax_rows; /* decode.c */
+    flashc_cpu_dropout_fn dropout;
 } flashc_cpu_kernels;
 
 extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
@@ -82,7 +97,13 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
+/* The AVX2 dropout, which the AVX-512 table shares too (its cost is the Philox rounds' 32-bit multiplies). */
+void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
+                             int64_t j0);
 #endif
+/* The portable dropout (kernels_generic.c): the definition the SIMD ones must match bit for bit. */
+void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
+                                int64_t j0);
 /* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a
  * choice). */
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void);
@@ -142,6 +163,17 @@ static inline int64_t flashc_cpu_tensor_batch(const flashc_problem *p, int64_t b
 /* Offset of lse(b, h, row 0) in the (B, H, Nq) / varlen (H, total_q) array. */
 static inline int64_t flashc_cpu_lse_offset(const flashc_problem *p, int64_t b, int64_t h, int64_t q0) {
     return p->varlen ? h * p->total_q + q0 : (b * p->H + h) * p->Nq;
+}
+
+/* Dropout of (sequence b, query head h), with kept elements multiplied by kept; 0 when the problem has none. */
+static inline int flashc_cpu_dropout_of(const flashc_problem *p, int64_t b, int64_t h, float kept,
+                                        flashc_cpu_dropout *d) {
+    if (!(p->dropout_p > 0.0f)) return 0;
+    d->seed = p->dropout_seed;
+    d->stream = flashc_dropout_stream(p->dropout_offset, b, p->H, h);
+    d->threshold = flashc_dropout_threshold(p->dropout_p);
+    d->kept = kept;
+    return 1;
 }
 
 /* Scale applied to q before the product: scale, times log2(e) when no softcap needs the natural units. */

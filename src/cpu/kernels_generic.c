@@ -92,6 +92,21 @@ static void softmax_rows_generic(int rows, int cols, float *s, int64_t lds, floa
     }
 }
 
+void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
+                                int64_t j0) {
+    if (cols <= 0) return;
+    for (int r = 0; r < rows; r++)
+        for (int64_t g = j0 >> 2; g <= (j0 + cols - 1) >> 2; g++) {
+            const flashc_u32x4 x = flashc_dropout_bits4(d->seed, d->stream, i0 + r, g);
+            for (int k = 0; k < 4; k++) {
+                const int64_t c = 4 * g + k - j0;
+                if (c < 0 || c >= cols) continue;
+                float *e = st + c * ld + r;
+                *e = x.x[k] >= d->threshold ? *e * d->kept : 0.0f;
+            }
+        }
+}
+
 const flashc_cpu_kernels flashc_cpu_kernels_generic = {
     .name = "generic",
     .mr = 1,
@@ -104,4 +119,5 @@ const flashc_cpu_kernels flashc_cpu_kernels_generic = {
     .bf16_to_f32 = bf16_generic,
     .dots = dots_generic,
     .softmax_rows = softmax_rows_generic,
+    .dropout = flashc_cpu_dropout_generic,
 };
