@@ -1,0 +1,275 @@
+"""flashc.transformers on a tiny randomly initialized Llama (built from a LlamaConfig: no downloads) against
+transformers' own "sdpa" implementation, fp32 on the CPU: logits with left and right padding, gradients of a loss
+w.r.t. every parameter, greedy generation with the dynamic and the static cache; and the mask and attention
+functions on their own against transformers' sdpa mask and attention function, case by case.
+
+fp32 rule (CONVENTIONS.md): relative error <= 1e-5; generated tokens identical.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import flashc.transformers as ft  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+sdpa_attention_forward = pytest.importorskip("transformers.integrations.sdpa_attention").sdpa_attention_forward
+
+
+@pytest.fixture
+def gen(request):
+    import numpy as np
+
+    seed = int(os.environ.get("FLASHC_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
+    print("FLASHC_TEST_SEED=%d (%s)" % (seed, request.node.name))
+    torch.manual_seed(seed)
+    return seed
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+VOCAB = 96
+
+
+def tiny_config(**kw):
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2)
+    cfg.update(kw)
+    return LlamaConfig(**cfg)
+
+
+def model_pair(**kw):
+    """The same random weights under attn_implementation 'sdpa' and flashc's, in fp32, eval mode."""
+    ref = AutoModelForCausalLM.from_config(tiny_config(**kw), attn_implementation="sdpa")
+    fc = AutoModelForCausalLM.from_config(tiny_config(**kw), attn_implementation=ft.register())
+    fc.load_state_dict(ref.state_dict())
+    return ref.float().eval(), fc.float().eval()
+
+
+def batch(b=3, n=20, padding="left"):
+    """input_ids and attention_mask with sequences of different lengths (one unpadded), padded on one side."""
+    ids = torch.randint(3, VOCAB, (b, n))
+    lengths = torch.tensor([n] + [int(x) for x in torch.randint(4, n, (b - 1,))])
+    j = torch.arange(n)
+    if padding == "left":
+        mask = j >= n - lengths[:, None]
+    elif padding == "right":
+        mask = j < lengths[:, None]
+    else:
+        mask = torch.ones(b, n, dtype=torch.bool)
+    ids = ids.masked_fill(~mask, 0)
+    return ids, mask.long()
+
+
+def test_register_name():
+    name = ft.register()
+    assert name == ft.NAME == "fc_attention" and "flash" not in name
+    assert ft.register() == name  # again: harmless
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert AttentionInterface._global_mapping[name] is ft.attention_forward
+    assert AttentionMaskInterface._global_mapping[name] is ft.mask_function
+    for bad in ("flashc", "my/kernel", "sdpa_flashc"):
+        with pytest.raises(ValueError, match="treats"):
+            ft.register(bad)
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_logits(padding, gen):
+    ref, fc = model_pair()
+    ids, mask = batch(padding=padding)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        got = fc(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()  # padded positions' logits are not compared: they are nobody's output
+    assert rel_err(got[real], want[real]) <= 1e-5, rel_err(got[real], want[real])
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_gradients(padding, gen):
+    """Training step: a language-model loss on the real tokens, in train mode (attention_dropout 0), and the
+    gradient of every parameter."""
+    ref, fc = model_pair()
+    ids, mask = batch(padding=padding)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (ref, fc):
+        model.train()
+        model.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert rel_err(grads[1][n], grads[0][n]) <= 1e-5, "%s: %.3g" % (n, rel_err(grads[1][n], grads[0][n]))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_greedy(cache, gen):
+    """Greedy generation from a left-padded batch: the same tokens as sdpa, and per-step scores within fp32
+    rounding. The static cache is longer than the sequences, so its unfilled slots must be left out."""
+    ref, fc = model_pair()
+    ids, mask = batch(b=3, n=12, padding="left")
+    kw = dict(max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              pad_token_id=0, eos_token_id=None)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        want = ref.generate(input_ids=ids, attention_mask=mask, **kw)
+        got = fc.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.scores, want.scores)):
+        assert rel_err(a, b) <= 1e-5, "step %d: %.3g" % (step, rel_err(a, b))
+
+
+def test_generate_static_compiled(gen):
+    """generate() with a static cache compiles the decode step (here forced on the CPU, fullgraph=True): the mask
+    and attention functions trace without a graph break and give sdpa's tokens."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    cc = CompileConfig(fullgraph=True, backend="aot_eager", dynamic=False)
+    if not hasattr(cc, "_compile_all_devices"):
+        pytest.skip("this transformers compiles generate() on accelerators only")
+    cc._compile_all_devices = True
+    ref, fc = model_pair()
+    ids, mask = batch(b=2, n=8, padding="left")
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
+    with torch.no_grad():
+        want = ref.generate(input_ids=ids, attention_mask=mask, **kw)
+        got = fc.generate(input_ids=ids, attention_mask=mask, compile_config=cc, **kw)
+    assert torch.equal(got, want)
+
+
+def test_static_and_dynamic_agree(gen):
+    _, fc = model_pair()
+    ids, mask = batch(b=2, n=9, padding="left")
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        dyn = fc.generate(input_ids=ids, attention_mask=mask, **kw)
+        st = fc.generate(input_ids=ids, attention_mask=mask, cache_implementation="static", **kw)
+    assert torch.equal(dyn, st)
+
+
+def test_dropout_raises(gen):
+    _, fc = model_pair(attention_dropout=0.1)
+    ids, mask = batch(padding="none")
+    fc.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fc(input_ids=ids, attention_mask=mask)
+    fc.eval()  # dropout is 0 in eval mode: runs
+    with torch.no_grad():
+        fc(input_ids=ids, attention_mask=mask)
+
+
+# ---- the mask and attention functions on their own, against transformers' sdpa mask + sdpa attention ----------
+class _Module(torch.nn.Module):
+    def __init__(self, groups, causal=True):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = causal
+
+
+CASES = [
+    # name, causal, Nq, kv_length, q_offset, padding
+    ("prefill", True, 16, 16, 0, "left"),
+    ("prefill_right", True, 16, 16, 0, "right"),
+    ("prefill_nopad", True, 16, 16, 0, None),
+    ("chunk_after_cache", True, 5, 21, 16, "left"),
+    ("decode_dynamic", True, 1, 17, 16, "left"),
+    ("decode_static", True, 1, 40, 16, "left"),
+    ("prefill_static", True, 16, 40, 0, "right"),
+    ("decode_static_nopad", True, 1, 40, 16, None),
+    ("bidirectional", False, 16, 16, 0, "right"),
+    ("bidirectional_left", False, 16, 16, 0, "left"),
+]
+
+
+# a static cache gives its offset as a tensor (a dynamic one as an int); the static cases run with both
+OFFSET_CASES = [c + (False,) for c in CASES] + [c + (True,) for c in CASES if c[4] + c[2] < c[3]]
+
+
+@pytest.mark.parametrize("name,causal,nq,kv_length,q_offset,padding,static_offset", OFFSET_CASES,
+                         ids=[c[0] + ("_tensor_offset" if c[-1] else "") for c in OFFSET_CASES])
+def test_mask_and_attention_functions(name, causal, nq, kv_length, q_offset, padding, static_offset, gen):
+    """The cache geometry transformers gives each layer: kv_length keys (a static cache's capacity, or what a
+    dynamic cache holds), queries at q_offset .. q_offset + Nq - 1, a 2-D padding mask over the filled positions.
+    The sdpa reference is transformers' own mask (sdpa_mask) and attention function; unfilled static slots hold
+    NaN, which flashc must never read."""
+    b, h, hkv, d = 3, 4, 2, 16
+    filled = q_offset + nq
+    n_mask = filled  # the 2-D mask covers what the cache holds after this step
+    j = torch.arange(n_mask)
+    lengths = torch.tensor([n_mask, max(n_mask - 5, 1), max(n_mask // 2, 1)])
+    pad = None
+    if padding == "left":
+        pad = j >= n_mask - lengths[:, None]
+    elif padding == "right":
+        pad = j < lengths[:, None]
+    q = torch.randn(b, h, nq, d)
+    k = torch.randn(b, hkv, kv_length, d)
+    v = torch.randn(b, hkv, kv_length, d)
+    k[:, :, filled:] = float("nan")
+    v[:, :, filled:] = float("nan")
+    mfun = mu.causal_mask_function if causal else mu.bidirectional_mask_function
+    offset = torch.tensor(q_offset) if static_offset else q_offset
+    args = dict(batch_size=b, q_length=nq, kv_length=kv_length, q_offset=offset, kv_offset=0, mask_function=mfun,
+                attention_mask=pad)
+    fmask = ft.mask_function(device=torch.device("cpu"), **args)
+    assert isinstance(fmask, ft.KeyMask) and fmask.causal == causal
+    # reference: NaN slots zeroed (sdpa reads them, with a mask that hides them; NaN * 0 would still be NaN)
+    kr, vr = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    smask = mu.sdpa_mask(allow_is_causal_skip=False, device=torch.device("cpu"), **args)
+    module = _Module(h // hkv, causal)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rleaves = [t.double().clone().requires_grad_() for t in (q, kr, vr)]
+    out, _ = ft.attention_forward(module, *leaves, fmask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, *rleaves, smask, scaling=0.25)
+    assert out.shape == want.shape == (b, nq, h, d)
+    assert rel_err(out, want) <= 1e-5, rel_err(out, want)
+    do = torch.randn(out.shape)
+    out.backward(do)
+    want.backward(do.double())
+    for gname, leaf, rleaf in zip(("dq", "dk", "dv"), leaves, rleaves):
+        g = leaf.grad
+        assert not g.isnan().any(), gname
+        err = (g.double() - rleaf.grad).norm().item()
+        assert err <= 1e-5 * rleaf.grad.norm().item() + 1e-6 * leaf.detach().nan_to_num(0.0).norm().item(), gname
+        if gname != "dq":
+            assert (g[:, :, filled:] == 0).all(), "%s past the filled slots" % gname
+
+
+def test_mask_function_other_forms(gen):
+    """Sliding windows: transformers' dense mask, which flashc's SDPA recognition refuses, naming what it runs."""
+    b, h, n, d = 2, 2, 12, 16
+    m = ft.mask_function(batch_size=b, q_length=n, kv_length=n, mask_function=mu.sliding_window_causal_mask_function(4),
+                         attention_mask=None, device=torch.device("cpu"), dtype=torch.float32)
+    assert isinstance(m, torch.Tensor) and m.dtype == torch.bool
+    q = torch.randn(b, h, n, d)
+    with pytest.raises(ValueError, match="none of the supported forms"):
+        ft.attention_forward(_Module(1), q, q, q, m)
+    # a 4-D key padding mask passed as it is runs
+    keys = torch.arange(n) < torch.tensor([n, 7])[:, None]
+    dense = keys[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()
+    out, _ = ft.attention_forward(_Module(1), q, q, q, dense)
+    want, _ = sdpa_attention_forward(_Module(1), q.double(), q.double(), q.double(), dense)
+    assert rel_err(out, want) <= 1e-5
+
+
+def test_attention_without_mask(gen):
+    """No mask (a model that makes none): causal as the module says, top-left as transformers' sdpa does."""
+    b, h, d = 2, 4, 16
+    for nq, nk, causal in ((10, 10, True), (10, 10, False), (6, 10, True)):
+        q, k, v = torch.randn(b, h, nq, d), torch.randn(b, 2, nk, d), torch.randn(b, 2, nk, d)
+        out, _ = ft.attention_forward(_Module(2, causal), q, k, v, None)
+        want, _ = sdpa_attention_forward(_Module(2, causal), q.double(), k.double(), v.double(), None)
+        assert rel_err(out, want) <= 1e-5
