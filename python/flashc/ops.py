@@ -195,12 +195,9 @@ def _eager(tensors):
     return not (q.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _dispatch_stack_len():
-    return _current_dispatch_mode() is not None
-
-
-if hasattr(torch._C, "_len_torch_dispatch_stack"):
-    _dispatch_stack_len = torch._C._len_torch_dispatch_stack  # noqa: F811 (one C call instead of a Python function)
+# Whether a dispatch mode is active: one C call where torch has it, instead of a Python function.
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None) or (
+    lambda: _current_dispatch_mode() is not None)
 
 
 def _unpack(kind, inputs, varlen, paged):
