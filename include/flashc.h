@@ -150,7 +150,15 @@ typedef struct flashc_params {
     int64_t max_seqlen_q;
     int64_t max_seqlen_k;
 
-    /* Dropout (Philox4x32-10 keyed by seed, offset, batch, head, row, column). p > 0 is not supported yet. */
+    /* Dropout of the attention probabilities: element (b, h, i, j) of P is dropped with probability dropout_p, and
+     * kept ones are scaled by 1 / (1 - dropout_p) after the softmax normalization (softmax_lse is of the undropped
+     * softmax), as flash-attn does: O = (P o Z) V. Which elements are dropped is a pure function of (dropout_seed,
+     * dropout_offset, b, h, i, j), i and j counted within each sequence (Philox4x32-10, src/dropout.h gives the exact
+     * formula; flashc_dropout_mask materializes it): the same on every path, thread count and split, recomputed by
+     * the backward from the same params, never stored. A call uses the Philox streams dropout_offset ..
+     * dropout_offset + B * H - 1 (B = num_seqs with varlen): advance dropout_offset by at least B * H for a fresh mask
+     * on the next call. dropout_p in [0, 1) (NaN, < 0 and >= 1 are refused); 0: off. The CUDA backend does not run
+     * dropout yet (NOT_SUPPORTED). */
     float dropout_p;
     uint64_t dropout_seed;
     uint64_t dropout_offset;
@@ -350,6 +358,19 @@ FLASHC_API flashc_status flashc_merge(flashc_context_t ctx, const flashc_tensor 
  * which every call refuses. */
 FLASHC_API flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d0, int64_t d1,
                                                   int64_t d2, int64_t d3);
+
+/*
+ * Dropout keep mask, for tests and for flash-attn's return_attn_probs: mask (B, H, Nq, Nk) contiguous bytes in host
+ * memory, mask[((b * H + h) * Nq + i) * Nk + j] = 1 where flashc_forward / flashc_backward with these params keep
+ * element (b, h, i, j) of P and 0 where they drop it. Reads dropout_p, dropout_seed and dropout_offset (params
+ * checked as every call checks them; dropout_p 0 gives all ones). Pass the problem's H; with varlen B = num_seqs and
+ * Nq, Nk at least the longest sequence's, sequence b's bits lying in the first rows and columns of its (b, h) planes.
+ * No attention mask (causal, window, block mask, seqused_k) is applied. flash-attn's S_dmask is P with the dropped
+ * entries negated: where(mask, P, -P). Needs no context; on failure nothing is written and the reason is
+ * flashc_context_last_error(NULL).
+ */
+FLASHC_API flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_t H, int64_t Nq,
+                                             int64_t Nk, uint8_t *mask);
 
 #ifdef __cplusplus
 }

@@ -2,6 +2,7 @@
  * flashc.c - the front: contexts, argument checks into a validated flashc_problem, backend choice, status
  * strings. Backends (src/cpu, src/cuda) only ever see a problem that passed these checks.
  */
+#include "dropout.h"
 #include "internal.h"
 
 #include <limits.h>
@@ -292,6 +293,47 @@ flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype, int64_t d
     t.stride[1] = s1;
     t.stride[0] = s0;
     return t;
+}
+
+/* dropout_p in [0, 1): NaN, negative values and 1 or more are refused (nothing would be kept at 1). */
+static flashc_status check_dropout_p(flashc_context_t ctx, float p) {
+    if (!(p >= 0.0f && p < 1.0f))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "dropout_p %g must be in [0, 1): the probability of dropping an element of P", (double)p);
+    return FLASHC_STATUS_OK;
+}
+
+flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_t H, int64_t Nq, int64_t Nk,
+                                  uint8_t *mask) {
+    if (!params)
+        return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "params is NULL (use flashc_params_default())");
+    flashc_params prm;
+    FLASHC_TRY(params_read(NULL, params, &prm));
+    FLASHC_TRY(check_dropout_p(NULL, prm.dropout_p));
+    int64_t n;
+    if (B <= 0 || H <= 0 || Nq <= 0 || Nk <= 0)
+        return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "mask shape (%lld, %lld, %lld, %lld) must be positive",
+                          (long long)B, (long long)H, (long long)Nq, (long long)Nk);
+    if (Nq > FLASHC_MAX_ROWS || Nk > FLASHC_MAX_ROWS || !flashc_mul_i64(B, H, &n) || !flashc_mul_i64(n, Nq, &n) ||
+        !flashc_mul_i64(n, Nk, &n) || (uint64_t)n > (uint64_t)SIZE_MAX / 2)
+        return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "mask shape (%lld, %lld, %lld, %lld) does not fit the address space (or rows above 2^31 - "
+                          "1024)",
+                          (long long)B, (long long)H, (long long)Nq, (long long)Nk);
+    if (!mask) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "mask is NULL");
+    const uint32_t t = flashc_dropout_threshold(prm.dropout_p);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const uint64_t stream = flashc_dropout_stream(prm.dropout_offset, b, H, h);
+            uint8_t *m = mask + (b * H + h) * Nq * Nk;
+            for (int64_t i = 0; i < Nq; i++, m += Nk)
+                for (int64_t g = 0; g < (Nk + 3) / 4; g++) {
+                    const flashc_u32x4 x = flashc_dropout_bits4(prm.dropout_seed, stream, i, g);
+                    for (int64_t k = 0; k < 4 && 4 * g + k < Nk; k++) m[4 * g + k] = x.x[k] >= t;
+                }
+        }
+    thread_error[0] = '\0';
+    return FLASHC_STATUS_OK;
 }
 
 /* ---- context ------------------------------------------------------------------------------------------- */
@@ -586,12 +628,7 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         p->alibi = params->alibi_slopes;
         p->alibi_batch_stride = params->alibi_batch_stride;
     }
-    if (!(params->dropout_p >= 0.0f && params->dropout_p < 1.0f))
-        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "dropout_p %g must be in [0, 1)",
-                          (double)params->dropout_p);
-    if (params->dropout_p > 0.0f)
-        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "dropout (p = %g) is not supported yet",
-                          (double)params->dropout_p);
+    FLASHC_TRY(check_dropout_p(ctx, params->dropout_p));
     p->dropout_p = params->dropout_p;
     p->dropout_seed = params->dropout_seed;
     p->dropout_offset = params->dropout_offset;

@@ -44,6 +44,7 @@ typedef struct tile_bufs {
     float *kbuf, *vbuf; /* bc x dp: converted K, V rows */
     float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
     float *dk, *dv;     /* bc x dp */
+    float *z;           /* bc x ld: the backward's dropout factors (0 or 1 / (1 - p)); NULL without dropout */
     float *m, *l, *alpha, *lse2, *di; /* br */
 } tile_bufs;
 
@@ -51,6 +52,7 @@ typedef struct layout {
     int br, bc, dp;
     int ld; /* leading dim of the query-major tiles (Q^T, dO^T, S^T, dP^T): br + FLASHC_CPU_LD_PAD */
     int64_t nqb, nkb;
+    int dropout;       /* the backward keeps a tile of dropout factors */
     size_t per_thread; /* floats */
 } layout;
 
@@ -68,6 +70,8 @@ static layout make_layout(const flashc_problem *p, int backward) {
         L.per_thread = dp * ld + br * dp + bc * ld + 2 * bc * dp + 3 * br;
     else
         L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * bc * dp + 2 * br * dp + 2 * br;
+    L.dropout = backward && p->dropout_p > 0.0f;
+    if (L.dropout) L.per_thread += bc * ld;
     return L;
 }
 
@@ -96,6 +100,7 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
         TAKE(b.dobuf, br * dp);
         TAKE(b.lse2, br);
         TAKE(b.di, br);
+        if (L->dropout) TAKE(b.z, bc * ld);
     }
 #undef TAKE
     return b;
@@ -135,6 +140,8 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br, ld = L->ld;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
+    flashc_cpu_dropout drop; /* kept values are scaled by 1 / (1 - p) in the store, with 1 / l */
+    const int dropout = flashc_cpu_dropout_of(p, b, h, 1.0f, &drop);
 
     flashc_cpu_load_t(kern, t->qt, ld, &p->q, tb, q0 + i0, rows, br, h, D, flashc_cpu_qscale(p));
     memset(t->o, 0, sizeof(float) * (size_t)br * dp);
@@ -157,6 +164,8 @@ static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *ker
                 float *orow = t->o + (size_t)r * dp;
                 for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
             }
+        /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
+        if (dropout) kern->dropout(cols, br, t->st, ld, &drop, i0, j0);
         kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, t->o, dp, 1); /* O += P V */
     }
 }
@@ -167,11 +176,14 @@ void flashc_cpu_forward_store(const flashc_problem *p, int dp, float *o, const f
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int D = (int)p->D;
     float *lse = p->lse ? p->lse + flashc_cpu_lse_offset(p, b, h, q0) + i0 : NULL;
+    const int dropout = p->dropout_p > 0.0f;
+    const float keep_scale = dropout ? flashc_dropout_scale(p->dropout_p) : 1.0f;
     for (int r = 0; r < rows; r++) {
         float *orow = o + (size_t)r * dp;
         if (p->sinks) { /* the sink joins the denominator */
             float lse_r;
-            const float f = flashc_sink_fold(p->sinks[h], m[r], l[r], &lse_r);
+            float f = flashc_sink_fold(p->sinks[h], m[r], l[r], &lse_r);
+            if (dropout) f *= keep_scale;
             for (int d = 0; d < D; d++) orow[d] = f == 0.0f ? 0.0f : orow[d] * f;
             if (lse) lse[r] = lse_r;
             continue;
@@ -181,7 +193,8 @@ void flashc_cpu_forward_store(const flashc_problem *p, int dp, float *o, const f
             if (lse) lse[r] = INFINITY;
             continue;
         }
-        const float inv = 1.0f / l[r];
+        float inv = 1.0f / l[r];
+        if (dropout) inv *= keep_scale; /* kept entries of P scaled by 1 / (1 - p), after the normalization */
         for (int d = 0; d < D; d++) orow[d] *= inv;
         if (lse) lse[r] = (m[r] + log2f(l[r])) * FLASHC_LN2;
     }
@@ -356,7 +369,8 @@ static query_side block_query_side(const flashc_problem *p, const flashc_cpu_ker
 
 /*
  * One (query block, key block) tile of the backward: P (into st) and dS (into dpt), key-major. k and v are the
- * key-side rows, qs the query side.
+ * key-side rows, qs the query side. With dropout, Z = keep / (1 - p) comes from the same Philox bits as the forward's:
+ * O = (P o Z) V, so dS = P o (Z o dP - D) and st leaves as P o Z, what dV = (P o Z)^T dO needs.
  */
 static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
                     const query_side *qs, const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b,
@@ -367,10 +381,24 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
     kern->exp2_sub(cols, br, t->st, ld, qs->lse2);                      /* P = 2^(S - lse) */
     kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, ld, 0); /* dP^T = V dO^T */
+    flashc_cpu_dropout drop;
+    if (flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop)) {
+        for (int c = 0; c < cols; c++)
+            for (int r = 0; r < br; r++) t->z[(size_t)c * ld + r] = 1.0f;
+        kern->dropout(cols, br, t->z, ld, &drop, i0, j0);
+    }
     for (int c = 0; c < cols; c++) {
-        const float *pc = t->st + (size_t)c * ld;
+        float *pc = t->st + (size_t)c * ld;
         float *dsc = t->dpt + (size_t)c * ld;
-        for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - qs->di[r]); /* dS = P (dP - D) */
+        if (t->z) { /* dS = P (Z dP - D), then P o Z */
+            const float *zc = t->z + (size_t)c * ld;
+            for (int r = 0; r < br; r++) {
+                dsc[r] = pc[r] * (zc[r] * dsc[r] - qs->di[r]);
+                pc[r] *= zc[r];
+            }
+        } else {
+            for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - qs->di[r]); /* dS = P (dP - D) */
+        }
         if (p->softcap > 0.0f) { /* d(c tanh(x / c)) / dx = 1 - tanh^2 */
             const float *tc = t->t + (size_t)c * ld;
             for (int r = 0; r < rows; r++) dsc[r] *= 1.0f - tc[r] * tc[r];

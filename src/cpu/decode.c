@@ -20,7 +20,8 @@
  *
  * Masks and score options follow the tile forward: causal / window ranges per row (a piece outside every row's range
  * is skipped, partial tiles are masked element-wise), block-sparse masks (a key step no row sees is skipped),
- * softcap, ALiBi, seqused_k, sinks and varlen.
+ * softcap, ALiBi, seqused_k, sinks and varlen; dropout row by row (each packed row is its own (head, query) stream),
+ * with the generic kernel's cost, as decode rarely trains.
  *
  * Extra memory: per thread the packed Q and O of a unit's heads (about 2 * DEC_STATE_FLOATS), the score tile
  * (rows * DEC_BC) and converted K, V rows (2 * DEC_BC * dp); with splits > 1 each unit's (O, m, l): rows / piece
@@ -260,6 +261,12 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
                 if (t->alpha[r] != 1.0f) {
                     float *orow = o + (size_t)r * dp;
                     for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
+                }
+            if (p->dropout_p > 0.0f) /* as the tile forward: l summed P undropped, the store scales by 1 / (1 - p) */
+                for (int r = 0; r < n; r++) {
+                    flashc_cpu_dropout drop;
+                    flashc_cpu_dropout_of(p, b, rows[r].h, 1.0f, &drop);
+                    kern->dropout(cols, 1, t->s + (size_t)r * DEC_BC, 1, &drop, rows[r].i, j0);
                 }
             const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
             kern->gemm(n, D, cols, t->s, DEC_BC, 1, v, ldv, o, dp, 1); /* O += P V */

@@ -48,14 +48,14 @@ static int64_t rand_below(uint64_t *state, int64_t n) { return n <= 1 ? 0 : (int
 /* name, dtype, B, Nq, Nk, H, Hkv, D, causal, window (left, right), softcap, alibi, block (q, k), varlen, layout,
  * backward */
 #define CASE(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd) \
-    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, 0, 0, 0}
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, 0, 0, 0, 0}
 /* ... and the two later columns: seqused_k, sinks */
 #define CASE2(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks) \
-    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks, 0}
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks, 0, 0}
 /* ... and the page size of a paged K/V cache */
 #define CASE3(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks, \
               page) \
-    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks, page}
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, bwd, used, sinks, page, 0}
 
 /* Sizes are kept so that the whole table, naive fp64 oracle included, runs in about a minute on two cores:
  * the oracle costs O(Nq * Nk * D) per head, so long sequences and wide heads get small B and H. */
@@ -702,6 +702,11 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
         prm.block_mask_batch = mb;
         prm.block_mask_heads = mh;
     }
+    if (c->dropout > 0) {
+        prm.dropout_p = c->dropout;
+        prm.dropout_seed = flashc_rand_u64(&rng);
+        prm.dropout_offset = flashc_rand_u64(&rng) >> (rand_below(&rng, 2) ? 0 : 40); /* large (streams wrap), small */
+    }
     if (c->varlen) {
         prm.num_seqs = B;
         prm.max_seqlen_q = c->Nq;
@@ -755,8 +760,9 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
     tdv.data = buf[BDV].host;
 
     flashc_status st = flashc_supported(ctx, c->backward ? FLASHC_OP_BACKWARD : FLASHC_OP_FORWARD, &q_, &k_, &v_, &prm);
-    if (st == FLASHC_STATUS_NOT_SUPPORTED && table && flashc_context_backend(ctx) == FLASHC_BACKEND_CUDA) {
-        /* paged K/V is not on the CUDA backend yet: said so, not counted as a failure */
+    if (st == FLASHC_STATUS_NOT_SUPPORTED && (table || c->dropout > 0) &&
+        flashc_context_backend(ctx) == FLASHC_BACKEND_CUDA) {
+        /* paged K/V and dropout are not on the CUDA backend yet: said so, not counted as a failure */
         set_status(res, st, "skipped (not supported)", ctx);
         res->pass = 1;
         res->skipped = 1;

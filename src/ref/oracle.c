@@ -6,8 +6,10 @@
  * dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(P o dP)), dQ = scale * dS K, dK = scale * dS^T Q, with the
  * softcap's chain rule (d/dx c*tanh(x/c) = 1 - tanh^2(x/c)) folded into dS. A sequence's keys are its first
  * seqused_k[b] when that is set (flashc_seq_bounds); an attention sink is one more term of each row's softmax
- * denominator, and its gradient is flashc_ref_sinks_grad's. Nothing is tiled or fused, so the code can be
- * checked against the formulas line by line.
+ * denominator, and its gradient is flashc_ref_sinks_grad's. With dropout, Z_ij = keep_ij / (1 - p) from dropout.h's
+ * keep bit (never from the library's code paths): O = (P o Z) V, dV = (P o Z)^T dO, dS = P o (Z o dP - D) with
+ * D_i = rowsum(P o Z o dP) = rowsum(dO o O); lse stays the undropped softmax's. Nothing is tiled or fused, so the code
+ * can be checked against the formulas line by line.
  *
  * round == F32: every step in fp64 (the reference).
  * round == F16 / BF16: the same algorithm the way a framework runs it on low-precision tensors: every
@@ -15,6 +17,7 @@
  * Its distance to the fp64 result is the "naive_lowp" error of the CONVENTIONS.md rule.
  */
 #include "testkit.h"
+#include "../dropout.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -35,6 +38,7 @@ typedef struct oracle {
     double *acc2;             /* (nk, D) accumulator */
     double *row;              /* (D) */
     double *dp;               /* (nk) */
+    double *zrow, *pzrow;     /* (nk): dropout factors Z of one row, and P o Z */
 } oracle;
 
 /* Rounds to the emulated storage dtype (identity for the fp64 reference). */
@@ -44,6 +48,16 @@ static double store(const oracle *o, double x) {
     case FLASHC_DTYPE_BF16: return flashc_bf16_to_f32(flashc_f32_to_bf16((float)x));
     default: return x;
     }
+}
+
+/* Dropout factor Z of element (i, j) of sequence b, head h: 0 when dropped, 1 / (1 - p) when kept, 1 without
+ * dropout. */
+static double dropout_z(const flashc_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (!(p->dropout_p > 0.0f)) return 1.0;
+    const uint64_t stream = flashc_dropout_stream(p->dropout_offset, b, p->H, h);
+    return flashc_dropout_keep(p->dropout_seed, stream, i, j, flashc_dropout_threshold(p->dropout_p))
+               ? 1.0 / (1.0 - (double)p->dropout_p)
+               : 0.0;
 }
 
 /* Rounds to the accumulator type: fp32 when emulating low precision. */
@@ -130,6 +144,8 @@ static void oracle_free(oracle *o) {
     free(o->acc2);
     free(o->row);
     free(o->dp);
+    free(o->zrow);
+    free(o->pzrow);
 }
 
 static int oracle_init(oracle *o, const flashc_problem *p, flashc_dtype round) {
@@ -159,8 +175,10 @@ static int oracle_init(oracle *o, const flashc_problem *p, flashc_dtype round) {
     o->acc2 = malloc(sk * D * sizeof(double));
     o->row = malloc(D * sizeof(double));
     o->dp = malloc(sk * sizeof(double));
+    o->zrow = malloc(sk * sizeof(double));
+    o->pzrow = malloc(sk * sizeof(double));
     if (!o->q || !o->dout || !o->k || !o->v || !o->s || !o->g || !o->pm || !o->lse || !o->acc || !o->acc2 ||
-        !o->row || !o->dp) {
+        !o->row || !o->dp || !o->zrow || !o->pzrow) {
         oracle_free(o);
         return -1;
     }
@@ -215,7 +233,6 @@ static void scores_and_probs(oracle *o, int64_t b, int64_t h, int64_t nq, int64_
 }
 
 int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out, double *lse) {
-    if (p->dropout_p > 0) return -1; /* no reference for dropout yet */
     oracle o;
     if (oracle_init(&o, p, round) != 0) return -1;
     const int64_t H = p->H, D = p->D, group = p->H / p->Hkv;
@@ -244,7 +261,7 @@ int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out,
                 for (int64_t d = 0; d < D; d++) acc[d] = 0.0;
                 const double *pr = o.pm + i * nk;
                 for (int64_t j = 0; j < nk; j++)
-                    if (pr[j] != 0.0) axpy(&o, acc, pr[j], o.v + j * D, D);
+                    if (pr[j] != 0.0) axpy(&o, acc, store(&o, pr[j] * dropout_z(p, b, h, i, j)), o.v + j * D, D);
                 double *dst = out + (row * H + h) * D;
                 for (int64_t d = 0; d < D; d++) dst[d] = store(&o, acc[d]);
             }
@@ -255,7 +272,6 @@ int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out,
 }
 
 int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq, double *dk, double *dv) {
-    if (p->dropout_p > 0) return -1;
     oracle o;
     if (oracle_init(&o, p, round) != 0) return -1;
     const int64_t H = p->H, Hkv = p->Hkv, D = p->D, group = p->H / p->Hkv;
@@ -298,6 +314,11 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
             memset(dv_h, 0, (size_t)(nk * D) * sizeof(double));
             for (int64_t i = 0; i < nq; i++) {
                 const double *pr = o.pm + i * nk, *g = o.g + i * nk, *doi = o.dout + i * D, *qi = o.q + i * D;
+                double *z = o.zrow, *pz = o.pzrow; /* dropout factors, and P o Z as the forward used it */
+                for (int64_t j = 0; j < nk; j++) {
+                    z[j] = dropout_z(p, b, h, i, j);
+                    pz[j] = store(&o, pr[j] * z[j]);
+                }
                 /* dP = dO V^T */
                 for (int64_t j = 0; j < nk; j++)
                     dpr[j] = pr[j] == 0.0 ? 0.0 : store(&o, dot(&o, doi, o.v + j * D, D));
@@ -309,16 +330,17 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
                 if (o.lowp) {
                     for (int64_t d = 0; d < D; d++) drow[d] = 0.0;
                     for (int64_t j = 0; j < nk; j++)
-                        if (pr[j] != 0.0) axpy(&o, drow, pr[j], o.v + j * D, D);
+                        if (pz[j] != 0.0) axpy(&o, drow, pz[j], o.v + j * D, D);
                     for (int64_t d = 0; d < D; d++) di = accum(&o, di + doi[d] * store(&o, drow[d]));
                 } else {
-                    for (int64_t j = 0; j < nk; j++) di += pr[j] * dpr[j];
+                    for (int64_t j = 0; j < nk; j++) di += pz[j] * dpr[j];
                 }
                 for (int64_t d = 0; d < D; d++) drow[d] = 0.0;
                 for (int64_t j = 0; j < nk; j++) {
                     if (pr[j] == 0.0) continue;
-                    axpy(&o, dv_h + j * D, pr[j], doi, D);
-                    double ds = store(&o, pr[j] * accum(&o, dpr[j] - di));
+                    if (pz[j] != 0.0) axpy(&o, dv_h + j * D, pz[j], doi, D);
+                    const double zdp = z[j] == 1.0 ? dpr[j] : store(&o, z[j] * dpr[j]); /* dL/dP: through Z */
+                    double ds = store(&o, pr[j] * accum(&o, zdp - di));
                     if (p->softcap > 0) ds = store(&o, ds * g[j]);
                     axpy(&o, drow, ds, o.k + j * D, D);
                     axpy(&o, dk_h + j * D, ds, qi, D);
@@ -354,7 +376,7 @@ int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq,
 }
 
 int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag) {
-    if (!p->sinks || p->dropout_p > 0) return -1;
+    if (!p->sinks) return -1;
     oracle o;
     if (oracle_init(&o, p, FLASHC_DTYPE_F32) != 0) return -1;
     const int64_t H = p->H, D = p->D, group = p->H / p->Hkv;
@@ -376,9 +398,9 @@ int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag) 
             for (int64_t i = 0; i < nq; i++) {
                 /* d sink = -P_sink D_i, P_sink = exp(sink - lse_i), D_i = sum_j P_ij dP_ij, dP_ij = dO_i . V_j */
                 const double *pr = o.pm + i * nk;
-                double di = 0.0;
+                double di = 0.0; /* with dropout D_i = sum_j P_ij Z_ij dP_ij = dO_i . O_i */
                 for (int64_t j = 0; j < nk; j++)
-                    if (pr[j] != 0.0) di += pr[j] * dot(&o, o.dout + i * D, o.v + j * D, D);
+                    if (pr[j] != 0.0) di += pr[j] * dropout_z(p, b, h, i, j) * dot(&o, o.dout + i * D, o.v + j * D, D);
                 const double term = exp((double)p->sinks[h] - o.lse[i]) * di;
                 dsinks[h] -= term;
                 if (mag) mag[h] += fabs(term);

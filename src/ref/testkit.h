@@ -24,6 +24,7 @@ extern "C" {
  * low-precision algorithm instead (S, P, O and the backward's intermediates rounded to that dtype after each
  * step, accumulation in fp32), which gives the "naive_lowp" error of the CONVENTIONS.md rule.
  *
+ * Dropout (p->dropout_p > 0) takes dropout.h's keep bits, computed here from the problem's seed and offset.
  * Outputs are contiguous doubles: out (total rows, H, D) i.e. (B, Nq, H, D) or (1, total_q, H, D);
  * lse (B, H, Nq) (varlen: (H, total_q)), +inf for rows that see no key;
  * dq like out; dk, dv (B, Nk, Hkv, D) or (1, total_k, Hkv, D), with a block table the page pools (num_pages,
@@ -62,6 +63,7 @@ typedef struct flashc_case {
     int sinks;                         /* 1: attention sinks (and their gradient with backward) */
     int64_t page_size;                 /* > 0: paged K/V, pages of this many rows allocated in a shuffled order from a
                                           pool with unused pages holding NaN (0: k, v are (B, Nk, Hkv, D)) */
+    float dropout;                     /* > 0: dropout_p, with a seed and offset drawn from the case's seed */
 } flashc_case;
 
 /* Result of running one case against the fp64 oracle: relative Frobenius errors for fp32 (an identically zero
@@ -78,8 +80,8 @@ typedef struct flashc_case_result {
     char message[256];        /* why it failed, if it did */
     const char *kernel_fwd;   /* flashc_kernel_name of the forward (and backward) the case ran; NULL if not run */
     const char *kernel_bwd;
-    int skipped;              /* 1: a paged case the CUDA backend refused with NOT_SUPPORTED (pass is then 1, message
-                                 "skipped (not supported): ..."); nothing was checked */
+    int skipped;              /* 1: a paged or dropout case the CUDA backend refused with NOT_SUPPORTED (pass is then 1,
+                                 message "skipped (not supported): ..."); nothing was checked */
 } flashc_case_result;
 
 /* The shared case table: full = every row; otherwise a reduced table for quick runs (sanitizers, racecheck). */
@@ -92,7 +94,7 @@ const flashc_case *flashc_case_table(int full, size_t *count);
  *   fp32:     relative error ||ours - ref|| / ||ref|| <= 1e-5 (gradients 1e-4)
  *   f16/bf16: max|ours - ref| <= 2 * max|naive_lowp - ref| + 1e-5 (gradients 3x);
  *   fp32 on the CUDA backend: the bf16 rule, with the naive algorithm's inputs rounded to bf16 too.
- * A paged case (page_size > 0) on a CUDA context, which does not run paged K/V yet, is reported as skipped when
+ * A paged (page_size > 0) or dropout case on a CUDA context, which does not run them yet, is reported as skipped when
  * flashc_supported refuses it with NOT_SUPPORTED (res->skipped; pass 1, nothing checked); any other backend or status
  * counts as a failure.
  * Returns 0 when the case ran (pass or fail is in res), -1 when it could not be set up.
