@@ -179,6 +179,76 @@ def test_static_and_dynamic_agree(gen):
     assert torch.equal(dyn, st)
 
 
+def other_pair(config_name, ref_impl, **kw):
+    """A tiny model of another architecture (skipped where this transformers lacks it), same weights twice."""
+    config_cls = getattr(transformers, config_name, None)
+    if config_cls is None:
+        pytest.skip("transformers without %s" % config_name)
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(kw)
+    ref = AutoModelForCausalLM.from_config(config_cls(**cfg), attn_implementation=ref_impl)
+    fc = AutoModelForCausalLM.from_config(config_cls(**cfg), attn_implementation=ft.register())
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "sinks" in n:
+                p.normal_()  # initialized to 0; make them matter
+    fc.load_state_dict(ref.state_dict())
+    return ref.float().eval(), fc.float().eval()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sliding_window_model(cache, gen):
+    """Mistral (every layer a 6-token sliding window, shorter than the sequences): logits with left padding and
+    greedy generation, where the dynamic cache drops its oldest keys (kv_offset > 0)."""
+    ref, fc = other_pair("MistralConfig", "sdpa", sliding_window=6)
+    ids, mask = batch(b=3, n=14, padding="left")
+    with torch.no_grad():
+        got = fc(input_ids=ids, attention_mask=mask).logits
+        want = ref(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert rel_err(got[real], want[real]) <= 1e-5
+    kw = dict(max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+              eos_token_id=None)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        want = ref.generate(input_ids=ids, attention_mask=mask, **kw)
+        got = fc.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_sinks_and_mixed_layers_model(gen):
+    """GPT-OSS (attention sinks, a sliding-window layer and a full layer, mixture of experts) against transformers'
+    eager implementation (its only other one): logits with left padding, the gradient of every parameter (the sinks
+    included) with right padding, greedy generation."""
+    ref, fc = other_pair("GptOssConfig", "eager", intermediate_size=64, head_dim=16, sliding_window=6,
+                         num_local_experts=4, num_experts_per_tok=2,
+                         layer_types=["sliding_attention", "full_attention"])
+    ids, mask = batch(b=3, n=14, padding="left")
+    with torch.no_grad():
+        got = fc(input_ids=ids, attention_mask=mask).logits
+        want = ref(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert rel_err(got[real], want[real]) <= 1e-5
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        assert torch.equal(fc.generate(input_ids=ids, attention_mask=mask, **kw),
+                           ref.generate(input_ids=ids, attention_mask=mask, **kw))
+    ids, mask = batch(b=3, n=14, padding="right")
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (ref, fc):
+        model.train()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("sinks" in n for n in grads[0])
+    for n in grads[0]:
+        assert rel_err(grads[1][n], grads[0][n]) <= 1e-5, "%s: %.3g" % (n, rel_err(grads[1][n], grads[0][n]))
+
+
 def test_dropout_raises(gen):
     _, fc = model_pair(attention_dropout=0.1)
     ids, mask = batch(padding="none")
@@ -199,34 +269,49 @@ class _Module(torch.nn.Module):
 
 
 CASES = [
-    # name, causal, Nq, kv_length, q_offset, padding
-    ("prefill", True, 16, 16, 0, "left"),
-    ("prefill_right", True, 16, 16, 0, "right"),
-    ("prefill_nopad", True, 16, 16, 0, None),
-    ("chunk_after_cache", True, 5, 21, 16, "left"),
-    ("decode_dynamic", True, 1, 17, 16, "left"),
-    ("decode_static", True, 1, 40, 16, "left"),
-    ("prefill_static", True, 16, 40, 0, "right"),
-    ("decode_static_nopad", True, 1, 40, 16, None),
-    ("bidirectional", False, 16, 16, 0, "right"),
-    ("bidirectional_left", False, 16, 16, 0, "left"),
+    # name, mask ("causal", "bidirectional", or a sliding window: "causal:w", "bidirectional:w"), Nq, kv_length,
+    # q_offset, kv_offset, padding. kv_offset > 0: a sliding-window cache that has dropped its oldest keys.
+    ("prefill", "causal", 16, 16, 0, 0, "left"),
+    ("prefill_right", "causal", 16, 16, 0, 0, "right"),
+    ("prefill_nopad", "causal", 16, 16, 0, 0, None),
+    ("chunk_after_cache", "causal", 5, 21, 16, 0, "left"),
+    ("decode_dynamic", "causal", 1, 17, 16, 0, "left"),
+    ("decode_static", "causal", 1, 40, 16, 0, "left"),
+    ("prefill_static", "causal", 16, 40, 0, 0, "right"),
+    ("decode_static_nopad", "causal", 1, 40, 16, 0, None),
+    ("bidirectional", "bidirectional", 16, 16, 0, 0, "right"),
+    ("bidirectional_left", "bidirectional", 16, 16, 0, 0, "left"),
+    ("sliding_prefill", "causal:5", 16, 16, 0, 0, "left"),
+    ("sliding_prefill_right", "causal:5", 16, 16, 0, 0, "right"),
+    ("sliding_decode_dropped", "causal:5", 1, 5, 20, 16, "left"),
+    ("sliding_chunk_dropped", "causal:5", 4, 8, 20, 16, "left"),
+    ("sliding_static_not_full", "causal:8", 1, 8, 3, 0, "left"),
+    ("sliding_bidirectional", "bidirectional:3", 16, 16, 0, 0, "right"),
 ]
-
-
 # a static cache gives its offset as a tensor (a dynamic one as an int); the static cases run with both
-OFFSET_CASES = [c + (False,) for c in CASES] + [c + (True,) for c in CASES if c[4] + c[2] < c[3]]
+OFFSET_CASES = [c + (False,) for c in CASES] + [c + (True,) for c in CASES if c[4] - c[5] + c[2] < c[3]
+                                                 and c[1] == "causal"]
 
 
-@pytest.mark.parametrize("name,causal,nq,kv_length,q_offset,padding,static_offset", OFFSET_CASES,
+def hf_mask_function(kind):
+    base, _, w = kind.partition(":")
+    if not w:
+        return (mu.causal_mask_function if base == "causal" else mu.bidirectional_mask_function), None
+    if base == "causal":
+        return mu.sliding_window_causal_mask_function(int(w)), int(w)
+    return mu.sliding_window_bidirectional_mask_function(int(w)), int(w)
+
+
+@pytest.mark.parametrize("name,kind,nq,kv_length,q_offset,kv_offset,padding,static_offset", OFFSET_CASES,
                          ids=[c[0] + ("_tensor_offset" if c[-1] else "") for c in OFFSET_CASES])
-def test_mask_and_attention_functions(name, causal, nq, kv_length, q_offset, padding, static_offset, gen):
-    """The cache geometry transformers gives each layer: kv_length keys (a static cache's capacity, or what a
-    dynamic cache holds), queries at q_offset .. q_offset + Nq - 1, a 2-D padding mask over the filled positions.
-    The sdpa reference is transformers' own mask (sdpa_mask) and attention function; unfilled static slots hold
-    NaN, which flashc must never read."""
+def test_mask_and_attention_functions(name, kind, nq, kv_length, q_offset, kv_offset, padding, static_offset, gen):
+    """The cache geometry transformers gives each layer: kv_length key slots holding positions kv_offset .. (a static
+    cache's capacity, or what a dynamic cache holds), queries at q_offset .. q_offset + Nq - 1, a 2-D padding mask
+    over every position so far. The sdpa reference is transformers' own mask (sdpa_mask) and attention function;
+    unfilled static slots hold NaN, which flashc must never read."""
     b, h, hkv, d = 3, 4, 2, 16
-    filled = q_offset + nq
-    n_mask = filled  # the 2-D mask covers what the cache holds after this step
+    filled = q_offset - kv_offset + nq  # key slots in use
+    n_mask = q_offset + nq
     j = torch.arange(n_mask)
     lengths = torch.tensor([n_mask, max(n_mask - 5, 1), max(n_mask // 2, 1)])
     pad = None
@@ -239,11 +324,12 @@ def test_mask_and_attention_functions(name, causal, nq, kv_length, q_offset, pad
     v = torch.randn(b, hkv, kv_length, d)
     k[:, :, filled:] = float("nan")
     v[:, :, filled:] = float("nan")
-    mfun = mu.causal_mask_function if causal else mu.bidirectional_mask_function
+    mfun, window = hf_mask_function(kind)
     offset = torch.tensor(q_offset) if static_offset else q_offset
-    args = dict(batch_size=b, q_length=nq, kv_length=kv_length, q_offset=offset, kv_offset=0, mask_function=mfun,
-                attention_mask=pad)
+    args = dict(batch_size=b, q_length=nq, kv_length=kv_length, q_offset=offset, kv_offset=kv_offset,
+                mask_function=mfun, attention_mask=pad, local_size=window)
     fmask = ft.mask_function(device=torch.device("cpu"), **args)
+    causal = kind.startswith("causal")
     assert isinstance(fmask, ft.KeyMask) and fmask.causal == causal
     # reference: NaN slots zeroed (sdpa reads them, with a mask that hides them; NaN * 0 would still be NaN)
     kr, vr = k.nan_to_num(0.0), v.nan_to_num(0.0)
@@ -268,14 +354,22 @@ def test_mask_and_attention_functions(name, causal, nq, kv_length, q_offset, pad
 
 
 def test_mask_function_other_forms(gen):
-    """Sliding windows: transformers' dense mask, which flashc's SDPA recognition refuses, naming what it runs."""
+    """Chunked attention (and any composition flashc does not know, such as a sliding window combined with another
+    overlay): transformers' dense mask, which flashc's SDPA recognition refuses, naming what it runs."""
     b, h, n, d = 2, 2, 12, 16
-    m = ft.mask_function(batch_size=b, q_length=n, kv_length=n, mask_function=mu.sliding_window_causal_mask_function(4),
-                         attention_mask=None, device=torch.device("cpu"), dtype=torch.float32)
+    chunked = mu.chunked_causal_mask_function(4, torch.zeros(b, dtype=torch.long))
+    m = ft.mask_function(batch_size=b, q_length=n, kv_length=n, mask_function=chunked, attention_mask=None,
+                         device=torch.device("cpu"), dtype=torch.float32)
     assert isinstance(m, torch.Tensor) and m.dtype == torch.bool
     q = torch.randn(b, h, n, d)
     with pytest.raises(ValueError, match="none of the supported forms"):
         ft.attention_forward(_Module(1), q, q, q, m)
+    overlaid = mu.and_masks(mu.sliding_window_causal_mask_function(4), mu.padding_mask_function(torch.ones(b, n, dtype=torch.bool)))
+    m2 = ft.mask_function(batch_size=b, q_length=n, kv_length=n, mask_function=overlaid, attention_mask=None,
+                          local_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    assert isinstance(m2, torch.Tensor)  # not taken for a plain sliding window
+    with pytest.raises(ValueError, match="none of the supported forms"):
+        ft.attention_forward(_Module(1), q, q, q, m2)
     # a 4-D key padding mask passed as it is runs
     keys = torch.arange(n) < torch.tensor([n, 7])[:, None]
     dense = keys[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()
