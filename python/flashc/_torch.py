@@ -430,7 +430,7 @@ def _traced(tensors):
 
 
 def attend(q4, k4, v4, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, seqused_k=None,
-           block_mask=None, block_size=None, sinks=None):
+           block_mask=None, block_size=None, sinks=None, dropout_p=0.0):
     """out (B, Nq, H, D) of q4 (B, Nq, H, D), k4, v4 (B, Nk, Hkv, D), differentiable w.r.t. q, k, v and sinks:
     _torch.apply on plain eager tensors, torch.ops.flashc.fwd (whose autograd formula calls flashc.bwd) where
     torch.compile, torch.export, a dispatch mode or a CUDA-graph capture sees the call. The same library calls
@@ -438,8 +438,10 @@ def attend(q4, k4, v4, softmax_scale=None, causal=False, window_size=(-1, -1), s
     if not _traced((q4, k4, v4, seqused_k, block_mask, sinks)):
         out4, _ = apply("q,k,v", (q4, k4, v4), softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         softcap=softcap, seqused_k=seqused_k, block_mask=block_mask, block_size=block_size,
-                        sinks=sinks)
+                        sinks=sinks, dropout_p=dropout_p)
         return out4
+    if dropout_p:
+        raise NotImplementedError("flashc: dropout_p > 0 is not supported through torch.ops.flashc.fwd")
     from . import ops  # noqa: F401  (registers torch.ops.flashc.fwd / bwd on first use)
 
     left, right = _core.window_pair(window_size)
@@ -590,7 +592,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if used is not None:
         used = used.expand(q4.shape[0]).contiguous()  # (1,) for a mask without a batch dimension
     out4 = attend(q4, k4, v4, softmax_scale=scale, causal=causal, window_size=window, seqused_k=used,
-                  block_mask=block_mask, block_size=block_size)
+                  block_mask=block_mask, block_size=block_size, dropout_p=dropout_p or 0.0)
     out = out4.transpose(1, 2)  # (B, H, Nq, D) view
     return out[0] if query.dim() == 3 else out.reshape(tuple(lead) + tuple(out.shape[1:]))
 

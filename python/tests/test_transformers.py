@@ -364,7 +364,8 @@ def test_mask_function_other_forms(gen):
     q = torch.randn(b, h, n, d)
     with pytest.raises(ValueError, match="none of the supported forms"):
         ft.attention_forward(_Module(1), q, q, q, m)
-    overlaid = mu.and_masks(mu.sliding_window_causal_mask_function(4), mu.padding_mask_function(torch.ones(b, n, dtype=torch.bool)))
+    every_key = mu.padding_mask_function(torch.ones(b, n, dtype=torch.bool))
+    overlaid = mu.and_masks(mu.sliding_window_causal_mask_function(4), every_key)
     m2 = ft.mask_function(batch_size=b, q_length=n, kv_length=n, mask_function=overlaid, attention_mask=None,
                           local_size=4, device=torch.device("cpu"), dtype=torch.float32)
     assert isinstance(m2, torch.Tensor)  # not taken for a plain sliding window
