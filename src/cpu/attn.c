@@ -22,9 +22,16 @@
  * two modes group a GQA head group's dK, dV sums differently, so with GQA a thread count that switches the mode
  * can change their last bits.
  *
+ * Dropout (src/dropout.h): each (sequence, head) is a Philox stream and the keep bit of (i, j) depends on nothing
+ * else, so tiles, split-KV pieces, the backward's modes and thread counts all drop the same elements. The forward
+ * zeroes dropped entries of the tile's P after the online-softmax step (l keeps the undropped sum, so the lse is the
+ * whole softmax's) and the store scales by 1 / (1 - p) with 1 / l; the backward regenerates Z = keep / (1 - p) per
+ * tile into a buffer, dS = P (Z dP - D) and dV += (P Z)^T dO.
+ *
  * Extra memory: per thread a few tiles (sizes below, O(br * D + bc * D + br * bc)); split-KV partials
  * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode dQ, Q^T and dO^T of one
- * sequence per thread (3 * Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats).
+ * sequence per thread (3 * Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats); with dropout
+ * one more bc x br tile per thread in backward.
  */
 #include "cpu.h"
 
