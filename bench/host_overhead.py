@@ -1,69 +1,157 @@
 #!/usr/bin/env python3
-"""Host time of one flashc CUDA call (Python binding + library, before and between the kernel launches) at a tiny
-shape where the GPU work is negligible, beside torch's SDPA backends, and a cProfile of the binding's backward.
+"""Host time per call of flashc's Python API at tiny shapes where the attention itself costs little, beside torch's
+SDPA, and a cProfile of one flashc call.
 
-    FLASHC_LIBRARY=build-gpu/libflashc.so python3 bench/host_overhead.py [--profile]
+On CUDA (the default when a GPU is visible) it times the host side of each call (kernels are queued, not waited for):
+flashc.attention / attention_backward and flashc.flash_attn_func against SDPA's flash and cuDNN backends.
+On the CPU (--device cpu) there is no queue, so the time per call is the whole call; at these shapes (B 1, N 16 and 128)
+the arithmetic is a few microseconds, the rest is Python, torch and library overhead. Rows:
+  fwd        flash_attn_func(q, k, v, causal=True) under torch.no_grad() against F.scaled_dot_product_attention
+             (torch's default CPU choice, its flash kernel for these inputs) on the (B, H, N, D) views of the same data
+  fwd+bwd    the same with q, k, v requiring grad, then torch.autograd.grad of the output
+Every row is timed in several rounds taken in turns (flashc, torch, flashc, ...), so that a noisy machine (a VM
+shared with other jobs) affects both alike; the table gives the median round and the min.
+
+    FLASHC_LIBRARY=build/libflashc.so python3 bench/host_overhead.py [--device cpu] [--threads 1] [--rounds 7] [--profile]
+
+--threads 1 takes OpenMP's fork and join out of the CPU numbers (and its sensitivity to other jobs on the cores).
 """
 import argparse
 import contextlib
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import flashc  # noqa: E402
 
 
-def host_us(fn, n=300):
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(fn, device, n):
+    """Mean host microseconds per call over n calls (after a warm-up)."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    sync(device)
     return (t1 - t0) / n * 1e6
+
+
+def rows_cpu(b, n, h, d, dtype):
+    q, k, v = (torch.randn(b, n, h, d, dtype=dtype) for _ in range(3))
+    g = torch.randn(b, n, h, d, dtype=dtype)
+    qt, kt, vt, gt = (x.transpose(1, 2) for x in (q, k, v, g))
+    ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+    qtl, ktl, vtl = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+
+    def fa_fwd():
+        with torch.no_grad():
+            return flashc.flash_attn_func(q, k, v, causal=True)
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def fa_fwd_bwd():
+        out = flashc.flash_attn_func(ql, kl, vl, causal=True)
+        return torch.autograd.grad(out, (ql, kl, vl), g)
+
+    def sdpa_fwd_bwd():
+        out = F.scaled_dot_product_attention(qtl, ktl, vtl, is_causal=True)
+        return torch.autograd.grad(out, (qtl, ktl, vtl), gt)
+
+    return [("fwd", fa_fwd, sdpa_fwd), ("fwd+bwd", fa_fwd_bwd, sdpa_fwd_bwd)]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds per row, taken in turns with the peer")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per round")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads (flashc's CPU calls follow torch's count); 0 leaves it")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print("torch %s, flashc %s (%s), %s, %d torch threads" % (torch.__version__, flashc.__version__,
+                                                               flashc.library_path, args.device,
+                                                               torch.get_num_threads()))
+    if args.device == "cpu":
+        cpu_table(args)
+    else:
+        cuda_table(args)
+
+
+def cpu_table(args):
+    print("%-30s %-8s %12s %12s %7s   (median of %d rounds; min in brackets)"
+          % ("shape", "row", "flashc us", "torch us", "ratio", args.rounds))
+    for shape in ((1, 16, 2, 32), (1, 128, 2, 64)):
+        for name, ours, peer in rows_cpu(*shape, torch.float32):
+            t_ours, t_peer = [], []
+            for _ in range(args.rounds):
+                t_ours.append(host_us(ours, "cpu", args.calls))
+                t_peer.append(host_us(peer, "cpu", args.calls))
+            mo, mp = statistics.median(t_ours), statistics.median(t_peer)
+            print("B%d N%d H%d D%d f32 causal        %-8s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
+                  % (*shape, name, mo, min(t_ours), mp, min(t_peer), mo / mp))
+    if args.profile:
+        fwd = rows_cpu(1, 16, 2, 32, torch.float32)[0][1]
+        profile(fwd, "cpu")
+
+
+def cuda_table(args):
     q, k, v, g = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = flashc.attention(q, k, v, causal=True)
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
     gt = g.transpose(1, 2)
     # (name, call, the context it is timed under: a torch forward picks its backend when it runs)
     rows = [("flashc forward", lambda: flashc.attention(q, k, v, causal=True), contextlib.nullcontext),
+            ("flashc flash_attn_func", lambda: flashc.flash_attn_func(q, k, v, causal=True), contextlib.nullcontext),
             ("flashc backward", lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=True),
              contextlib.nullcontext)]
     for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
         with sdpa_kernel(backend):
-            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        rows.append((name + " forward",
-                     lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        rows.append((name + " forward", lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
                      (lambda b: lambda: sdpa_kernel(b))(backend)))
         rows.append((name + " backward",
                      (lambda o: lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True))(o),
                      contextlib.nullcontext))
-    for name, fn, context in rows:
-        with context():
-            us = host_us(fn)
-        print("%-22s %7.1f us of host time per call" % (name, us))
+    times = {name: [] for name, _, _ in rows}
+    for _ in range(args.rounds):
+        for name, fn, context in rows:
+            with context():
+                times[name].append(host_us(fn, "cuda", min(args.calls, 300)))
+    for name, _, _ in rows:
+        print("%-24s %7.1f us of host time per call (median of %d rounds, min %.1f)"
+              % (name, statistics.median(times[name]), args.rounds, min(times[name])))
     if args.profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(300):
-            flashc.attention_backward(g, q, k, v, out, lse, causal=True)
-        pr.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+        profile(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=True), "cuda")
+
+
+def profile(fn, device):
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(300):
+        fn()
+    pr.disable()
+    sync(device)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,15 @@ autograd formula sees it. Gradients flow to q, k, v and sinks; softmax_lse is no
 flashc.attention).
 """
 
+import contextlib
+import ctypes
+import threading
 from typing import Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from . import _core, _torch
+from . import _core, _lib, _torch
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func"]
 
@@ -278,3 +281,232 @@ def run(kind, inputs, varlen, dropout_p=0.0, softmax_scale=None, causal=False, w
 
 # flashc.ops.flash_attn_func and flash_attn_varlen_func are flashc's own (they route here).
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+
+
+# ---- the direct path's per-shape plans (host time) -----------------------------------------------------------------
+# A plain eager flash_attn_func call on (B, N, H, D) tensors with no tensor options spends most of its host time on
+# work that depends only on the shapes, strides, dtypes, devices and scalar options: argument checks, the
+# flashc_params struct, the flashc_tensor views, the workspace size. A plan holds that work for one such key, per
+# thread (each thread has its own library contexts, and the views' data pointers are set per call, so a plan must not
+# be shared by threads whose calls run at once: ctypes releases the GIL during the library call). A key is planned
+# only after its first call ran flashc.flash_attn_func's full path without an error, and only when the library
+# takes the layout as it is (no copy): the plan then makes the same library call with the same arguments, so it gives
+# the same bits, and any failure status sends the call back to the full path, which raises or copies as it always
+# does. Forward without autograd passes no lse pointer unless the lse is returned (the library then skips that store).
+_local = threading.local()
+_DEVICE_INDEX = None  # torch.cuda's raw current stream, when torch has it
+
+
+class _Fallback(Exception):
+    """Raised inside the fast autograd function's forward when the library refuses the call: the full path runs."""
+
+
+class _Plan:
+    __slots__ = ("key", "ctx", "device", "params", "views", "out_shape", "lse_shape", "fwd_ws", "bwd_ws", "cuda")
+
+    def __init__(self, key, q, k, v):
+        softmax_scale, causal, window_size, softcap, deterministic = key[-5:]
+        self.key = key
+        device = q.device
+        self.device = device
+        self.cuda = device.type == "cuda"
+        with _torch._device_guard(device):
+            self.ctx = _torch._context(device)
+        left, right = _core.window_pair(window_size)
+        self.params = _core.make_params(softmax_scale=softmax_scale, causal=bool(causal), window=(left, right),
+                                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        # q, k, v, out, and the gradients' layouts (torch.empty_like of q, k, v, as the full path allocates them)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        self.views = [_torch._view(t) for t in (q, k, v, out)] + [_torch._view(t) for t in grads]
+        self.out_shape = tuple(q.shape)
+        self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        self.fwd_ws = self.bwd_ws = 0
+        lib = _lib.lib
+        with _torch._device_guard(device):
+            st = _core.supported_status(self.ctx, *self.views[:3], self.params)
+            if st != _lib.STATUS_OK:
+                raise _Fallback()
+            if self.cuda:
+                n = ctypes.c_size_t(0)
+                _lib.check(lib.flashc_forward_workspace_size(self.ctx.handle, *self.views[:3], self.params,
+                                                             ctypes.byref(n)), "flashc_forward_workspace_size")
+                self.fwd_ws = n.value
+                _lib.check(lib.flashc_backward_workspace_size(self.ctx.handle, *self.views[:3], self.params,
+                                                              ctypes.byref(n)), "flashc_backward_workspace_size")
+                self.bwd_ws = n.value
+
+    def _begin(self):
+        ctx = self.ctx
+        if self.cuda:
+            ctx.set_stream(_raw_stream(self.device))
+        else:
+            ctx.set_threads(_lib._num_threads or torch.get_num_threads())
+        return ctx
+
+    def forward(self, q, k, v, want_lse):
+        """(out, lse or None), or None when the library refused the call (nothing is returned then)."""
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device) if self.cuda else _empty_like_contig(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if want_lse else None
+        vq, vk, vv, vo = self.views[:4]
+        vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                ctx = self._begin()
+                ws = torch.empty(self.fwd_ws, dtype=torch.uint8, device=q.device) if self.fwd_ws else None
+                st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo,
+                                             lse.data_ptr() if lse is not None else None,
+                                             ws.data_ptr() if ws is not None else None, self.fwd_ws)
+                del ws
+        else:
+            ctx = self._begin()
+            st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo,
+                                         lse.data_ptr() if lse is not None else None, None, 0)
+        return (out, lse) if st == _lib.STATUS_OK else None
+
+    def backward(self, dout, q, k, v, out, lse):
+        """(dq, dk, dv), or None when the library refused the call."""
+        if dout.dtype != out.dtype:
+            dout = dout.to(out.dtype)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        vq, vk, vv, vo, vdq, vdk, vdv = self.views
+        vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        vdq.data, vdk.data, vdv.data = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        vdo = _torch._view(dout)  # autograd's dout comes in any layout
+        lse = lse.contiguous()
+        guard = torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+        with guard:
+            ctx = self._begin()
+            ws = torch.empty(self.bwd_ws, dtype=torch.uint8, device=q.device) if self.bwd_ws else None
+            st = _lib.lib.flashc_backward(ctx.handle, vq, vk, vv, vo, vdo, lse.data_ptr(), self.params, vdq, vdk, vdv,
+                                          ws.data_ptr() if ws is not None else None, self.bwd_ws)
+            del ws
+        return (dq, dk, dv) if st == _lib.STATUS_OK else None
+
+
+def _empty_like_contig(t):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _raw_stream(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+class _FastFunction(torch.autograd.Function):
+    """flashc's autograd function for a planned call: the same library calls as _torch's, fewer Python steps."""
+
+    # The plan is passed as an object, not its key: Function.apply walks tuple arguments with pytree, which for a key of
+    # nested tuples costs more than the rest of apply.
+    @staticmethod
+    def forward(ctx, plan, q, k, v):
+        r = plan.forward(q, k, v, True)
+        if r is None:
+            raise _Fallback()
+        out, lse = r
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        key = ctx.plan.key
+        plan = _plans().get(key)  # this thread's (autograd may run the backward on another thread)
+        if plan is None:
+            try:
+                plan = _plans()[key] = _Plan(key, q, k, v)
+            except _Fallback:
+                plan = None
+        grads = plan.backward(dout, q, k, v, out, lse) if plan is not None else None
+        if grads is None:
+            # the full path: raises the library's error, or copies a layout it refuses
+            grads = _full_backward(dout, q, k, v, out, lse, key)
+        return (None,) + grads
+
+
+def _full_backward(dout, q, k, v, out, lse, key):
+    softmax_scale, causal, window_size, softcap, deterministic = key[-5:]
+    opts = _torch._Options(q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                           deterministic=deterministic)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dout.dtype != out.dtype:
+        dout = dout.to(out.dtype)
+    _torch._backward(dout, q, k, v, out, lse.contiguous(), opts, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _plans():
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = {}
+    return plans
+
+
+_T = torch.Tensor
+_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_MAX_PLANS = 256  # per thread; the cache is cleared when full (shapes that keep changing get no benefit)
+
+
+def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+    """flash_attn_func's result for a plain eager call on (B, N, H, D) tensors with no tensor options, through this
+    thread's plan for the call's key; None when the call must take the full path (not plain eager tensors, no plan
+    yet, the library refused it)."""
+    if not (type(q) is _T and type(k) is _T and type(v) is _T) or not _EAGER_FAST_PATH or _compiling() \
+            or _dispatch_stack_len() or _functorch_active() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    try:
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap,
+               deterministic)
+        plans = _local.plans
+        plan = plans.get(key)
+    except (AttributeError, TypeError):  # no plans on this thread yet; an unhashable option (a list)
+        plans = _plans()
+        plan = None
+    if plan is None:
+        # this call takes the full path (its checks, its errors); the next ones with this key the plan
+        _build(plans, key, q, k, v)
+        return None
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        try:
+            out, lse = _FastFunction.apply(plan, q, k, v)
+        except _Fallback:
+            return None
+    else:
+        r = plan.forward(q, k, v, return_attn_probs)
+        if r is None:
+            return None
+        out, lse = r
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _build(plans, key, q, k, v):
+    """Plans the key when the full path's Python checks pass (float32 / float16 / bfloat16 tensors of one dtype on one
+    device, 4-d) and the library takes the problem as it lies (flashc_supported); otherwise no plan, and every call
+    with the key takes the full path."""
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option (window_size as a list)
+        return
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    if 0 in q.shape or 0 in k.shape:
+        return
+    try:
+        _torch._check("q", q)
+        if not (k.dtype == v.dtype == q.dtype and q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape
+                and q.device == k.device == v.device and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]):
+            return
+        plans[key] = _Plan(key, q, k, v)
+    except (_Fallback, TypeError, ValueError, _lib.FlashcError):
+        return
+
+
+from . import flash_attn_interface as _fai  # noqa: E402
+
+_fai._fast = fast_flash_attn_func

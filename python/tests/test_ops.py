@@ -191,9 +191,17 @@ def test_fast_path_only_in_plain_eager(monkeypatch, gen):
         direct.append(1)
         return real(*a, **kw)
 
+    real_plan = ops._Plan.forward
+
+    def counting_plan(*a, **kw):
+        direct.append(1)
+        return real_plan(*a, **kw)
+
     q, k, v, _ = inputs((1, 16, 2, 16), (1, 16, 2, 16), torch.float32, "cpu")
     expect = flashc.flash_attn_func(q, k, v, causal=True)
+    # the direct path: its first call with a shape, and the per-shape plan after it
     monkeypatch.setattr(ops, "_direct", counting)
+    monkeypatch.setattr(ops._Plan, "forward", counting_plan)
     assert torch.equal(ops.flash_attn_func(q, k, v, causal=True), expect) and len(direct) == 1
 
     def f(q, k, v):
@@ -217,6 +225,102 @@ def test_fast_path_only_in_plain_eager(monkeypatch, gen):
         out = f(q, k, v)
     assert "flashc.fwd.default" in rec.ops and torch.equal(out, expect)
     assert len(direct) == 1
+
+
+# ---- the direct path's per-shape plans ----------------------------------------------------------------------------
+PLAN_CASES = [
+    # (name, q shape, k shape, dtype, options, transposed storage)
+    ("plain", (2, 33, 4, 32), (2, 47, 4, 32), torch.float32, {}, False),
+    ("causal_gqa_window_softcap", (1, 40, 6, 64), (1, 56, 2, 64), torch.float32,
+     dict(causal=True, window_size=(20, 3), softcap=4.0), False),
+    ("scale_deterministic_bhnd", (2, 24, 4, 16), (2, 24, 4, 16), torch.float32,
+     dict(softmax_scale=0.2, deterministic=True), True),
+    ("bf16_decode", (3, 1, 8, 64), (3, 90, 2, 64), torch.bfloat16, dict(causal=True), False),
+    ("f16", (1, 17, 2, 32), (1, 17, 2, 32), torch.float16, dict(causal=True), False),
+]
+
+
+def _plan_inputs(shape_q, shape_k, dtype, transposed):
+    if transposed:  # (B, H, N, D) storage seen as (B, N, H, D)
+        mk = lambda s: torch.randn(s[0], s[2], s[1], s[3]).to(dtype).transpose(1, 2)  # noqa: E731
+    else:
+        mk = lambda s: torch.randn(s).to(dtype)  # noqa: E731
+    return mk(shape_q), mk(shape_k), mk(shape_k), mk(shape_q)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_plan_same_bits(case, gen):
+    """Repeated calls with one key run the per-shape plan (a cheaper Python path to the same library calls): out,
+    lse and the gradients are the same bits as the full direct path's, with and without autograd, and a new key
+    (another shape) is planned separately."""
+    _, sq, sk, dtype, kw, tr = case
+    planned = []
+    real = ops._Plan.forward
+
+    def counting(self, *a):
+        planned.append(1)
+        return real(self, *a)
+
+    for _ in range(2):  # new tensors each round: the plan holds no data pointers
+        q, k, v, do = _plan_inputs(sq, sk, dtype, tr)
+        a, b = leaves(q, k, v), leaves(q, k, v)
+        want_out, want_lse, _ = ops._direct("q,k,v", b, False, True, **kw)
+        want_grads = torch.autograd.grad(want_out, b, do)
+        with torch.no_grad():
+            want_nograd = ops._direct("q,k,v", (q, k, v), False, False, **kw)
+        ops._Plan.forward = counting
+        try:
+            for _ in range(3):  # the first call with the key plans it, the next ones use the plan
+                out, lse, none = flashc.flash_attn_func(*a, return_attn_probs=True, **kw)
+                assert none is None and torch.equal(out, want_out) and torch.equal(lse, want_lse)
+                assert out.is_contiguous() and lse.dtype == torch.float32 and not lse.requires_grad
+                for x, y in zip(torch.autograd.grad(out, a, do), want_grads):
+                    assert torch.equal(x, y)
+                with torch.no_grad():
+                    assert torch.equal(flashc.flash_attn_func(q, k, v, **kw), want_nograd)
+                    o2, l2, _ = flashc.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+                    assert torch.equal(o2, want_out) and torch.equal(l2, want_lse)
+        finally:
+            ops._Plan.forward = real
+    assert len(planned) >= 10
+
+
+def test_plan_threads(gen):
+    """Four Python threads calling with one key at once (each thread has its own plans and contexts; the library
+    call releases the GIL): every result is the single-threaded one."""
+    import threading
+
+    q, k, v, do = inputs((2, 64, 4, 32), (2, 64, 2, 32), torch.float32, "cpu")
+    want = flashc.flash_attn_func(q, k, v, causal=True)
+    bad = []
+
+    def work():
+        for _ in range(50):
+            if not torch.equal(flashc.flash_attn_func(q, k, v, causal=True), want):
+                bad.append(1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_plan_errors_unchanged(gen):
+    """Calls the full path refuses are refused the same way on every repetition (no plan is made for them)."""
+    q = torch.randn(1, 8, 3, 16)
+    k = torch.randn(1, 8, 2, 16)
+    for _ in range(3):
+        with pytest.raises(flashc.FlashcError):  # H % Hkv != 0
+            flashc.flash_attn_func(q, k, k)
+        with pytest.raises(TypeError, match="dtype"):
+            flashc.flash_attn_func(q.double(), q.double(), q.double())
+        with pytest.raises(ValueError, match="window_size"):
+            flashc.flash_attn_func(q, q, q, window_size=(1, 2, 3))
+    with torch.no_grad():
+        for _ in range(3):  # a list window (unhashable key): the full path every time
+            assert flashc.flash_attn_func(q, q, q, window_size=[2, 0]).shape == q.shape
 
 
 # ---- torch.compile ----------------------------------------------------------------------------------------------
