@@ -15,6 +15,7 @@ but not torch; torch is imported when a torch tensor is first passed in.
 """
 
 import sys as _sys
+from typing import Any, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._core import FlashcCopyWarning
@@ -31,6 +32,9 @@ from .flash_attn_interface import (
 
 __version__ = "0.4.0"
 
+# numpy arrays (CPU) or torch tensors (CPU, CUDA): the functions below take either (torch is not imported here)
+Array = Any
+
 __all__ = [
     "FlashcError", "FlashcCopyWarning", "attention", "attention_backward", "scaled_dot_product_attention",
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -40,12 +44,12 @@ __all__ = [
 ]
 
 
-def library_version():
+def library_version() -> str:
     """The loaded libflashc's version string."""
     return _lib.version()
 
 
-def cuda_available():
+def cuda_available() -> bool:
     """True when the loaded libflashc has the CUDA backend and sees at least one GPU."""
     return _lib.backend_compiled(_lib.BACKEND_CUDA) and _lib.device_count(_lib.BACKEND_CUDA) > 0
 
@@ -55,9 +59,13 @@ def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, dropout_p=0.0, deterministic=False, seqused_k=None, sinks=None):
+def attention(q: Array, k: Array, v: Array, *, softmax_scale: Optional[float] = None, causal: bool = False,
+              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,
+              block_mask: Optional[Array] = None, block_size: Union[int, Tuple[int, int], None] = None,
+              cu_seqlens_q: Optional[Array] = None, cu_seqlens_k: Optional[Array] = None,
+              max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, dropout_p: float = 0.0,
+              deterministic: bool = False, seqused_k: Optional[Array] = None,
+              sinks: Optional[Array] = None) -> Tuple[Array, Array]:
     """Attention forward: returns (out, softmax_lse).
 
     q (B, Nq, H, D), k and v (B, Nk, Hkv, D), any strides; or, with cu_seqlens_q / cu_seqlens_k (int32, B + 1
@@ -92,10 +100,14 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return _numpy.attention(q, k, v, **kw)
 
 
-def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0, deterministic=False,
-                       seqused_k=None, sinks=None):
+def attention_backward(dout: Array, q: Array, k: Array, v: Array, out: Array, softmax_lse: Array, *,
+                       softmax_scale: Optional[float] = None, causal: bool = False,
+                       window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       alibi_slopes: Optional[Array] = None, block_mask: Optional[Array] = None,
+                       block_size: Union[int, Tuple[int, int], None] = None, cu_seqlens_q: Optional[Array] = None,
+                       cu_seqlens_k: Optional[Array] = None, max_seqlen_q: Optional[int] = None,
+                       max_seqlen_k: Optional[int] = None, dropout_p: float = 0.0, deterministic: bool = False,
+                       seqused_k: Optional[Array] = None, sinks: Optional[Array] = None) -> Sequence[Array]:
     """Attention backward: returns (dq, dk, dv) for the upstream gradient dout, given attention()'s out and
     softmax_lse and the same options (numpy arrays or torch tensors, no autograd). With GQA, dk/dv sum the
     gradients of the query heads that share a kv head. With sinks it returns (dq, dk, dv, dsinks), dsinks (H,)
@@ -113,7 +125,8 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
     return _numpy.attention_backward(dout, q, k, v, out, softmax_lse, **kw)
 
 
-def merge_attention(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+def merge_attention(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array, *, out: Optional[Array] = None,
+                    lse: Optional[Array] = None) -> Tuple[Array, Array]:
     """Merges two partial attention results, each over its own set of keys, into the attention over both (cascade
     attention, split-KV, ring / context parallelism): returns (out, lse) with
         lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b,
@@ -135,8 +148,9 @@ def merge_attention(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     return _numpy.merge(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                                 enable_gqa=False):
+def scaled_dot_product_attention(query: Array, key: Array, value: Array, attn_mask: Optional[Array] = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> Array:
     """torch.nn.functional.scaled_dot_product_attention's interface: query (..., H, Nq, D), key/value
     (..., Hkv, Nk, D) -> (..., H, Nq, D), differentiable. is_causal is top-left aligned as in torch (query i sees
     keys j <= i). The (B, H, N, D) tensors are passed with permuted strides, not copied. attn_mask and

@@ -29,10 +29,26 @@ Not supported yet, each raising NotImplementedError that names it: dropout_p > 0
 cache_batch_idx and cache_leftpad. torch is imported on the first call, not at import.
 """
 
+from typing import TYPE_CHECKING, Optional, Tuple, Union
+
+if TYPE_CHECKING:  # torch is imported on the first call, not here
+    from torch import Tensor
+else:
+    Tensor = "torch.Tensor"
+
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
 ]
+
+
+def _no_fast(*args):
+    return None
+
+
+# flashc.ops.fast_flash_attn_func once flashc.ops is imported (it sets this; the first call imports it), a function
+# returning None before: always a function, so that torch.compile's guard on it keeps one type.
+_fast = _no_fast
 
 
 def _run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -47,60 +63,60 @@ def _run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, so
 
 
 def flash_attn_qkvpacked_func(
-    qkv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     *,
-    seqused_k=None,
-    sinks=None,
-):
+    seqused_k: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """qkv (B, N, 3, H, D) -> out (B, N, H, D). The gradient comes back as one (B, N, 3, H, D) tensor."""
     return _run("qkv", (qkv,), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks)
 
 
 def flash_attn_kvpacked_func(
-    q,
-    kv,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     *,
-    seqused_k=None,
-    sinks=None,
-):
+    seqused_k: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """q (B, Nq, H, D), kv (B, Nk, 2, Hkv, D) -> out (B, Nq, H, D)."""
     return _run("q,kv", (q, kv), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks)
 
 
 def flash_attn_func(
-    q,
-    k,
-    v,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     *,
-    seqused_k=None,
-    sinks=None,
-):
+    seqused_k: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """q (B, Nq, H, D), k and v (B, Nk, Hkv, D) -> out (B, Nq, H, D).
 
     causal is bottom-right aligned (query i sees key j iff j <= i + Nk - Nq); window_size (left, right) keeps
@@ -109,26 +125,31 @@ def flash_attn_func(
     seqused_k (B,) int32: batch b uses its first seqused_k[b] keys (Nk becomes seqused_k[b] for the masks);
     sinks (H,): attention sinks (see the module's docstring).
     """
+    if alibi_slopes is None and seqused_k is None and sinks is None and dropout_p == 0:
+        # plain eager calls on tensors whose shapes were seen before (flashc.ops' per-shape plans); None otherwise
+        r = _fast(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+        if r is not None:
+            return r
     return _run("q,k,v", (q, k, v), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(
-    qkv,
-    cu_seqlens,
-    max_seqlen,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: Optional[int],
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     *,
-    seqused_k=None,
-    sinks=None,
-):
+    seqused_k: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """qkv (total, 3, H, D), cu_seqlens int32 (B + 1) -> out (total, H, D)."""
     return _run("qkv", (qkv,), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
@@ -136,24 +157,24 @@ def flash_attn_varlen_qkvpacked_func(
 
 
 def flash_attn_varlen_kvpacked_func(
-    q,
-    kv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     *,
-    seqused_k=None,
-    sinks=None,
-):
+    seqused_k: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """q (total_q, H, D), kv (total_k, 2, Hkv, D) -> out (total_q, H, D)."""
     return _run("q,kv", (q, kv), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens_q,
@@ -161,26 +182,26 @@ def flash_attn_varlen_kvpacked_func(
 
 
 def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    return_attn_probs=False,
-    block_table=None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[Tensor] = None,
     *,
-    seqused_k=None,
-    sinks=None,
-):
+    seqused_k: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
     """q (total_q, H, D), k and v (total_k, Hkv, D) -> out (total_q, H, D). Sequence b is rows
     cu_seqlens[b] .. cu_seqlens[b + 1] - 1; masks and ALiBi positions count from each sequence's start.
     seqused_k (num_seqs,) int32: sequence b uses the first seqused_k[b] of its keys; sinks (H,): attention sinks
@@ -196,28 +217,28 @@ def flash_attn_varlen_func(
 
 
 def flash_attn_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k=None,
-    v=None,
-    rotary_cos=None,
-    rotary_sin=None,
-    cache_seqlens=None,
-    cache_batch_idx=None,
-    cache_leftpad=None,
-    block_table=None,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    softcap=0.0,
-    rotary_interleaved=True,
-    alibi_slopes=None,
-    num_splits=0,
-    return_softmax_lse=False,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    rotary_cos: Optional[Tensor] = None,
+    rotary_sin: Optional[Tensor] = None,
+    cache_seqlens: Union[int, Tensor, None] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
     *,
-    sinks=None,
-):
+    sinks: Optional[Tensor] = None,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention against a contiguous KV cache, updating it in place (inference: no autograd).
 
     q (B, Nq, H, D); k_cache, v_cache (B, Nk_max, Hkv, D); cache_seqlens: an int or an int32 tensor (B,), the rows
