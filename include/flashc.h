@@ -200,7 +200,10 @@ typedef struct flashc_params {
      * Backward with a block table: dk and dv are page pools of k's shape (any strides), each row holding the
      * gradient of the key that lives there, and 0 on every row no used key maps to (unused pages included). A page
      * that the used keys of two sequences (or one sequence twice) lie on is refused with NOT_SUPPORTED: its rows
-     * would get two gradients. The CUDA backend does not run paged caches yet (NOT_SUPPORTED).
+     * would get two gradients. The CUDA backend runs the forward and the append paged; it does not read device
+     * memory before a launch, so it cannot refuse a bad entry: a page outside [0, num_pages) is never read, and the
+     * rows of every query tile that met one come out NaN (out and lse); the append skips rows on such pages. Its
+     * backward with a block table is NOT_SUPPORTED for now.
      * NULL: k, v are (B, Nk, Hkv, D). */
     const int32_t *block_table;
     int64_t block_table_max_pages;

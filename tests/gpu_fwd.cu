@@ -4,6 +4,7 @@
  *   gpu_fwd            the full shared case table (forward only), then: split-KV decode shapes, bitwise-identical
  *                      output over 100 reruns, N = 64k on one head, and a problem of more than 2^31 elements
  *   gpu_fwd --quick    the reduced table only (for compute-sanitizer memcheck / racecheck)
+ *   gpu_fwd --paged    the paged K/V checks alone (paged_vs_contiguous), for the sanitizers too
  *
  * Every check uses the CONVENTIONS.md rule: max|ours - ref64| <= 2 max|naive_lowp - ref64| + 1e-5 (f32 runs on
  * bf16 tensor-core operands, so the case runner holds it to the bf16 rule on CUDA). The long
@@ -40,6 +41,7 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
     if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
     if (kernel && strstr(kernel, "split-KV")) return; /* few blocks: the keys are split, on mma.sync by design */
     if (kernel && strstr(kernel, "decode tile")) return; /* at most 16 query rows: the decode tile, by design */
+    if (c->page_size > 0) return; /* paged K/V: the mma.sync kernel's per-row page loads (no Hopper paged kernel yet) */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
                              c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0};
     for (int f = 0; f < FEAT_N; f++)
@@ -284,6 +286,127 @@ static void varlen_nan_neighbour(flashc_context_t ctx, const char *want) {
     cudaFree(dcu);
 }
 
+/*
+ * Paged K/V against the same keys laid out contiguously. The pool holds each sequence's keys on pages of ps rows
+ * in a shuffled order, with three spare pages and every row no key maps to NaN; sequence b uses its first
+ * Nk - 7 b keys (seqused_k, both runs). The forward over the block table must run the kernel the contiguous forward
+ * runs and give its out and lse bit for bit (same tiles, same arithmetic). Then the first page of sequence 1 is
+ * named past the pool: that sequence's out and lse must come out all NaN (nothing read out of bounds: memcheck),
+ * and every other sequence's must stay bitwise as it was.
+ */
+static void paged_vs_contiguous(flashc_context_t ctx, const char *what, shape s, int64_t ps, uint64_t seed) {
+    problem_buf pb;
+    if (make_problem(&pb, s, seed)) return;
+    const int64_t B = s.B, maxp = (s.Nk + ps - 1) / ps, np = B * maxp + 3, row = s.Hkv * s.D;
+    const int64_t nkv = B * s.Nk * row, npool = np * ps * row, nout = B * s.Nq * s.H * s.D, nlse = B * s.H * s.Nq;
+    int32_t *bt = (int32_t *)malloc(B * maxp * sizeof(int32_t)), used[64];
+    uint16_t *hk = (uint16_t *)malloc(nkv * 2), *hv = (uint16_t *)malloc(nkv * 2);
+    uint16_t *pk = (uint16_t *)malloc(npool * 2), *pv = (uint16_t *)malloc(npool * 2);
+    unsigned char *ref = (unsigned char *)malloc((nout * 2 + nlse * 4) * 2), *got = ref + nout * 2 + nlse * 4;
+    if (!bt || !hk || !hv || !pk || !pv || !ref || B > 64) exit(2);
+    for (int64_t i = 0; i < B * maxp; i++) bt[i] = (int32_t)i;
+    uint64_t x = seed * 2654435761u + 1;
+    for (int64_t i = B * maxp - 1; i > 0; i--) { /* Fisher-Yates with a 64-bit LCG */
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        const int64_t j = (int64_t)((x >> 33) % (uint64_t)(i + 1));
+        const int32_t t = bt[i];
+        bt[i] = bt[j], bt[j] = t;
+    }
+    for (int64_t b = 0; b < B; b++) used[b] = (int32_t)(s.Nk - 7 * b);
+    CHECK_CUDA(cudaMemcpy(hk, pb.k, nkv * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(hv, pb.v, nkv * 2, cudaMemcpyDeviceToHost));
+    memset(pk, 0xff, npool * 2), memset(pv, 0xff, npool * 2); /* 0xffff: NaN in bf16 */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t n = 0; n < s.Nk; n++) {
+            const int64_t dst = ((int64_t)bt[b * maxp + n / ps] * ps + n % ps) * row, src = (b * s.Nk + n) * row;
+            memcpy(pk + dst, hk + src, row * 2), memcpy(pv + dst, hv + src, row * 2);
+        }
+    uint16_t *dpk, *dpv;
+    int32_t *dbt, *dused;
+    CHECK_CUDA(cudaMalloc(&dpk, npool * 2));
+    CHECK_CUDA(cudaMalloc(&dpv, npool * 2));
+    CHECK_CUDA(cudaMalloc(&dbt, B * maxp * sizeof(int32_t)));
+    CHECK_CUDA(cudaMalloc(&dused, B * sizeof(int32_t)));
+    CHECK_CUDA(cudaMemcpy(dpk, pk, npool * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dpv, pv, npool * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dbt, bt, B * maxp * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(dused, used, B * sizeof(int32_t), cudaMemcpyHostToDevice));
+    pb.prm.seqused_k = dused;
+    flashc_params pprm = pb.prm;
+    pprm.block_table = dbt, pprm.block_table_max_pages = maxp, pprm.page_size = ps;
+    const flashc_tensor tpk = flashc_tensor_contiguous(dpk, FLASHC_DTYPE_BF16, np, ps, s.Hkv, s.D);
+    const flashc_tensor tpv = flashc_tensor_contiguous(dpv, FLASHC_DTYPE_BF16, np, ps, s.Hkv, s.D);
+    const char *kc = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &pb.tq, &pb.tk, &pb.tv, &pb.prm);
+    const char *kp = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &pb.tq, &tpk, &tpv, &pprm);
+    /* the contiguous run, then the paged one, each from poisoned outputs */
+    unsigned char *bufs[2] = {ref, got};
+    for (int run = 0; run < 3; run++) {
+        if (run == 2) { /* sequence 1's first page past the pool */
+            const int32_t bad = (int32_t)np + 5;
+            CHECK_CUDA(cudaMemcpy(dbt + maxp, &bad, sizeof bad, cudaMemcpyHostToDevice));
+        }
+        CHECK_CUDA(cudaMemset(pb.o, 0x7f, nout * 2));
+        CHECK_CUDA(cudaMemset(pb.lse, 0x7f, nlse * 4));
+        if (run == 0) CHECK_FC(ctx, flashc_forward(ctx, &pb.tq, &pb.tk, &pb.tv, &pb.prm, &pb.to, pb.lse, NULL, 0));
+        else CHECK_FC(ctx, flashc_forward(ctx, &pb.tq, &tpk, &tpv, &pprm, &pb.to, pb.lse, NULL, 0));
+        unsigned char *dst = bufs[run ? 1 : 0];
+        CHECK_CUDA(cudaMemcpy(dst, pb.o, nout * 2, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(dst + nout * 2, pb.lse, nlse * 4, cudaMemcpyDeviceToHost));
+        if (run == 1) {
+            const int same = memcmp(ref, got, nout * 2 + nlse * 4) == 0;
+            const int kern = kc && kp && !strcmp(kc, kp);
+            printf("%s %-26s page %lld, B %lld Nq %lld Nk %lld H %lld Hkv %lld D %lld: %s, on %s%s\n",
+                   same && kern ? "ok  " : "FAIL", what, (long long)ps, (long long)B, (long long)s.Nq,
+                   (long long)s.Nk, (long long)s.H, (long long)s.Hkv, (long long)s.D,
+                   same ? "bitwise the contiguous result" : "DIFFERS from the contiguous result", kp ? kp : "?",
+                   kern ? "" : " (contiguous ran another kernel)");
+            if (!(same && kern)) failures++;
+        }
+    }
+    /* the time of each (not a test: a hint of what the table costs; bench/decode.py measures it properly) */
+    CHECK_CUDA(cudaMemcpy(dbt + maxp, bt + maxp, sizeof(int32_t), cudaMemcpyHostToDevice));
+    float ms[2] = {0, 0};
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    for (int rep = 0; rep < 2; rep++)
+        for (int paged = 0; paged < 2; paged++) {
+            CHECK_CUDA(cudaEventRecord(e0));
+            for (int i = 0; i < 10; i++)
+                CHECK_FC(ctx, flashc_forward(ctx, &pb.tq, paged ? &tpk : &pb.tk, paged ? &tpv : &pb.tv,
+                                             paged ? &pprm : &pb.prm, &pb.to, pb.lse, NULL, 0));
+            CHECK_CUDA(cudaEventRecord(e1));
+            CHECK_CUDA(cudaEventSynchronize(e1));
+            CHECK_CUDA(cudaEventElapsedTime(&ms[paged], e0, e1));
+        }
+    printf("     %-26s contiguous %.1f us, paged %.1f us (%.2fx)\n", what, ms[0] * 100, ms[1] * 100, ms[1] / ms[0]);
+    CHECK_CUDA(cudaEventDestroy(e0));
+    CHECK_CUDA(cudaEventDestroy(e1));
+    /* run 2: sequence 1 all NaN, the others unchanged */
+    const int64_t per_o = s.Nq * s.H * s.D;
+    int nan_ok = 1, others_ok = 1;
+    const uint16_t *o16 = (const uint16_t *)got, *r16 = (const uint16_t *)ref;
+    const float *l32 = (const float *)(got + nout * 2), *r32 = (const float *)(ref + nout * 2);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t i = 0; i < per_o; i++) {
+            const uint16_t v = o16[b * per_o + i];
+            if (b == 1) nan_ok &= (v & 0x7f80) == 0x7f80 && (v & 0x7f) != 0;
+            else others_ok &= v == r16[b * per_o + i];
+        }
+        for (int64_t i = 0; i < s.H * s.Nq; i++) {
+            const float l = l32[b * s.H * s.Nq + i];
+            if (b == 1) nan_ok &= l != l;
+            else others_ok &= memcmp(&l, &r32[b * s.H * s.Nq + i], 4) == 0;
+        }
+    }
+    printf("%s %-26s a page past the pool: sequence 1 %s, the others %s\n", nan_ok && others_ok ? "ok  " : "FAIL",
+           what, nan_ok ? "all NaN" : "NOT all NaN", others_ok ? "bitwise unchanged" : "CHANGED");
+    if (!(nan_ok && others_ok)) failures++;
+    free(bt), free(hk), free(hv), free(pk), free(pv), free(ref);
+    cudaFree(dpk), cudaFree(dpv), cudaFree(dbt), cudaFree(dused);
+    free_problem(&pb);
+}
+
 /* Checks that the problem runs on the kernel whose name starts with want (NULL: anything). */
 static void expect_kernel(flashc_context_t ctx, const char *what, problem_buf *pb, const char *want) {
     const char *k = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &pb->tq, &pb->tk, &pb->tv, &pb->prm);
@@ -349,9 +472,27 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
     free_problem(&pb);
 }
 
+/* paged K/V (paged_vs_contiguous): decode with GQA heads as rows on the decode tile, the decode tile at page size
+ * 1, split keys at page 256, and prefill on mma.sync (pages of 48 rows: not a power of two, tiles straddle pages) */
+static void paged_tests(flashc_context_t ctx) {
+    paged_vs_contiguous(ctx, "paged_decode_gqa_rows", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 21);
+    paged_vs_contiguous(ctx, "paged_decode_tile_pg1", (shape){16, 4, 700, 8, 8, 64, 1}, 1, 22);
+    paged_vs_contiguous(ctx, "paged_splitkv_pg256", (shape){2, 1, 20000, 8, 2, 128, 0}, 256, 23);
+    flashc_context_t c80 = gpu_context_with("FLASHC_CUDA_FWD", "sm80");
+    paged_vs_contiguous(c80, "paged_prefill_pg48_causal", (shape){3, 300, 1000, 4, 2, 96, 1}, 48, 24);
+    paged_vs_contiguous(c80, "paged_prefill_pg64_d256", (shape){2, 200, 500, 4, 4, 256, 0}, 64, 25);
+    flashc_context_destroy(c80);
+}
+
 int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     flashc_context_t ctx = gpu_test_context();
+    if (argc > 1 && strcmp(argv[1], "--paged") == 0) { /* the paged tests alone (for compute-sanitizer) */
+        paged_tests(ctx);
+        flashc_context_destroy(ctx);
+        printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);
+        return failures ? 1 : 0;
+    }
     const int hopper = gpu_is_hopper();
     const char *sm90 = hopper ? "sm90" : "sm80"; /* where the Hopper kernel must take a shape */
 
@@ -412,6 +553,7 @@ int main(int argc, char **argv) {
         determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100, sm90);
         determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100, sm90);
         varlen_nan_neighbour(ctx, sm90);
+        paged_tests(ctx);
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

@@ -240,6 +240,8 @@ static flashc_status fwd_check(struct flashc_context *ctx, const flashc_problem 
             return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
                               "%s: the CUDA backend needs the head dim contiguous (stride[3] == 1, got %lld)",
                               names[i], (long long)ts[i]->stride[3]);
+    if (p->block_table && (p->num_pages > INT_MAX || p->page_size > INT_MAX))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "paged KV: more than 2^31 pages or rows per page");
     if (p->Nq > CUDA_MAX_LEN || p->Nk > CUDA_MAX_LEN || p->total_q > CUDA_MAX_LEN * 8 ||
         p->total_k > CUDA_MAX_LEN * 8)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "sequence lengths beyond 2^29 are not supported on CUDA");
@@ -263,8 +265,11 @@ static flashc_status fwd_check(struct flashc_context *ctx, const flashc_problem 
 
 /*
  * Split-KV: split the keys only when the (query tile, head, sequence) blocks fill less than one wave, into as
- * many splits as make about one wave, keeping at least 4 key tiles per split (the combine's traffic and the
- * partials' rescaling must stay small next to the work saved).
+ * many splits as fit in one wave (rounded down: one more split than fits starts a second, mostly idle wave),
+ * keeping at least 4 key tiles per split (the combine's traffic and the partials' rescaling must stay small next to
+ * the work saved). Rounding down instead of up took decode (H200, bench/decode.py, B 16, Nq 1, H 32 / Hkv 8, D 128)
+ * from 103 to 82 us at Nk 4096 and 726 to 525 us at 32768 (3 splits of 128 pairs in a wave of 396 decode blocks,
+ * not 4).
  */
 static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e, int dec) {
     const int bf16 = p->dtype != FLASHC_DTYPE_F16;
@@ -274,7 +279,7 @@ static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e
         (int64_t)state_of(ctx)->sm_count * (dec ? state_of(ctx)->dec_occupancy : state_of(ctx)->occupancy)[e][bf16];
     if (blocks <= 0 || blocks * 5 >= wave * 4) return 1;
     const int64_t key_tiles = (p->Nk + t.bc - 1) / t.bc;
-    int64_t n = (wave + blocks - 1) / blocks;
+    int64_t n = wave / blocks;
     if (n > key_tiles / 4) n = key_tiles / 4;
     if (n > 128) n = 128;
     return n < 2 ? 1 : (int)n;
@@ -330,6 +335,8 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
     a.total_k = p->varlen ? p->total_k : p->B * p->Nk;
     a.cu_q = p->cu_q, a.cu_k = p->cu_k;
     a.seqused_k = p->seqused_k, a.sinks = p->sinks;
+    a.block_table = p->block_table, a.bt_stride = p->bt_stride;
+    a.page_size = (int)p->page_size, a.num_pages = (int)p->num_pages;
     fc_set_scores_and_masks(p, &a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
     a.bf16 = p->dtype != FLASHC_DTYPE_F16; /* f32 inputs run on bf16 operands: the f32 range, never inf */
@@ -424,10 +431,11 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
 }
 
 static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
-    /* Every kernel reads k, v (and writes dk, dv) as (B, Nk, Hkv, D) views: none follows a block table yet. */
-    if (p->block_table)
+    /* Paged K/V: the mma.sync forward follows a block table (fc_load_tile_paged); no backward kernel does yet. */
+    if (p->block_table && p->op != FLASHC_OP_FORWARD)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
-                          "paged KV (block_table) is not supported by the CUDA backend yet");
+                          "the backward of paged KV (block_table) is not supported by the CUDA backend yet "
+                          "(the forward is; the CPU backend runs both)");
     if (p->op == FLASHC_OP_FORWARD) return fwd_plan(ctx, p, plan);
     const cuda_state *s = state_of(ctx);
     const char *why = flashc_cuda_bwd_plan(p, s->bwd_sm90, s->bwd_simt, plan);
@@ -519,6 +527,49 @@ static flashc_status cuda_kvcache_append(struct flashc_context *ctx, const flash
     return FLASHC_STATUS_OK;
 }
 
+/* The same into page pools: row n of sequence b is row n % page_size of page block_table[b * stride + n / page_size]
+ * (flashc_kv_offset's rule). Rows past the table and pages outside the pool are skipped: the kernel cannot report
+ * them (the CPU backend refuses the call instead), and a row two sequences name gets one of the writes. */
+template <typename T>
+__global__ void __launch_bounds__(256) fc_kv_append_paged(const flashc_tensor kc, const flashc_tensor vc,
+                                                           const flashc_tensor kn, const flashc_tensor vn,
+                                                           const int32_t *seqlens, const int32_t *table,
+                                                           int64_t max_pages, int64_t stride) {
+    const int64_t x = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    const int64_t D = kn.shape[3], H = kn.shape[2], N = kn.shape[1], ps = kc.shape[1];
+    if (x >= kn.shape[0] * N * H * D) return;
+    const int64_t d = x % D, h = (x / D) % H, i = (x / (D * H)) % N, b = x / (D * H * N);
+    const int64_t row = (int64_t)seqlens[b] + i;
+    if (row < 0 || row >= max_pages * ps) return;
+    const int64_t page = table[b * stride + row / ps];
+    if (page < 0 || page >= kc.shape[0]) return;
+    const int64_t r = row % ps;
+    ((T *)kc.data)[page * kc.stride[0] + r * kc.stride[1] + h * kc.stride[2] + d * kc.stride[3]] =
+        ((const T *)kn.data)[b * kn.stride[0] + i * kn.stride[1] + h * kn.stride[2] + d * kn.stride[3]];
+    ((T *)vc.data)[page * vc.stride[0] + r * vc.stride[1] + h * vc.stride[2] + d * vc.stride[3]] =
+        ((const T *)vn.data)[b * vn.stride[0] + i * vn.stride[1] + h * vn.stride[2] + d * vn.stride[3]];
+}
+
+static flashc_status cuda_kvcache_append_paged(struct flashc_context *ctx, const flashc_tensor *k_cache,
+                                               const flashc_tensor *v_cache, const flashc_tensor *k_new,
+                                               const flashc_tensor *v_new, const int32_t *cache_seqlens,
+                                               const int32_t *block_table, int64_t max_pages, int64_t stride) {
+    CUDA_TRY(ctx, cudaSetDevice(ctx->device));
+    const int64_t n = k_new->shape[0] * k_new->shape[1] * k_new->shape[2] * k_new->shape[3], blocks = (n + 255) / 256;
+    if (blocks > INT32_MAX) return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "too many new rows for one launch");
+    const cudaStream_t stream = (cudaStream_t)ctx->stream;
+    const unsigned grid = (unsigned)blocks;
+    if (k_cache->dtype == FLASHC_DTYPE_F32)
+        fc_kv_append_paged<uint32_t><<<grid, 256, 0, stream>>>(*k_cache, *v_cache, *k_new, *v_new, cache_seqlens,
+                                                               block_table, max_pages, stride);
+    else
+        fc_kv_append_paged<uint16_t><<<grid, 256, 0, stream>>>(*k_cache, *v_cache, *k_new, *v_new, cache_seqlens,
+                                                               block_table, max_pages, stride);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "paged KV-cache append launch");
+    return FLASHC_STATUS_OK;
+}
+
 /* The front reaches this backend only through this table (src/internal.h). */
 extern "C" const flashc_backend_ops flashc_cuda_ops = {
     .kind = FLASHC_BACKEND_CUDA,
@@ -535,4 +586,5 @@ extern "C" const flashc_backend_ops flashc_cuda_ops = {
     .backward = cuda_backward,
     .kvcache_append = cuda_kvcache_append,
     .merge = flashc_cuda_merge,
+    .kvcache_append_paged = cuda_kvcache_append_paged,
 };

@@ -186,6 +186,105 @@ static __device__ __forceinline__ void fc_load_tile(uint16_t *s, const char *g, 
 }
 
 /*
+ * A K tile and its V tile from page pools (paged K/V, flashc_kv_offset's rule): row r of the tiles is key kr0 + r of
+ * its sequence, row (kr0 + r) % ps of page bt[(kr0 + r) / ps]; gk / gv are the pools plus the head's offset, ksb / vsb
+ * their page strides and ksn / vsn their row strides (elements). A tile of R <= 64 rows lies on at most 64 pages
+ * (R at page size 1, at most R / 2 + 1 above), so each warp reads the tile's table entries once, lane l holding
+ * entries l and 32 + l, and every row takes its page from them by a shuffle: one round trip to memory per tile
+ * instead of one per row before its loads can be issued. A page outside [0, np) is not read: its rows load as zeros
+ * and bad is set. Rows >= nrows and columns >= dact read as zero, as in fc_load_tile. Every lane of the warp runs
+ * the whole loop (the shuffles need them all).
+ */
+template <int R, int D, int NT, int BF>
+static __device__ __forceinline__ void fc_load_kv_paged(uint16_t *sk, uint16_t *sv, const char *gk, const char *gv,
+                                                        int64_t ksb, int64_t ksn, int64_t vsb, int64_t vsn,
+                                                        const int32_t *bt, int ps, int np, int kr0, int nrows,
+                                                        int dact, int mode, int tid, int &bad) {
+    constexpr int CH = D / 8, TOT = R * CH, ITER = (TOT + NT - 1) / NT, ROW = fc_smem_row(D);
+    static_assert(R <= 64 && NT % 32 == 0, "two table words per lane cover a tile's pages");
+    const int esz = mode == FC_IN_F32 ? 4 : 2, lane = tid & 31;
+    const int pg0 = kr0 / ps, q0 = kr0 - pg0 * ps; /* row r: entry (q0 + r) / ps, row (q0 + r) % ps of its page */
+    const int64_t kend = (int64_t)kr0 + nrows; /* keys past it are not read, nor their table entries */
+    const int e0 = (int64_t)(pg0 + lane) * ps < kend ? __ldg(bt + pg0 + lane) : -1;
+    const int e1 = (int64_t)(pg0 + 32 + lane) * ps < kend ? __ldg(bt + pg0 + 32 + lane) : -1;
+    if (mode == FC_IN_ASYNC16 && NT % CH == 0) {
+        /* As fc_load_tile's fast path: each thread one column chunk of every RSTEP-th row, unrolled; the entry and
+         * the row in its page advance by RSTEP rows a step (one division per tile, not one per row). */
+        constexpr int RSTEP = NT / CH;
+        const int r0 = tid / CH, ch = tid % CH;
+        int idx = (q0 + r0) / ps, prow = q0 + r0 - idx * ps;
+        const bool colok = ch * 8 < dact;
+        const uint32_t dk0 = fc_smem_addr(sk + r0 * ROW + ch * 8), dv0 = fc_smem_addr(sv + r0 * ROW + ch * 8);
+#pragma unroll
+        for (int it = 0; it < (R + RSTEP - 1) / RSTEP; ++it) {
+            const int r = r0 + it * RSTEP;
+            const int p0 = __shfl_sync(0xffffffffu, e0, idx & 31), p1 = __shfl_sync(0xffffffffu, e1, idx & 31);
+            if (R % RSTEP == 0 || r < R) {
+                const int page = idx < 32 ? p0 : p1;
+                const bool valid = (unsigned)page < (unsigned)np;
+                if (r < nrows && !valid) bad = 1;
+                const bool ok = colok && r < nrows && valid;
+                const int64_t kof = ((int64_t)page * ksb + prow * ksn + ch * 8) * 2;
+                const int64_t vof = ((int64_t)page * vsb + prow * vsn + ch * 8) * 2;
+                fc_cp_async16(dk0 + it * RSTEP * ROW * 2, ok ? gk + kof : gk, ok ? 16 : 0);
+                fc_cp_async16(dv0 + it * RSTEP * ROW * 2, ok ? gv + vof : gv, ok ? 16 : 0);
+            }
+            prow += RSTEP;
+            while (prow >= ps) prow -= ps, ++idx;
+        }
+        return;
+    }
+#pragma unroll 1
+    for (int it = 0; it < ITER; ++it) {
+        const int c = tid + it * NT;
+        const int r = c / CH, ch = c % CH, key = kr0 + r;
+        const int idx = key / ps - pg0; /* in [0, 64) for rows of this tile */
+        const int p0 = __shfl_sync(0xffffffffu, e0, idx & 31), p1 = __shfl_sync(0xffffffffu, e1, idx & 31);
+        if (!(TOT % NT == 0 || c < TOT)) continue;
+        const char *krow = NULL, *vrow = NULL;
+        if (r < nrows) {
+            const int page = idx < 32 ? p0 : p1;
+            const int64_t prow = key - (int64_t)(pg0 + idx) * ps;
+            if ((unsigned)page < (unsigned)np) {
+                krow = gk + ((int64_t)page * ksb + prow * ksn) * esz;
+                vrow = gv + ((int64_t)page * vsb + prow * vsn) * esz;
+            } else {
+                bad = 1;
+            }
+        }
+        const uint32_t dst = r * ROW + ch * 8;
+        if (mode == FC_IN_ASYNC16) {
+            const bool ok = krow && ch * 8 < dact;
+            fc_cp_async16(fc_smem_addr(sk + dst), ok ? krow + ch * 16 : gk, ok ? 16 : 0);
+            fc_cp_async16(fc_smem_addr(sv + dst), ok ? vrow + ch * 16 : gv, ok ? 16 : 0);
+            continue;
+        }
+#pragma unroll
+        for (int kv = 0; kv < 2; ++kv) {
+            const char *row = kv ? vrow : krow;
+            uint32_t w[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                uint32_t lo = 0, hi = 0;
+                const int col = ch * 8 + e;
+                if (row) {
+                    const char *p = row + col * esz;
+                    if (mode == FC_IN_F32) {
+                        if (col < dact) lo = fc_round16<BF>(__ldg((const float *)p));
+                        if (col + 1 < dact) hi = fc_round16<BF>(__ldg((const float *)p + 1));
+                    } else {
+                        if (col < dact) lo = __ldg((const unsigned short *)p);
+                        if (col + 1 < dact) hi = __ldg((const unsigned short *)p + 1);
+                    }
+                }
+                w[e / 2] = lo | (hi << 16);
+            }
+            *(uint4 *)((kv ? sv : sk) + dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
+/*
  * Grid: one block per (query tile, split, head, sequence), flattened into x with the query tile fastest (the
  * blocks of one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows
  * start first). Block: nw warps; warp w owns query rows [w * 16 mt, (w + 1) * 16 mt) of the tile.
@@ -243,8 +342,20 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
 
     const int esz = a.in_mode == FC_IN_F32 ? 4 : 2;
     const char *gq = (const char *)a.q + ((int64_t)bb * a.q_sb + (q0 + m0) * a.q_sn + (int64_t)h * a.q_sh) * esz;
-    const int k0i = (int)k0; /* cu_seqlens are int32 */
+    const int k0i = a.block_table ? 0 : (int)k0; /* cu_seqlens are int32; paged: cu_k gives lengths only */
     const uint8_t *bmrow = a.bm ? fc_bm_base(a, b, h) : NULL;
+
+    /* Paged K/V: tile t of this sequence from its pages, row by row (each row's page looked up). A tile inside
+     * one page loaded as one strided block would need fewer instructions, but that second path made the d 128
+     * kernel spill 64 bytes on sm_90a (8 without it, as before paging). */
+    int bad = 0; /* a page outside the pool was named: this tile's rows come out NaN */
+    auto load_paged = [&](int slot, int t) {
+        fc_load_kv_paged<BC, D, NT, BF>(sK + slot * BC * ROW, sV + slot * BC * ROW,
+                                        (const char *)a.k + (int64_t)hk * a.k_sh * esz,
+                                        (const char *)a.v + (int64_t)hk * a.v_sh * esz, a.k_sb, a.k_sn, a.v_sb,
+                                        a.v_sn, a.block_table + (int64_t)b * a.bt_stride, a.page_size, a.num_pages,
+                                        t * BC, nk - t * BC, a.D, a.in_mode, tid, bad);
+    };
 
     /* K/V ring: slot s holds tile s_tile[s] (-1: none left); written by thread 0 when the load is issued and
      * read by everyone after the barrier that also publishes the data. */
@@ -256,7 +367,10 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
             s_tile[slot] = t < te ? t : -1;
             s_part[slot] = part;
         }
-        if (t < te) {
+        if (t < te && a.block_table) {
+            load_paged(slot, t);
+            cand = t + 1;
+        } else if (t < te) {
             /* Tile addresses are rebuilt per tile: two 64-bit pointers kept live would cost registers that the
              * accumulators need (d 128 with 64-key tiles spills with them). */
             const int64_t kr = (int64_t)k0i + t * BC;
@@ -401,6 +515,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
         fc_acc_product<BF, MT, KC, KD>(o, s, vbase, ROWB);
     }
     fc_cp_async_wait<0>();
+    if (a.block_table) bad = __syncthreads_or(bad); /* uniform: every thread of the block is here */
 
     /* Epilogue: O / l, lse = ln 2 * m + ln l; a row that saw no key gets O = 0 and lse = +inf (a split's
      * partial gets -inf, the neutral element of the combine). */
@@ -415,6 +530,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
             float inv = l > 0.f ? 1.f / l : 0.f;
             float lse = l > 0.f ? row_m[mt][hf] * FC_LN2 + logf(l) : (a.nsplit > 1 ? -INFINITY : INFINITY);
             if (a.sinks && a.nsplit == 1) inv = fc_sink_fold(a.sinks[h], row_m[mt][hf], l, lse); /* split: combine's */
+            if (bad) inv = lse = __int_as_float(0x7fffffff); /* a page outside the pool: NaN, never a quiet result */
 #pragma unroll
             for (int dt = 0; dt < NDT; ++dt) {
                 o[mt][dt][2 * hf] *= inv;

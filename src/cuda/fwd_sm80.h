@@ -44,6 +44,13 @@ typedef struct flashc_fwd_args {
     const float *sinks;       /* attention sinks per head (score.h's fc_sink_fold); NULL: none */
     const uint32_t *bm_tiles; /* the block mask by the kernel's tiles (score.h's fc_bm_tile_bits); NULL: none */
     int bm_tiles_w;           /* words per half of a bitmap row (fc_bm_tile_words) */
+    /* Paged K/V (flashc_kv_offset's rule): k, v are page pools (num_pages, page_size, Hkv, D) with the page stride
+     * in k_sb / v_sb; key j of sequence b is row j % page_size of page block_table[b * bt_stride + j / page_size].
+     * NULL: not paged. A page outside [0, num_pages) is never read: its rows load as zeros and the rows of every
+     * query tile that met it come out NaN (out and lse), since a kernel cannot return an error. */
+    const int32_t *block_table;
+    int64_t bt_stride;
+    int page_size, num_pages;
 } flashc_fwd_args;
 
 /*
@@ -114,13 +121,14 @@ __host__ __device__ constexpr fc_tile fc_tile_for(int d, int sm90) {
                    : d <= 160 ? FC_TILE_160 : d <= 192 ? FC_TILE_192 : FC_TILE_256);
 }
 
-/* The decode tile, for forwards of at most 16 query rows (decode, and GQA heads as rows): one warp of 16 rows, so
+/* The decode tile (a lab build may define FC_TILE_DEC(d) in its tiles file), for forwards of at most 16 query rows (decode, and GQA heads as rows): one warp of 16 rows, so
  * that the tensor cores compute no more rows than one m16 tile (the main tile's 128 would be 8 times the work and
  * more); keys 64 per tile up to d 128 (Q in registers), 32 above; 2 stages. About 74 KB of shared memory at d 128:
  * three blocks per SM, whose loads in flight keep the memory busy. */
-__host__ __device__ constexpr fc_tile fc_tile_dec(int d) {
-    return fc_tile{d, 16, d <= 128 ? 64 : 32, 1, 2, d <= 128 ? 1 : 0, 1};
-}
+#ifndef FC_TILE_DEC
+#define FC_TILE_DEC(d) fc_tile{d, 16, d <= 128 ? 64 : 32, 1, 2, d <= 128 ? 1 : 0, 1}
+#endif
+__host__ __device__ constexpr fc_tile fc_tile_dec(int d) { return FC_TILE_DEC(d); }
 #define FC_DEC_ROWS 16 /* fc_tile_dec(d).br */
 
 /* The column this compilation pass uses (device passes only; the host asks the kernel instead). */

@@ -763,6 +763,7 @@ int flashc_fwd_sm90_available(int device) {
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit != 1) return 0;
+    if (a->block_table) return 0; /* paged K/V: the mma.sync kernel's per-page loads (TMA by page: not yet) */
     /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu), Nk below 25M keys. */
     if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D)).bc) * 4 > 48 * 1024) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;

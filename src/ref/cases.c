@@ -225,8 +225,9 @@ static const flashc_case full_table[] = {
     CASE("dec_n1_f16_b16_gqa4_tile16", F16, 16, 1, 500, 32, 8, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1),
 
     /* paged K/V (block_table) at page sizes 1, 16, 64, 256: pages in a shuffled order, unused pages and rows NaN. The
-     * decode rows (dec_*) run the CPU's decode path, the others its tiles; the CUDA backend refuses them for now
-     * (reported as skipped; none is a row gpu_fwd expects to run with GQA heads as rows or on the decode tile) */
+     * decode rows (dec_*) run the CPU's decode path, the others its tiles; the CUDA backend runs their forwards (on
+     * mma.sync) and refuses their backwards for now (reported as skipped; none is a row gpu_fwd expects to run with
+     * GQA heads as rows or on the decode tile) */
     CASE3("dec_pg1_n1_gqa4_used_sinks", F32, 3, 1, 300, 8, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 1, 1, 1),
     CASE3("dec_pg16_n4_bf16_causal_used", BF16, 2, 4, 1000, 8, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 16),
     CASE3("dec_pg64_n16_f16_window_used", F16, 2, 16, 2000, 4, 1, 64, 0, 200, 0, 0, 0, 0, 0, 0, BNHD, 0, 1, 0, 64),
