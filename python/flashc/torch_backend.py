@@ -99,6 +99,13 @@ def _cuda_ready():
     return _lib.backend_compiled(_lib.BACKEND_CUDA) and _lib.device_count(_lib.BACKEND_CUDA) > 0
 
 
+@functools.lru_cache(maxsize=None)
+def _schema_names(op):
+    """The argument names of aten::op in this torch (its keyword-only arguments differ between versions: torch 2.11's
+    _flash_attention_forward has no block_table or num_splits)."""
+    return frozenset(a.name for a in getattr(torch.ops.aten, op).default._schema.arguments)
+
+
 def _fallback(op, key, reason, keyset, args, kwargs):
     fallbacks[(op, reason)] += 1
     kernel = _ORIGINAL.get((op, key))
@@ -107,7 +114,12 @@ def _fallback(op, key, reason, keyset, args, kwargs):
             "flashc.torch_backend: flashc does not take this aten::%s call (%s), and this torch (%s) has no "
             "torch.library.get_kernel to hand it to its own kernel; call flashc.torch_backend.disable() for such "
             "calls" % (op, reason, torch.__version__))
-    return kernel.call_boxed(keyset, *args, **kwargs)
+    names = _schema_names(op)
+    extra = [n for n, v in kwargs.items() if n not in names and v is not None]
+    if extra:  # cannot happen for a call torch made (it passes only its schema's arguments)
+        raise NotImplementedError("flashc.torch_backend: aten::%s in torch %s has no argument %s"
+                                  % (op, torch.__version__, ", ".join(extra)))
+    return kernel.call_boxed(keyset, *args, **{n: v for n, v in kwargs.items() if n in names})
 
 
 # ---- library calls into given outputs ---------------------------------------------------------------------------

@@ -76,6 +76,20 @@ class KeyMask:
             self.kv_length)
 
 
+_MU = []
+
+
+def _masking_utils():
+    """transformers.masking_utils, imported once (register() does it first): an import statement inside the mask
+    function would be traced by torch.compile, which some torch versions (2.11) refuse for transformers' lazy modules
+    ("Bad import result")."""
+    if not _MU:
+        from transformers import masking_utils
+
+        _MU.append(masking_utils)
+    return _MU[0]
+
+
 def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                   **kwargs):
     """transformers' mask interface (the arguments its create_causal_mask and create_sliding_window_causal_mask pass):
@@ -85,8 +99,7 @@ def mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     at the last query's position, so each sequence uses e = q_offset - kv_offset + Nq keys (fewer than kv_length in
     a static cache, which is then left out with seqused_k) and flashc's bottom-right alignment to e is transformers'
     causal mask; a sliding window of w positions is window (w - 1, 0) on that alignment."""
-    from transformers import masking_utils as mu
-
+    mu = _masking_utils()
     if isinstance(attention_mask, KeyMask):
         return attention_mask  # prepared already (by generate, see KeyMask.ndim)
     form = _form(mu, mask_function, kwargs.get("local_size"))
@@ -214,6 +227,7 @@ def register(name=NAME):
     if "flash" in name or "/" in name or "sdpa" in name or "flex_attention" in name or name in ("eager",):
         raise ValueError("flashc: transformers treats attention implementations named with 'flash', 'sdpa', "
                          "'flex_attention' or 'eager', or with a '/' (a hub kernel), as its own; %r is one" % name)
+    _masking_utils()
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_function)
     return name
