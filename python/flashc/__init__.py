@@ -153,8 +153,10 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array, attn_ma
                                  enable_gqa: bool = False) -> Array:
     """torch.nn.functional.scaled_dot_product_attention's interface: query (..., H, Nq, D), key/value
     (..., Hkv, Nk, D) -> (..., H, Nq, D), differentiable. is_causal is top-left aligned as in torch (query i sees
-    keys j <= i). The (B, H, N, D) tensors are passed with permuted strides, not copied. attn_mask and
-    dropout_p > 0 raise NotImplementedError."""
+    keys j <= i). The (B, H, N, D) tensors are passed with permuted strides, not copied. attn_mask runs the masks
+    flashc runs exactly (key padding with any set of keys, top-left or bottom-right causal, the two combined, all
+    True), recognized by an exact check; other masks raise ValueError naming these forms (python/README.md).
+    dropout_p > 0 raises NotImplementedError."""
     from . import _torch
 
     return _torch.sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
