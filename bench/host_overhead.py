@@ -9,6 +9,7 @@ the arithmetic is a few microseconds, the rest is Python, torch and library over
   fwd        flash_attn_func(q, k, v, causal=True) under torch.no_grad() against F.scaled_dot_product_attention
              (torch's default CPU choice, its flash kernel for these inputs) on the (B, H, N, D) views of the same data
   fwd+bwd    the same with q, k, v requiring grad, then torch.autograd.grad of the output
+  sdpa fwd, sdpa fwd+bwd   the same with flashc.scaled_dot_product_attention on the (B, H, N, D) views
 Every row is timed in several rounds taken in turns (flashc, torch, flashc, ...), so that a noisy machine (a VM
 shared with other jobs) affects both alike; the table gives the median round and the min.
 
@@ -74,7 +75,16 @@ def rows_cpu(b, n, h, d, dtype):
         out = F.scaled_dot_product_attention(qtl, ktl, vtl, is_causal=True)
         return torch.autograd.grad(out, (qtl, ktl, vtl), gt)
 
-    return [("fwd", fa_fwd, sdpa_fwd), ("fwd+bwd", fa_fwd_bwd, sdpa_fwd_bwd)]
+    def fc_sdpa_fwd():
+        with torch.no_grad():
+            return flashc.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def fc_sdpa_fwd_bwd():
+        out = flashc.scaled_dot_product_attention(qtl, ktl, vtl, is_causal=True)
+        return torch.autograd.grad(out, (qtl, ktl, vtl), gt)
+
+    return [("fwd", fa_fwd, sdpa_fwd), ("fwd+bwd", fa_fwd_bwd, sdpa_fwd_bwd),
+            ("sdpa fwd", fc_sdpa_fwd, sdpa_fwd), ("sdpa fwd+bwd", fc_sdpa_fwd_bwd, sdpa_fwd_bwd)]
 
 
 def main():
@@ -98,7 +108,7 @@ def main():
 
 
 def cpu_table(args):
-    print("%-30s %-8s %12s %12s %7s   (median of %d rounds; min in brackets)"
+    print("%-30s %-12s %12s %12s %7s   (median of %d rounds; min in brackets)"
           % ("shape", "row", "flashc us", "torch us", "ratio", args.rounds))
     for shape in ((1, 16, 2, 32), (1, 128, 2, 64)):
         for name, ours, peer in rows_cpu(*shape, torch.float32):
@@ -107,7 +117,7 @@ def cpu_table(args):
                 t_ours.append(host_us(ours, "cpu", args.calls))
                 t_peer.append(host_us(peer, "cpu", args.calls))
             mo, mp = statistics.median(t_ours), statistics.median(t_peer)
-            print("B%d N%d H%d D%d f32 causal        %-8s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
+            print("B%d N%d H%d D%d f32 causal        %-12s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
                   % (*shape, name, mo, min(t_ours), mp, min(t_peer), mo / mp))
     if args.profile:
         fwd = rows_cpu(1, 16, 2, 32, torch.float32)[0][1]

@@ -548,7 +548,19 @@ def _causal_args(kind, nq, nk):
     return nk, False, (-1, -1)
 
 
+def _fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
+    """flashc.ops.fast_sdpa (the per-shape plans' entry), which replaces this function once flashc.ops is imported."""
+    from . import ops
+
+    return ops.fast_sdpa(query, key, value, is_causal, scale, enable_gqa)
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is None and (dropout_p is None or dropout_p == 0):
+        # plain eager calls on 4-d tensors whose shapes were seen before (flashc.ops' per-shape plans); None otherwise
+        out = _fast_sdpa(query, key, value, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
     if dropout_p is not None and dropout_p != 0:
         _core.check_dropout(dropout_p)
     for n, t in (("query", query), ("key", key), ("value", value)):

@@ -284,17 +284,42 @@ from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func  # noq
 
 
 # ---- the direct path's per-shape plans (host time) -----------------------------------------------------------------
-# A plain eager flash_attn_func call on (B, N, H, D) tensors with no tensor options spends most of its host time on
-# work that depends only on the shapes, strides, dtypes, devices and scalar options: argument checks, the
+# A plain eager call of flash_attn_func on (B, N, H, D) tensors with no tensor options, or of
+# flashc.scaled_dot_product_attention on (B, H, N, D) tensors without attn_mask, spends most of its host time on work
+# that depends only on the shapes, strides, dtypes, devices and scalar options: argument checks, views, the
 # flashc_params struct, the flashc_tensor views, the workspace size. A plan holds that work for one such key, per
 # thread (each thread has its own library contexts, and the views' data pointers are set per call, so a plan must not
-# be shared by threads whose calls run at once: ctypes releases the GIL during the library call). A key is planned
-# only after its first call ran flashc.flash_attn_func's full path without an error, and only when the library
-# takes the layout as it is (no copy): the plan then makes the same library call with the same arguments, so it gives
-# the same bits, and any failure status sends the call back to the full path, which raises or copies as it always
-# does. Forward without autograd passes no lse pointer unless the lse is returned (the library then skips that store).
+# be shared by threads whose calls run at once: ctypes releases the GIL during the library call). The first call with
+# a key takes the full path (its checks, its errors); it plans the key first when the full path's Python checks pass
+# and the library takes the problem as it lies (flashc_supported, no copy). Later calls with the key make the same
+# library call with the same arguments through the plan, so they give the same bits (results and gradients, laid out
+# as the full path lays them out), and any failure status sends the call back to the full path, which raises or
+# copies as it always does. The forward without autograd passes no lse pointer unless the lse is returned (the
+# library then skips that store).
+#
+# SDPA's (B, H, N, D) tensors need no transposed views: the plan's flashc_tensor views carry the (B, N, H, D)
+# shapes and strides (the full path's transposes, as numbers), and the autograd function takes and returns the
+# caller's tensors, out laid out as the full path's out4.transpose(1, 2).
 _local = threading.local()
-_DEVICE_INDEX = None  # torch.cuda's raw current stream, when torch has it
+_BNHD, _BHND = 0, 1  # how a plan's 4-d tensors hold (B, N, H, D): as they are (flash-attn), or as SDPA's (B, H, N, D)
+_OK = _lib.STATUS_OK
+
+
+def _to4(t, layout):
+    """The full path's (B, N, H, D) view of a caller's tensor (_torch.sdpa's bnhd() for 4-d SDPA tensors)."""
+    return t if layout == _BNHD else t.reshape((-1,) + tuple(t.shape[-3:])).transpose(1, 2)
+
+
+def _from4(t4, layout):
+    """A (B, N, H, D) tensor as the full path hands it to the caller: SDPA's output, and its gradients as autograd
+    takes them back through the transpose and the reshape of _to4."""
+    if layout == _BNHD:
+        return t4
+    t = t4.transpose(1, 2)
+    return t.reshape(tuple(t.shape))
+
+
+_empty_like = torch.empty_like
 
 
 class _Fallback(Exception):
@@ -302,30 +327,50 @@ class _Fallback(Exception):
 
 
 class _Plan:
-    __slots__ = ("key", "ctx", "device", "params", "views", "out_shape", "lse_shape", "fwd_ws", "bwd_ws", "cuda")
+    __slots__ = ("key", "layout", "options", "thread", "ctx", "device", "cuda", "params", "views", "vdo",
+                 "out_shape", "out_stride", "out_like_q", "grad_alloc", "do_stride", "lse_like", "fwd_ws", "bwd_ws")
 
-    def __init__(self, key, q, k, v):
-        softmax_scale, causal, window_size, softcap, deterministic = key[-5:]
+    def __init__(self, key, layout, q, k, v, softmax_scale, causal, window, softcap, deterministic):
+        """q, k, v: tensors of the call being planned, in `layout`; the options as the full path resolves them."""
         self.key = key
+        self.layout = layout
+        self.options = (softmax_scale, causal, window, softcap, deterministic)
+        self.thread = _get_ident()
         device = q.device
         self.device = device
         self.cuda = device.type == "cuda"
         with _torch._device_guard(device):
             self.ctx = _torch._context(device)
-        left, right = _core.window_pair(window_size)
+        left, right = _core.window_pair(window)
         self.params = _core.make_params(softmax_scale=softmax_scale, causal=bool(causal), window=(left, right),
                                         softcap=float(softcap or 0.0), deterministic=bool(deterministic))
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-        # q, k, v, out, and the gradients' layouts (torch.empty_like of q, k, v, as the full path allocates them)
-        grads = [torch.empty_like(t) for t in (q, k, v)]
-        self.views = [_torch._view(t) for t in (q, k, v, out)] + [_torch._view(t) for t in grads]
-        self.out_shape = tuple(q.shape)
-        self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        # Tensors as the full path makes them, for this key: its (B, N, H, D) views of the inputs, out4 and the
+        # gradients' tensors, and what the caller gets (for SDPA transposed and reshaped: torch recomputes the strides
+        # of size-1 dimensions there). Each call allocates out and the gradients with those strides, by torch.empty_like
+        # of q, k, v where that gives them, and points these views at them.
+        q4, k4, v4 = (_to4(t, layout) for t in (q, k, v))
+        out4 = torch.empty(q4.shape, dtype=q.dtype, device=device)
+        grads4 = [torch.empty_like(t) for t in (q4, k4, v4)]
+        out = _from4(out4, layout)
+        grads = [_from4(g, layout) for g in grads4]
+        self.out_shape = tuple(out.shape)
+        self.do_stride = None
+        self.out_stride = out.stride()
+        self.out_like_q = torch.empty_like(q).stride() == self.out_stride
+        like = all(torch.empty_like(t).stride() == g.stride() for t, g in zip((q, k, v), grads))
+        self.grad_alloc = None if like else [(tuple(g.shape), g.stride()) for g in grads]
+        # torch.empty_like of a broadcast fp32 scalar gives a new contiguous (B, H, Nq) tensor (a stride-0 input is not
+        # dense, so its strides are not kept), for half the host time of torch.empty(shape, dtype=, device=)
+        self.lse_like = torch.empty((1,), dtype=torch.float32, device=device).expand(q4.shape[0], q4.shape[2],
+                                                                                       q4.shape[1])
+        # q, k, v, out, dq, dk, dv; dout's view is that of a dout laid out as out (set per call when autograd's is)
+        self.views = [_torch._view(t) for t in (q4, k4, v4, out4)] + [_torch._view(g) for g in grads4]
+        self.vdo = _torch._view(_to4(out, layout))
         self.fwd_ws = self.bwd_ws = 0
         lib = _lib.lib
         with _torch._device_guard(device):
             st = _core.supported_status(self.ctx, *self.views[:3], self.params)
-            if st != _lib.STATUS_OK:
+            if st != _OK:
                 raise _Fallback()
             if self.cuda:
                 n = ctypes.c_size_t(0)
@@ -336,56 +381,80 @@ class _Plan:
                                                               ctypes.byref(n)), "flashc_backward_workspace_size")
                 self.bwd_ws = n.value
 
-    def _begin(self):
+    def for_this_thread(self, q, k, v):
+        """This thread's plan for the key (autograd may run a backward on another thread than its forward's), made
+        from these tensors when the thread has none; None when it cannot be planned."""
+        plans = _plans()
+        plan = plans.get(self.key)
+        if plan is None:
+            try:
+                plan = plans[self.key] = _Plan(self.key, self.layout, q, k, v, *self.options)
+            except _Fallback:
+                return None
+        return plan
+
+    def _cpu_context(self):
         ctx = self.ctx
-        if self.cuda:
-            ctx.set_stream(_raw_stream(self.device))
-        else:
-            ctx.set_threads(_lib._num_threads or torch.get_num_threads())
-        return ctx
+        n = _lib._num_threads or _get_num_threads()  # as _lib.context sets it for the full path
+        if n != ctx._threads:
+            ctx.set_threads(n)
+        return ctx.handle
 
     def forward(self, q, k, v, want_lse):
         """(out, lse or None), or None when the library refused the call (nothing is returned then)."""
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device) if self.cuda else _empty_like_contig(q)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if want_lse else None
+        out = _empty_like(q) if self.out_like_q else torch.empty_strided(self.out_shape, self.out_stride,
+                                                                         dtype=q.dtype, device=self.device)
+        lse = _empty_like(self.lse_like) if want_lse else None
         vq, vk, vv, vo = self.views[:4]
         vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        lse_ptr = lse.data_ptr() if want_lse else None
         if self.cuda:
             with torch.cuda.device(self.device):
-                ctx = self._begin()
-                ws = torch.empty(self.fwd_ws, dtype=torch.uint8, device=q.device) if self.fwd_ws else None
-                st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo,
-                                             lse.data_ptr() if lse is not None else None,
+                ctx = self.ctx
+                ctx.set_stream(_raw_stream(self.device))
+                ws = torch.empty(self.fwd_ws, dtype=torch.uint8, device=self.device) if self.fwd_ws else None
+                st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo, lse_ptr,
                                              ws.data_ptr() if ws is not None else None, self.fwd_ws)
-                del ws
+                del ws  # stream-ordered: reused only after the kernels queued so far
         else:
-            ctx = self._begin()
-            st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo,
-                                         lse.data_ptr() if lse is not None else None, None, 0)
-        return (out, lse) if st == _lib.STATUS_OK else None
+            st = _lib.lib.flashc_forward(self._cpu_context(), vq, vk, vv, self.params, vo, lse_ptr, None, 0)
+        return (out, lse) if st == _OK else None
 
     def backward(self, dout, q, k, v, out, lse):
-        """(dq, dk, dv), or None when the library refused the call."""
+        """(dq, dk, dv) laid out as the full path's, or None when the library refused the call."""
         if dout.dtype != out.dtype:
             dout = dout.to(out.dtype)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if self.grad_alloc is None:
+            dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+        else:
+            (sq, tq), (sk, tk), (sv, tv) = self.grad_alloc
+            dq = torch.empty_strided(sq, tq, dtype=q.dtype, device=self.device)
+            dk = torch.empty_strided(sk, tk, dtype=q.dtype, device=self.device)
+            dv = torch.empty_strided(sv, tv, dtype=q.dtype, device=self.device)
         vq, vk, vv, vo, vdq, vdk, vdv = self.views
         vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         vdq.data, vdk.data, vdv.data = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-        vdo = _torch._view(dout)  # autograd's dout comes in any layout
-        lse = lse.contiguous()
-        guard = torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
-        with guard:
-            ctx = self._begin()
-            ws = torch.empty(self.bwd_ws, dtype=torch.uint8, device=q.device) if self.bwd_ws else None
-            st = _lib.lib.flashc_backward(ctx.handle, vq, vk, vv, vo, vdo, lse.data_ptr(), self.params, vdq, vdk, vdv,
-                                          ws.data_ptr() if ws is not None else None, self.bwd_ws)
-            del ws
-        return (dq, dk, dv) if st == _lib.STATUS_OK else None
-
-
-def _empty_like_contig(t):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
+        st = dout.stride()
+        if (st == self.out_stride or st == self.do_stride) and dout.shape == self.out_shape:
+            vdo = self.vdo
+            vdo.data = dout.data_ptr()
+        else:  # autograd's dout may come in any layout
+            vdo = _torch._view(_to4(dout, self.layout))
+            if dout.shape == self.out_shape and list(vdo.stride) == list(self.vdo.stride):
+                self.do_stride = st  # strides whose view is out's (they differ in size-1 dimensions only)
+        # lse is the forward's own fp32 contiguous tensor (saved, never exposed to a layout change)
+        if self.cuda:
+            with torch.cuda.device(self.device):
+                ctx = self.ctx
+                ctx.set_stream(_raw_stream(self.device))
+                ws = torch.empty(self.bwd_ws, dtype=torch.uint8, device=self.device) if self.bwd_ws else None
+                st = _lib.lib.flashc_backward(ctx.handle, vq, vk, vv, vo, vdo, lse.data_ptr(), self.params, vdq, vdk,
+                                              vdv, ws.data_ptr() if ws is not None else None, self.bwd_ws)
+                del ws
+        else:
+            st = _lib.lib.flashc_backward(self._cpu_context(), vq, vk, vv, vo, vdo, lse.data_ptr(),
+                                          self.params, vdq, vdk, vdv, None, 0)
+        return (dq, dk, dv) if st == _OK else None
 
 
 def _raw_stream(device):
@@ -395,47 +464,53 @@ def _raw_stream(device):
 
 
 class _FastFunction(torch.autograd.Function):
-    """flashc's autograd function for a planned call: the same library calls as _torch's, fewer Python steps."""
+    """flashc's autograd function for a planned call: the same library calls as _torch's, fewer Python steps. It
+    returns out alone unless the caller wants the lse (the lse is saved either way), so the common call has one
+    differentiable output and no lse gradient for autograd to fill with zeros."""
 
     # The plan is passed as an object, not its key: Function.apply walks tuple arguments with pytree, which for a key of
     # nested tuples costs more than the rest of apply.
     @staticmethod
-    def forward(ctx, plan, q, k, v):
+    def forward(ctx, plan, want_lse, q, k, v):
         r = plan.forward(q, k, v, True)
         if r is None:
             raise _Fallback()
         out, lse = r
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
+        if not want_lse:
+            return out
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's gradient is never used: no zeros made for it
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, *_dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        key = ctx.plan.key
-        plan = _plans().get(key)  # this thread's (autograd may run the backward on another thread)
-        if plan is None:
-            try:
-                plan = _plans()[key] = _Plan(key, q, k, v)
-            except _Fallback:
-                plan = None
+        if dout is None:  # what materialization would have passed
+            dout = torch.zeros_like(out)
+        plan = ctx.plan
+        if plan.thread != _get_ident():
+            plan = plan.for_this_thread(q, k, v)
         grads = plan.backward(dout, q, k, v, out, lse) if plan is not None else None
         if grads is None:
             # the full path: raises the library's error, or copies a layout it refuses
-            grads = _full_backward(dout, q, k, v, out, lse, key)
-        return (None,) + grads
+            grads = _full_backward(ctx.plan, dout, q, k, v, out, lse)
+        return (None, None) + grads
 
 
-def _full_backward(dout, q, k, v, out, lse, key):
-    softmax_scale, causal, window_size, softcap, deterministic = key[-5:]
-    opts = _torch._Options(q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                           deterministic=deterministic)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _full_backward(plan, dout, q, k, v, out, lse):
+    """The full path's backward (_torch._backward on the (B, N, H, D) views) for a planned forward."""
+    softmax_scale, causal, window, softcap, deterministic = plan.options
+    layout = plan.layout
     if dout.dtype != out.dtype:
         dout = dout.to(out.dtype)
-    _torch._backward(dout, q, k, v, out, lse.contiguous(), opts, dq, dk, dv)
-    return dq, dk, dv
+    do4, q4, k4, v4, out4 = (_to4(t, layout) for t in (dout, q, k, v, out))
+    dq4, dk4, dv4 = (torch.empty_like(t) for t in (q4, k4, v4))
+    opts = _torch._Options(q4, k4, softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
+                           deterministic=deterministic)
+    _torch._backward(do4, q4, k4, v4, out4, lse, opts, dq4, dk4, dv4)
+    return tuple(_from4(g, layout) for g in (dq4, dk4, dv4))
 
 
 def _plans():
@@ -449,40 +524,59 @@ _T = torch.Tensor
 _compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
+_get_num_threads = torch.get_num_threads
+_get_ident = threading.get_ident
 _MAX_PLANS = 256  # per thread; the cache is cleared when full (shapes that keep changing get no benefit)
+
+
+def _plain_eager(q, k, v):
+    """_eager's rule for three tensors, in its cheapest order: plain tensors (not Parameters: those take the full
+    path), no torch.compile, dispatch mode, torch.func transform or CUDA-graph capture."""
+    return (type(q) is _T and type(k) is _T and type(v) is _T and _EAGER_FAST_PATH and not _compiling()
+            and not _dispatch_stack_len() and not _functorch_active()
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _lookup(key):
+    """(this thread's plans, the plan for key or None); key may be unhashable (an option given as a list)."""
+    try:
+        plans = _local.plans
+        return plans, plans.get(key)
+    except AttributeError:  # no plans on this thread yet
+        return _plans(), None
+    except TypeError:
+        return _local.plans, None
+
+
+def _run(plan, q, k, v, want_lse):
+    """(out, lse or None) through the plan, with autograd when q, k or v requires a gradient; None when the library
+    refused the call."""
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        try:
+            r = _FastFunction.apply(plan, want_lse, q, k, v)
+        except _Fallback:
+            return None
+        return r if want_lse else (r, None)
+    return plan.forward(q, k, v, want_lse)
 
 
 def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
     """flash_attn_func's result for a plain eager call on (B, N, H, D) tensors with no tensor options, through this
     thread's plan for the call's key; None when the call must take the full path (not plain eager tensors, no plan
     yet, the library refused it)."""
-    if not (type(q) is _T and type(k) is _T and type(v) is _T) or not _EAGER_FAST_PATH or _compiling() \
-            or _dispatch_stack_len() or _functorch_active() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not _plain_eager(q, k, v):
         return None
-    try:
-        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-               q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap,
-               deterministic)
-        plans = _local.plans
-        plan = plans.get(key)
-    except (AttributeError, TypeError):  # no plans on this thread yet; an unhashable option (a list)
-        plans = _plans()
-        plan = None
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap, deterministic)
+    plans, plan = _lookup(key)
     if plan is None:
         # this call takes the full path (its checks, its errors); the next ones with this key the plan
         _build(plans, key, q, k, v)
         return None
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        try:
-            out, lse = _FastFunction.apply(plan, q, k, v)
-        except _Fallback:
-            return None
-    else:
-        r = plan.forward(q, k, v, return_attn_probs)
-        if r is None:
-            return None
-        out, lse = r
-    return (out, lse, None) if return_attn_probs else out
+    r = _run(plan, q, k, v, return_attn_probs)
+    if r is None:
+        return None
+    return (r[0], r[1], None) if return_attn_probs else r[0]
 
 
 def _build(plans, key, q, k, v):
@@ -497,12 +591,61 @@ def _build(plans, key, q, k, v):
         plans.clear()
     if 0 in q.shape or 0 in k.shape:
         return
+    softmax_scale, causal, window_size, softcap, deterministic = key[-5:]
     try:
         _torch._check("q", q)
         if not (k.dtype == v.dtype == q.dtype and q.dim() == k.dim() == v.dim() == 4 and k.shape == v.shape
                 and q.device == k.device == v.device and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3]):
             return
-        plans[key] = _Plan(key, q, k, v)
+        plans[key] = _Plan(key, _BNHD, q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
+    except (_Fallback, TypeError, ValueError, _lib.FlashcError):
+        return
+
+
+_SDPA = "sdpa"  # the last element of an SDPA key (its keys never equal flash_attn_func's)
+
+
+def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
+    """flashc.scaled_dot_product_attention's result for a plain eager call on 4-d (B, H, N, D) tensors without
+    attn_mask or dropout, through this thread's plan for the call's key; None when the call must take the full path."""
+    if not _plain_eager(query, key, value):
+        return None
+    k = (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
+         value.dtype, query.get_device(), key.get_device(), value.get_device(), scale, is_causal, enable_gqa, _SDPA)
+    plans, plan = _lookup(k)
+    if plan is None:
+        _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa)
+        return None
+    r = _run(plan, query, key, value, False)
+    return None if r is None else r[0]
+
+
+def _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa):
+    """Plans an SDPA key when the full path (_torch.sdpa) would run the problem as one flashc call on the (B, N, H, D)
+    transposes of 4-d inputs: its checks pass, and the causal mask keeps every key (top-left causal with Nq < Nk
+    drops keys by a view, which the full path's autograd handles)."""
+    try:
+        hash(k)
+    except TypeError:
+        return
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    try:
+        for n, t in (("query", query), ("key", key), ("value", value)):
+            _torch._check(n, t)
+        if not (query.dim() == key.dim() == value.dim() == 4 and key.dtype == value.dtype == query.dtype
+                and query.device == key.device == value.device and key.shape == value.shape
+                and query.shape[0] == key.shape[0] and query.shape[3] == key.shape[3]):
+            return
+        if 0 in query.shape or 0 in key.shape:
+            return
+        h, nq, hkv, nk = query.shape[1], query.shape[2], key.shape[1], key.shape[2]
+        if h != hkv and not enable_gqa:
+            return
+        kept, causal, window = _torch._causal_args("top-left" if is_causal else None, nq, nk)
+        if kept != nk:
+            return
+        plans[k] = _Plan(k, _BHND, query, key, value, scale, causal, window, 0.0, False)
     except (_Fallback, TypeError, ValueError, _lib.FlashcError):
         return
 
@@ -510,3 +653,4 @@ def _build(plans, key, q, k, v):
 from . import flash_attn_interface as _fai  # noqa: E402
 
 _fai._fast = fast_flash_attn_func
+_torch._fast_sdpa = fast_sdpa

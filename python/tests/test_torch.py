@@ -1056,3 +1056,179 @@ def test_bert_padding(gen):
     g_want = torch.autograd.grad(want[real].sum(), (q, k, v))
     for a, w in zip(g, g_want):
         assert rel_err(a, w) <= 1e-5
+
+
+# ---- per-shape plans of the eager path (host time): the same results as the full path ------------------------------
+@contextlib.contextmanager
+def _full_path():
+    """flashc.scaled_dot_product_attention and flash_attn_func take their full path (no per-shape plan) inside."""
+    import flashc.flash_attn_interface as fai
+    from flashc import _torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_torch, "_fast_sdpa", lambda *a: None)
+        mp.setattr(fai, "_fast", lambda *a: None)
+        yield
+
+
+def _count_plans(monkeypatch):
+    from flashc import ops
+
+    calls = []
+    real = ops._Plan.forward
+
+    def counting(self, *a):
+        calls.append(self.layout)
+        return real(self, *a)
+
+    monkeypatch.setattr(ops._Plan, "forward", counting)
+    return calls
+
+
+SDPA_PLAN_CASES = [
+    # (name, (B, H, Nq, D), (B, Hkv, Nk, D), dtype, storage, sdpa keywords)
+    ("square_causal_bnhd_storage", (2, 4, 24, 32), (2, 4, 24, 32), torch.float32, "bnhd", dict(is_causal=True)),
+    ("gqa_scale_contiguous", (1, 6, 17, 64), (1, 2, 40, 64), torch.float32, "bhnd",
+     dict(scale=0.3, enable_gqa=True)),
+    ("q_gt_k_causal_window", (2, 2, 30, 16), (2, 2, 12, 16), torch.float32, "bnhd", dict(is_causal=True)),
+    ("q_lt_k_causal_unplanned", (1, 2, 9, 16), (1, 2, 20, 16), torch.float32, "bnhd", dict(is_causal=True)),
+    ("bf16", (1, 4, 16, 32), (1, 4, 16, 32), torch.bfloat16, "bnhd", dict(is_causal=True)),
+    ("decode_f16", (3, 8, 1, 64), (3, 2, 50, 64), torch.float16, "bhnd", dict(enable_gqa=True)),
+]
+
+
+def _sdpa_tensors(sq, sk, dtype, storage):
+    def mk(s):
+        if storage == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D): what a model's q.view(...).transpose gives
+            return torch.randn(s[0], s[2], s[1], s[3]).to(dtype).transpose(1, 2)
+        return torch.randn(s).to(dtype)
+    return mk(sq), mk(sk), mk(sk), mk(sq)
+
+
+@pytest.mark.parametrize("case", SDPA_PLAN_CASES, ids=[c[0] for c in SDPA_PLAN_CASES])
+def test_sdpa_plan_same_bits(case, gen, monkeypatch):
+    """Repeated flashc.scaled_dot_product_attention calls with one key run its per-shape plan: out and every gradient
+    are the full path's bits and strides, with and without autograd, over new tensors each call."""
+    _, sq, sk, dtype, storage, kw = case
+    calls = _count_plans(monkeypatch)
+    for _ in range(2):
+        q, k, v, do = _sdpa_tensors(sq, sk, dtype, storage)
+        b = [t.clone().requires_grad_() for t in (q, k, v)]
+        with _full_path():
+            want = flashc.scaled_dot_product_attention(*b, **kw)
+            want_grads = torch.autograd.grad(want, b, do)
+            with torch.no_grad():
+                want_nograd = flashc.scaled_dot_product_attention(q, k, v, **kw)
+        for _ in range(3):  # the first call with the key plans it, the next ones use the plan
+            a = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = flashc.scaled_dot_product_attention(*a, **kw)
+            assert torch.equal(out, want) and out.stride() == want.stride() and out.requires_grad
+            for x, y in zip(torch.autograd.grad(out, a, do), want_grads):
+                assert torch.equal(x, y) and x.stride() == y.stride()
+            with torch.no_grad():
+                o = flashc.scaled_dot_product_attention(q, k, v, **kw)
+                assert torch.equal(o, want_nograd) and o.stride() == want_nograd.stride()
+    if case[0].endswith("unplanned"):
+        assert not calls  # top-left causal with Nq < Nk drops keys by a view: always the full path
+    else:
+        assert calls.count(1) >= 8  # the SDPA layout's plans ran
+
+
+def test_plan_gradient_layouts_and_lse(gen, monkeypatch):
+    """flash_attn_func's plan under autograd: a dout in another layout than out (a broadcast from .sum(), a transposed
+    one), return_attn_probs with its non-differentiable lse, a backward that reaches out only through lse-free paths:
+    all the full path's bits."""
+    q, k, v = (torch.randn(2, 19, 4, 32) for _ in range(3))
+    kw = dict(causal=True, softcap=3.0)
+    with _full_path():
+        b = [t.clone().requires_grad_() for t in (q, k, v)]
+        want, want_lse, _ = flashc.flash_attn_func(*b, return_attn_probs=True, **kw)
+        dt = torch.randn(2, 4, 19, 32).transpose(1, 2)
+        want_sum = torch.autograd.grad(want.sum(), b, retain_graph=True)
+        want_t = torch.autograd.grad(want, b, dt)
+    calls = _count_plans(monkeypatch)
+    for _ in range(3):
+        a = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse, none = flashc.flash_attn_func(*a, return_attn_probs=True, **kw)
+        assert none is None and torch.equal(out, want) and torch.equal(lse, want_lse) and not lse.requires_grad
+        for x, y in zip(torch.autograd.grad(out.sum(), a, retain_graph=True), want_sum):
+            assert torch.equal(x, y)
+        for x, y in zip(torch.autograd.grad(out, a, dt), want_t):
+            assert torch.equal(x, y)
+        a = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flashc.flash_attn_func(*a, **kw)  # out alone: lse saved, not an output
+        (out * 2).sum().backward()
+        for x, y in zip(a, want_sum):
+            assert torch.equal(x.grad, 2 * y)
+    assert len(calls) >= 5
+
+
+def test_plan_backward_on_another_thread(gen):
+    """A forward made with one thread's plan and its backward run on another thread (which has its own plans and
+    library contexts): the same gradients as on one thread."""
+    import threading
+
+    q, k, v, do = (torch.randn(1, 12, 2, 16) for _ in range(4))
+    outs = {}
+
+    def fwd(name):
+        for _ in range(3):  # plan the key on this thread
+            a = [t.clone().requires_grad_() for t in (q, k, v)]
+            outs[name] = (a, flashc.flash_attn_func(*a, causal=True))
+
+    fwd("main")
+    want = torch.autograd.grad(outs["main"][1], outs["main"][0], do)
+    th = threading.Thread(target=fwd, args=("other",))
+    th.start()
+    th.join()
+    a, out = outs["other"]
+    assert torch.equal(out, outs["main"][1])
+    for x, y in zip(torch.autograd.grad(out, a, do), want):
+        assert torch.equal(x, y)
+
+
+def test_plan_errors_unchanged(gen):
+    """Calls with a planned shape raise as the full path does: refusals are never planned, and an in-place change
+    of an input before the backward is caught by autograd."""
+    q = torch.randn(1, 4, 8, 16)
+    kv = torch.randn(1, 2, 8, 16)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="enable_gqa"):
+            flashc.scaled_dot_product_attention(q, kv, kv)
+        with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+            flashc.scaled_dot_product_attention(q.double(), q.double(), q.double())
+        with pytest.raises(NotImplementedError, match="dropout"):
+            flashc.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+        with pytest.raises(flashc.FlashcError):  # the library's H % Hkv check
+            flashc.scaled_dot_product_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16),
+                                                enable_gqa=True)
+        with pytest.raises(ValueError, match="window_size"):
+            flashc.flash_attn_func(q, q, q, window_size=(1, 2, 3))
+    for _ in range(3):
+        a = q.clone().requires_grad_()
+        out = flashc.scaled_dot_product_attention(a, a, a, is_causal=True)
+        with torch.no_grad():
+            a.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("api", ["sdpa", "flash_attn_func"])
+def test_plan_backward_fallback(api, gen, monkeypatch):
+    """When the library refuses a planned backward, the full path's backward runs on the planned forward's tensors:
+    the same gradients, laid out the same."""
+    from flashc import ops
+
+    if api == "sdpa":
+        shape, fn = (1, 4, 1, 32), lambda *t: flashc.scaled_dot_product_attention(*t, is_causal=True)
+    else:
+        shape, fn = (2, 13, 3, 16), lambda *t: flashc.flash_attn_func(*t, causal=True, window_size=(4, 1))
+    q, k, v, do = (torch.randn(shape) for _ in range(4))
+    with _full_path():
+        b = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = torch.autograd.grad(fn(*b), b, do)
+    monkeypatch.setattr(ops._Plan, "backward", lambda self, *a: None)
+    for _ in range(3):
+        a = [t.clone().requires_grad_() for t in (q, k, v)]
+        for x, y in zip(torch.autograd.grad(fn(*a), a, do), want):
+            assert torch.equal(x, y) and x.stride() == y.stride()
