@@ -187,7 +187,6 @@ def fig_runtime(cfg, prog):
         nan = float("nan")
         rows.append((N, tf["flashc"] * 1e3, tf.get("standard", nan) * 1e3, tb["flashc"] * 1e3,
                      tb.get("standard", nan) * 1e3))
-        del q, k, v, g
     return rows
 
 
@@ -235,10 +234,10 @@ def fig_memory(cfg, prog):
                     try:
                         if with_bwd:
                             out = f()
-                            grads = torch.autograd.grad(out, (q, k, v), g)
+                            torch.autograd.grad(out, (q, k, v), g)
                             # the outputs and gradients are what the caller asked for, not extra
                             own = out.numel() * out.element_size() * 4
-                            del grads, out
+                            del out
                         else:
                             with torch.no_grad():
                                 out = f()
@@ -431,7 +430,6 @@ def fig_backward(cfg, prog):
             "standard": lambda: torch.autograd.grad(out_std, (q, k, v), g, retain_graph=True)}, cfg.reps, dev)
         rows.append((N, t["flashc"] * 1e3, t["standard"] * 1e3, std_bytes(B, H, N, dt) / 2 / 2 ** 20,
                      B * H * N * 4 / 2 ** 20))
-        del out_std, q, k, v, g
     return rows
 
 
