@@ -9,23 +9,25 @@ class FlashcCopyWarning(UserWarning):
     """The library refused a tensor layout, so flashc copied the inputs to contiguous tensors for that call."""
 
 
-# Feature names used in NotImplementedError messages, so that callers can see exactly what is missing.
-DROPOUT_MSG = (
-    "flashc: dropout (dropout_p > 0) is not supported yet; pass dropout_p=0.0 (e.g. in eval mode) or use "
-    "another attention implementation for training with attention dropout"
-)
-
-
 def check_dropout(dropout_p):
-    # p == 0 returns before any float() or math.isnan: torch.compile(dynamic=True) may pass a symbolic float, which
-    # a comparison traces (as a guard) but math.isnan does not.
+    """dropout_p as a float in [0, 1) (0.0 for None); ValueError otherwise."""
+    # p == 0 returns before any float(): torch.compile(dynamic=True) may pass a symbolic float, which a comparison
+    # traces (as a guard) but math.isnan does not (p != p is NaN's test that traces).
     if dropout_p is None or dropout_p == 0:
-        return
-    p = float(dropout_p)
-    if p < 0.0 or p >= 1.0 or math.isnan(p):
+        return 0.0
+    if not (0.0 <= dropout_p < 1.0):  # False for NaN too
         raise ValueError("dropout_p must be in [0, 1), got %r" % (dropout_p,))
-    if p > 0.0:
-        raise NotImplementedError(DROPOUT_MSG)
+    return dropout_p
+
+
+def dropout_mask(params, b, h, nq, nk, ptr):
+    """flashc_dropout_mask into ptr (b * h * nq * nk bytes): 1 where the calls with these params keep an element."""
+    if not _lib.bound("flashc_dropout_mask"):
+        raise NotImplementedError(
+            "flashc: the dropout mask (return_attn_probs=True with dropout_p > 0) needs a libflashc with "
+            "flashc_dropout_mask; the loaded %s (version %s) lacks it: rebuild it" % (_lib.library_path,
+                                                                                     _lib.version()))
+    _lib.check(_lib.lib.flashc_dropout_mask(params, b, h, nq, nk, ptr), "flashc_dropout_mask")
 
 
 def window_pair(window_size):
@@ -108,7 +110,7 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
                 alibi_batch_stride=0, block_mask_ptr=None, block_size=(0, 0), block_mask_dims=(1, 1),
                 cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
                 seqused_k_ptr=None, sinks_ptr=None, dsinks_ptr=None, block_table_ptr=None, block_table_max_pages=0,
-                block_table_stride=0):
+                block_table_stride=0, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
     p = _lib.lib.flashc_params_default()
     # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
     # softmax_scale=None means everywhere in this package.
@@ -130,6 +132,10 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
         p.max_seqlen_q = max_seqlen_q
         p.max_seqlen_k = max_seqlen_k
     p.deterministic = 1 if deterministic else 0
+    if dropout_p:
+        p.dropout_p = float(dropout_p)
+        p.dropout_seed = dropout_seed & 0xFFFFFFFFFFFFFFFF
+        p.dropout_offset = dropout_offset & 0xFFFFFFFFFFFFFFFF
     if seqused_k_ptr:
         _set_field(p, "seqused_k", seqused_k_ptr, "seqused_k")
     if sinks_ptr:

@@ -45,7 +45,12 @@ class _Options:
     def __init__(self, q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic=False,
                  seqused_k=None, sinks=None, dsinks=None):
-        _core.check_dropout(dropout_p)
+        if _core.check_dropout(dropout_p):
+            # no generator to draw a seed from (torch's is what controls flashc's dropout) and no autograd to carry it
+            # to the backward: dropout runs on torch tensors
+            raise NotImplementedError(
+                "flashc: dropout (dropout_p > 0) runs on torch tensors (seeded from torch's generator, the mask "
+                "replayed by autograd's backward), not on numpy arrays")
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.keep = []
         kw = dict(softmax_scale=softmax_scale, causal=causal, window=_core.window_pair(window_size),

@@ -66,6 +66,23 @@ def _workspace(ctx, device, fn, views, params):
     return ws, ws.data_ptr(), n.value, st
 
 
+# ---- dropout's seed and offset --------------------------------------------------------------------------------------
+# flashc's mask is Philox keyed by a 64-bit seed over the streams offset .. offset + B*H - 1 (README, src/dropout.h).
+# flash-attn takes (seed, offset) from the CUDA generator's Philox state and advances its offset; torch's CPU generator
+# (mt19937) has no such offset, and a counter kept here would be neither reset by torch.manual_seed nor saved by
+# torch.get_rng_state. So each call with dropout draws both numbers from torch's default generator for the tensors'
+# device, uniform over the full int64 range (taken mod 2**64): torch.manual_seed(s) replays the same masks, and each
+# call gets a fresh key, so consecutive calls get fresh masks whatever B*H is (no offset bookkeeping across calls). The
+# draw is an ordinary torch.randint, which torch.compile traces into the graph and AOT autograd keeps in the forward
+# (under Inductor's own RNG lowering the numbers differ from eager, as for torch's own dropout, unless
+# torch._inductor.config.fallback_random is set). The pair travels as an int64 tensor (2,) so that torch.ops.flashc
+# can take it as an argument and save it for the backward, which reuses it and never reads the generator: the
+# backward recomputes the forward's mask. p == 0 draws nothing, so calls without dropout leave the generator as it was.
+def dropout_rng(device):
+    """A fresh (seed, offset) as an int64 tensor (2,) on device, drawn from torch's default generator there."""
+    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+
+
 # ---- options -----------------------------------------------------------------------------------------------------
 class _Options:
     """Attention options resolved against the problem: the tensors flashc_params points at live here, on the
@@ -74,11 +91,16 @@ class _Options:
     def __init__(self, q4, k4, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, deterministic=False, seqused_k=None, sinks=None,
-                 block_table=None):
+                 block_table=None, dropout_p=0.0, dropout_rng=None):
+        """dropout_p > 0 needs dropout_rng, the (seed, offset) int64 tensor (2,) of dropout_rng()."""
         device = q4.device
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.kw = dict(softmax_scale=softmax_scale, causal=bool(causal), window=_core.window_pair(window_size),
                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
+        self.dropout_p = float(dropout_p or 0.0)
+        if self.dropout_p:
+            seed, offset = (int(x) for x in dropout_rng.tolist())
+            self.kw.update(dropout_p=self.dropout_p, dropout_seed=seed, dropout_offset=offset)
         self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = self.table = None
         if self.varlen:
             if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -336,10 +358,12 @@ class _AttentionFunction(torch.autograd.Function):
         return (None, None, dsinks) + grads
 
 
-def apply(kind, inputs, varlen=False, dropout_p=0.0, sinks=None, **options):
+def apply(kind, inputs, varlen=False, dropout_p=0.0, sinks=None, return_probs=False, **options):
     """(out, lse) with autograd for inputs laid out as `kind` (see _Layout), differentiable w.r.t. the inputs and
-    sinks (a tensor of H logits); options go to _Options."""
-    _core.check_dropout(dropout_p)
+    sinks (a tensor of H logits); options go to _Options. dropout_p > 0 draws the mask's (seed, offset) from torch's
+    generator (dropout_rng). return_probs: (out, lse, S_dmask) with S_dmask as probs() gives it when dropout_p > 0,
+    None otherwise (flash-attn's return_attn_probs)."""
+    dropout_p = _core.check_dropout(dropout_p)
     names = {"q,k,v": ("q", "k", "v"), "qkv": ("qkv",), "q,kv": ("q", "kv")}[kind]
     device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else None
     for n, t in zip(names, inputs):
@@ -367,19 +391,87 @@ def apply(kind, inputs, varlen=False, dropout_p=0.0, sinks=None, **options):
         _core.check_sinks_shape(s32.shape, q4.shape[2])
         # In autograd: a sinks tensor of another dtype or device gets its gradient back in its own.
         s32 = s32.to(device=q4.device, dtype=torch.float32).contiguous()
-    opts = _Options(q4, k4, sinks=s32, **options)
+    rng = dropout_rng(q4.device) if dropout_p else None
+    opts = _Options(q4, k4, sinks=s32, dropout_p=dropout_p, dropout_rng=rng, **options)
     if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or (s32 is not None and s32.requires_grad)):
-        return _AttentionFunction.apply(opts, layout, s32, *inputs)
-    # Nothing to differentiate (inference, torch.no_grad()): the same forward without an autograd node.
-    out4, lse = _forward(q4, k4, v4, opts)
-    return (out4[0] if varlen else out4), lse
+        out, lse = _AttentionFunction.apply(opts, layout, s32, *inputs)
+    else:
+        # Nothing to differentiate (inference, torch.no_grad()): the same forward without an autograd node.
+        out4, lse = _forward(q4, k4, v4, opts)
+        out = out4[0] if varlen else out4
+    if not return_probs:
+        return out, lse
+    return out, lse, (probs(q4, k4, lse, opts) if dropout_p else None)
+
+
+def probs(q4, k4, lse, opts):
+    """flash-attn's S_dmask for a forward with dropout: (B, H, Nq, Nk) in q's dtype (varlen: (num_seqs, H,
+    max_seqlen_q, max_seqlen_k), sequence b in the first rows and columns of its planes, 0 beyond), holding the
+    attention probabilities P = exp(s - lse) recomputed in fp32 from q, k and the forward's lse (so normalized, the
+    undropped softmax, not scaled by 1 / (1 - p); 0 where a mask hides a key) with the sign carrying the dropout
+    mask: where(keep, P, -P), keep from flashc_dropout_mask for the call's params. No gradient flows through it."""
+    if opts.mask is not None:
+        raise NotImplementedError("flashc: return_attn_probs=True with dropout is not supported with a block mask")
+    B, H, Nq, Nk = opts.B, opts.H, opts.Nq, opts.Nk
+    keep = torch.empty((B, H, Nq, Nk), dtype=torch.uint8)
+    if keep.numel():
+        _core.dropout_mask(opts.params(), B, H, Nq, Nk, keep.data_ptr())
+    device = q4.device
+    p = torch.zeros((B, H, Nq, Nk), dtype=torch.float32, device=device)
+    kw = opts.kw
+    d = q4.shape[-1]
+    scale = kw["softmax_scale"] or 1.0 / d ** 0.5
+    left, right = kw["window"]
+    if kw["causal"]:
+        right = 0
+    softcap = kw["softcap"]
+    group = H // k4.shape[2]
+    cq = opts.cu_q.tolist() if opts.varlen else None
+    ck = opts.cu_k.tolist() if opts.varlen else None
+    table = opts.table.long() if opts.table is not None else None
+    used = opts.used.tolist() if opts.used is not None else None
+    with torch.no_grad():
+        for b in range(B):
+            if table is not None:  # paged: sequence b's keys are its pages' rows, in table order
+                kb = k4[table[b]].flatten(0, 1)
+                qb, lb = (q4[0, cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]]) if opts.varlen else (q4[b], lse[b])
+                if opts.varlen:
+                    kb = kb[:ck[b + 1] - ck[b]]
+            elif opts.varlen:
+                qb, kb, lb = q4[0, cq[b]:cq[b + 1]], k4[0, ck[b]:ck[b + 1]], lse[:, cq[b]:cq[b + 1]]
+            else:
+                qb, kb, lb = q4[b], k4[b], lse[b]
+            if used is not None:
+                kb = kb[:used[b]]
+            nq, nk = qb.shape[0], kb.shape[0]
+            if nq == 0 or nk == 0:
+                continue
+            s = torch.einsum("ihd,jhd->hij", qb.float(), kb.float().repeat_interleave(group, dim=1)) * scale
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            i = torch.arange(nq, device=device)[:, None] + (nk - nq)  # the query's diagonal key
+            j = torch.arange(nk, device=device)[None, :]
+            if opts.alibi is not None:
+                slopes = opts.alibi[b] if opts.alibi.dim() == 2 else opts.alibi
+                s = s - slopes[:, None, None] * (i - j).abs()
+            visible = torch.ones((nq, nk), dtype=torch.bool, device=device)
+            if left >= 0:
+                visible &= j >= i - left
+            if right >= 0:
+                visible &= j <= i + right
+            p[b, :, :nq, :nk] = torch.exp(s - lb.float()[:, :, None]).masked_fill(~visible, 0.0)
+        return torch.where(keep.to(device=device, dtype=torch.bool), p, -p).to(q4.dtype)
 
 
 def attention_backward(dout, q, k, v, out, softmax_lse, *, dropout_p=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
                        sinks=None, **options):
     """dq, dk, dv for torch tensors without autograd (see flashc.attention_backward); with sinks also dsinks, in
     the sinks' dtype and on their device when they are a floating-point tensor (else fp32 on q's device)."""
-    _core.check_dropout(dropout_p)
+    if _core.check_dropout(dropout_p):
+        raise NotImplementedError(
+            "flashc: attention_backward does not take dropout_p > 0 (the forward's mask comes from a seed drawn "
+            "inside it); differentiate flashc.attention or flash_attn_func with autograd instead, whose backward "
+            "replays the forward's mask")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     device = q.device
     for n, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
@@ -440,16 +532,18 @@ def attend(q4, k4, v4, softmax_scale=None, causal=False, window_size=(-1, -1), s
                         softcap=softcap, seqused_k=seqused_k, block_mask=block_mask, block_size=block_size,
                         sinks=sinks, dropout_p=dropout_p)
         return out4
-    if dropout_p:
-        raise NotImplementedError("flashc: dropout_p > 0 is not supported through torch.ops.flashc.fwd")
     from . import ops  # noqa: F401  (registers torch.ops.flashc.fwd / bwd on first use)
+
+    dropout_p = _core.check_dropout(dropout_p)
+    rng = dropout_rng(q4.device) if dropout_p else None
 
     left, right = _core.window_pair(window_size)
     bq, bk = block_size if block_mask is not None else (0, 0)
     if sinks is not None:
         sinks = sinks.to(device=q4.device, dtype=torch.float32)
     out4, _ = torch.ops.flashc.fwd(q4, k4, v4, None, None, 0, 0, softmax_scale, bool(causal), left, right,
-                                   float(softcap or 0.0), None, block_mask, bq, bk, seqused_k, sinks, False)
+                                   float(softcap or 0.0), None, block_mask, bq, bk, seqused_k, sinks, False,
+                                   None, dropout_p, rng)
     return out4
 
 
@@ -561,8 +655,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         out = _fast_sdpa(query, key, value, is_causal, scale, enable_gqa)
         if out is not None:
             return out
-    if dropout_p is not None and dropout_p != 0:
-        _core.check_dropout(dropout_p)
+    dropout_p = _core.check_dropout(dropout_p)
     for n, t in (("query", query), ("key", key), ("value", value)):
         _check(n, t, query.device if isinstance(query, torch.Tensor) else None)
         if t.dim() < 3:
@@ -604,7 +697,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if used is not None:
         used = used.expand(q4.shape[0]).contiguous()  # (1,) for a mask without a batch dimension
     out4 = attend(q4, k4, v4, softmax_scale=scale, causal=causal, window_size=window, seqused_k=used,
-                  block_mask=block_mask, block_size=block_size, dropout_p=dropout_p or 0.0)
+                  block_mask=block_mask, block_size=block_size, dropout_p=dropout_p)
     out = out4.transpose(1, 2)  # (B, H, Nq, D) view
     return out[0] if query.dim() == 3 else out.reshape(tuple(lead) + tuple(out.shape[1:]))
 

@@ -50,7 +50,7 @@ Tensor = torch.Tensor
 # ---- the operators ---------------------------------------------------------------------------------------------
 def _options(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
              window_right, softcap, alibi_slopes, block_mask, block_q, block_k, seqused_k, sinks, deterministic,
-             block_table):
+             block_table, dropout_p, dropout_rng):
     varlen = cu_seqlens_q is not None
     return _torch._Options(
         q4, k4, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
@@ -58,7 +58,8 @@ def _options(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
         block_size=(block_q, block_k) if block_mask is not None else None,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q if varlen else None, max_seqlen_k=max_seqlen_k if varlen else None,
-        deterministic=deterministic, seqused_k=seqused_k, sinks=sinks, block_table=block_table)
+        deterministic=deterministic, seqused_k=seqused_k, sinks=sinks, block_table=block_table, dropout_p=dropout_p,
+        dropout_rng=dropout_rng)
 
 
 def _check_varlen(cu_seqlens_q, cu_seqlens_k):
@@ -87,12 +88,13 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seq
          max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
          window_right: int, softcap: float, alibi_slopes: Optional[Tensor], block_mask: Optional[Tensor],
          block_q: int, block_k: int, seqused_k: Optional[Tensor], sinks: Optional[Tensor],
-         deterministic: bool, block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+         deterministic: bool, block_table: Optional[Tensor] = None, dropout_p: float = 0.0,
+         dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     varlen = _check_varlen(cu_seqlens_q, cu_seqlens_k)
     q4, k4, v4 = _as4(varlen, block_table, q, k, v)
     opts = _options(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                     window_left, window_right, softcap, alibi_slopes, block_mask, block_q, block_k, seqused_k, sinks,
-                    deterministic, block_table)
+                    deterministic, block_table, dropout_p, dropout_rng)
     out4, lse = _torch._forward(q4, k4, v4, opts)
     return (out4[0] if varlen else out4), lse
 
@@ -100,7 +102,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seq
 @_fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
               window_right, softcap, alibi_slopes, block_mask, block_q, block_k, seqused_k, sinks, deterministic,
-              block_table=None):
+              block_table=None, dropout_p=0.0, dropout_rng=None):
     varlen = _check_varlen(cu_seqlens_q, cu_seqlens_k)
     if q.dim() != (3 if varlen else 4):
         raise ValueError("flashc: q must be %s, got shape %s"
@@ -114,7 +116,8 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse
          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
          alibi_slopes: Optional[Tensor], block_mask: Optional[Tensor], block_q: int, block_k: int,
          seqused_k: Optional[Tensor], sinks: Optional[Tensor], deterministic: bool,
-         block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+         block_table: Optional[Tensor] = None, dropout_p: float = 0.0,
+         dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = _check_varlen(cu_seqlens_q, cu_seqlens_k)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     q4, k4, v4 = _as4(varlen, block_table, q, k, v)
@@ -124,7 +127,7 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse
         do4 = do4.to(out4.dtype)
     opts = _options(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                     window_left, window_right, softcap, alibi_slopes, block_mask, block_q, block_k, seqused_k, sinks,
-                    deterministic, block_table)
+                    deterministic, block_table, dropout_p, dropout_rng)
     lse = softmax_lse.to(torch.float32).contiguous()  # the forward's lse already is: no copy
     dsinks = torch.empty(opts.H if sinks is not None else 0, dtype=torch.float32, device=q.device)
     _torch._backward(do4, q4, k4, v4, out4, lse, opts, dq4, dk4, dv4, dsinks if sinks is not None else None)
@@ -134,19 +137,20 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, block_mask, block_q, block_k,
-              seqused_k, sinks, deterministic, block_table=None):
+              seqused_k, sinks, deterministic, block_table=None, dropout_p=0.0, dropout_rng=None):
     h = q.shape[-2]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((h if sinks is not None else 0,), dtype=torch.float32))
 
 
 # fwd's arguments after q, k, v: which of them are tensors to save, and their order.
-_TENSOR_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "block_mask", "seqused_k", "sinks", "block_table")
+_TENSOR_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "block_mask", "seqused_k", "sinks", "block_table",
+                   "dropout_rng")
 _SCALAR_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window_left", "window_right",
-                   "softcap", "block_q", "block_k", "deterministic")
+                   "softcap", "block_q", "block_k", "deterministic", "dropout_p")
 _FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
              "causal", "window_left", "window_right", "softcap", "alibi_slopes", "block_mask", "block_q", "block_k",
-             "seqused_k", "sinks", "deterministic", "block_table")
+             "seqused_k", "sinks", "deterministic", "block_table", "dropout_p", "dropout_rng")
 
 
 def _setup_context(ctx, inputs, output):
@@ -170,6 +174,28 @@ def _backward(ctx, dout, _dlse):
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flashc::s_dmask", mutates_args=())
+def _s_dmask(q: Tensor, k: Tensor, softmax_lse: Tensor, cu_seqlens_q: Optional[Tensor],
+             cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float],
+             causal: bool, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+             seqused_k: Optional[Tensor], dropout_p: float, dropout_rng: Tensor) -> Tensor:
+    """flash-attn's S_dmask of a fwd call with these arguments (_torch.probs); not differentiable."""
+    varlen = _check_varlen(cu_seqlens_q, cu_seqlens_k)
+    q4, k4, _ = _as4(varlen, None, q, k, k)
+    opts = _options(q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    window_left, window_right, softcap, alibi_slopes, None, 0, 0, seqused_k, None, False, None,
+                    dropout_p, dropout_rng)
+    return _torch.probs(q4, k4, softmax_lse, opts)
+
+
+@_s_dmask.register_fake
+def _s_dmask_fake(q, k, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                  window_left, window_right, softcap, alibi_slopes, seqused_k, dropout_p, dropout_rng):
+    if _check_varlen(cu_seqlens_q, cu_seqlens_k):
+        return q.new_empty((cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k))
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1]))
 
 
 # ---- flash-attn's functions: the direct path or the operators -----------------------------------------------------
@@ -244,16 +270,20 @@ def _tensor_options(q, alibi_slopes, sinks):
 
 def _direct(kind, inputs, varlen, return_attn_probs, **options):
     """The direct path: _torch.apply (flashc's own autograd function over the library calls)."""
-    out, lse = _torch.apply(kind, inputs, varlen=varlen, **options)
-    return (out, lse, None) if return_attn_probs else out
+    if return_attn_probs:
+        return _torch.apply(kind, inputs, varlen=varlen, return_probs=True, **options)
+    out, _ = _torch.apply(kind, inputs, varlen=varlen, **options)
+    return out
 
 
 def run(kind, inputs, varlen, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
         alibi_slopes=None, deterministic=False, return_attn_probs=False, seqused_k=None, sinks=None,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None):
     """The body of flash-attn's six functions: inputs laid out as `kind` (see _unpack), varlen with cu_seqlens.
-    Returns out, or (out, softmax_lse, None) with return_attn_probs. The direct path (plain eager tensors) and the
-    operators run the same library calls with the same arguments: the same bits."""
+    Returns out, or (out, softmax_lse, S_dmask) with return_attn_probs, S_dmask None without dropout (see
+    _torch.probs for what it holds with dropout). The direct path (plain eager tensors) and the operators run the
+    same library calls with the same arguments, and draw dropout's (seed, offset) from the generator the same way:
+    the same bits."""
     if _eager(inputs + (alibi_slopes, seqused_k, sinks, cu_seqlens_q, cu_seqlens_k, block_table)):
         extra = {}
         if varlen:
@@ -264,7 +294,7 @@ def run(kind, inputs, varlen, dropout_p=0.0, softmax_scale=None, causal=False, w
         return _direct(kind, inputs, varlen, return_attn_probs, dropout_p=dropout_p, softmax_scale=softmax_scale,
                        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        deterministic=deterministic, seqused_k=seqused_k, sinks=sinks, **extra)
-    _core.check_dropout(dropout_p)
+    dropout_p = _core.check_dropout(dropout_p)
     if varlen and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("flashc: under torch.compile, torch.export, make_fx or a CUDA-graph capture, pass "
                          "max_seqlen_q and max_seqlen_k (max_seqlen) as ints: computing them from cu_seqlens would "
@@ -272,11 +302,20 @@ def run(kind, inputs, varlen, dropout_p=0.0, softmax_scale=None, causal=False, w
     q, k, v = _unpack(kind, inputs, varlen, block_table is not None)
     left, right = _core.window_pair(window_size)
     alibi_slopes, sinks = _tensor_options(q, alibi_slopes, sinks)
+    rng = _torch.dropout_rng(q.device) if dropout_p else None  # the direct path's draw (_torch.apply)
     out, lse = torch.ops.flashc.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q if varlen else 0,
                                     max_seqlen_k if varlen else 0, softmax_scale, bool(causal), left, right,
                                     float(softcap or 0.0), alibi_slopes, None, 0, 0, seqused_k, sinks,
-                                    bool(deterministic), block_table)
-    return (out, lse, None) if return_attn_probs else out
+                                    bool(deterministic), block_table, dropout_p, rng)
+    if not return_attn_probs:
+        return out
+    s_dmask = None
+    if dropout_p:
+        s_dmask = torch.ops.flashc.s_dmask(q.detach(), k.detach(), lse, cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q if varlen else 0, max_seqlen_k if varlen else 0,
+                                           softmax_scale, bool(causal), left, right, float(softcap or 0.0),
+                                           alibi_slopes, seqused_k, dropout_p, rng)
+    return out, lse, s_dmask
 
 
 # flashc.ops.flash_attn_func and flash_attn_varlen_func are flashc's own (they route here).

@@ -27,8 +27,10 @@ mask function composed any other way is left to the dense path below, never gues
 Masks of other shapes (chunked attention, packed sequences found from position_ids, overlays such as image-token
 masks, a 4-D mask passed by the caller) are built as transformers' sdpa masks and run through
 flashc.scaled_dot_product_attention's mask recognition in each layer, which runs key padding and causal masks and
-raises ValueError, naming the forms it runs, for the rest. Attention dropout > 0 (a module in training mode whose
-attention_dropout is not 0), position biases and output_attentions=True are not supported and raise.
+raises ValueError, naming the forms it runs, for the rest. Attention dropout (a module in training mode whose
+attention_dropout is not 0) runs fused in flashc's kernels on CPU tensors, its mask drawn from torch's generator
+(torch.manual_seed controls it); the CUDA backend does not run dropout yet and raises. Position biases and
+output_attentions=True are not supported and raise.
 """
 
 import torch
@@ -174,11 +176,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       **kwargs):
     """transformers' attention interface: query (B, H, Nq, D), key and value (B, Hkv, Nk, D) -> (out (B, Nq, H, D),
     None). attention_mask: a KeyMask from mask_function, a 4-D mask (run through flashc's SDPA mask recognition), or
-    None (causal when the module is, as transformers' sdpa does)."""
-    if dropout:
-        raise NotImplementedError(
-            "flashc: attention dropout is not supported yet (this module runs with dropout=%r); set the model's "
-            "attention_dropout to 0 or call model.eval()" % (dropout,))
+    None (causal when the module is, as transformers' sdpa does). dropout: the probability of dropping an attention
+    probability, applied when the module is training (models pass attention_dropout then, 0.0 in eval)."""
+    if module is not None and not getattr(module, "training", True):
+        dropout = 0.0
+    dropout = dropout or 0.0
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("flashc: position_bias (an additive attention bias) is not supported")
     if kwargs.get("output_attentions"):
@@ -195,14 +197,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                              % (m.q_length, m.kv_length, nq, nk))
         out4 = _torch.attend(q4, k4, v4, softmax_scale=scaling, causal=m.causal, window_size=m.window, softcap=softcap,
                              seqused_k=m.seqused_k, block_mask=m.block_mask,
-                             block_size=(max(nq, 1), 1) if m.block_mask is not None else None, sinks=sinks)
+                             block_size=(max(nq, 1), 1) if m.block_mask is not None else None, sinks=sinks,
+                             dropout_p=dropout)
         return out4, None
     if attention_mask is not None:
         if softcap or sinks is not None:
             raise NotImplementedError("flashc: softcap and s_aux (sinks) with a 4-D attention mask")
         if attention_mask.dim() == 4 and attention_mask.shape[-1] != nk:
             attention_mask = attention_mask[..., :nk]
-        out = _torch.sdpa(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+        out = _torch.sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                          enable_gqa=True)
         return out.transpose(1, 2), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and nq > 1
@@ -212,7 +216,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # cache here: with one, the mask function gives a KeyMask)
         kept = nq
     out4 = _torch.attend(q4, k4[:, :kept], v4[:, :kept], softmax_scale=scaling, causal=causal, softcap=softcap,
-                         sinks=sinks)
+                         sinks=sinks, dropout_p=dropout)
     return out4, None
 
 

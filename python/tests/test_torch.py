@@ -397,8 +397,8 @@ def test_sdpa_shapes_and_errors(gen):
     out = flashc.scaled_dot_product_attention(q5, q5, q5)
     ref = F.scaled_dot_product_attention(q5.double(), q5.double(), q5.double())
     assert out.shape == q5.shape and rel_err(out, ref) <= 1e-5
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashc.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashc.scaled_dot_product_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(ValueError, match="enable_gqa"):
         flashc.scaled_dot_product_attention(torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16),
                                             torch.randn(1, 2, 8, 16))
@@ -715,8 +715,10 @@ def test_errors_torch(gen):
     with pytest.raises(flashc.FlashcError, match="not a multiple") as e:
         flashc.flash_attn_func(q, torch.randn(1, 8, 3, 32), torch.randn(1, 8, 3, 32))
     assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flashc.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashc.flash_attn_func(q, q, q, dropout_p=-0.1)
+    with pytest.raises(NotImplementedError, match="dropout"):  # no seed reaches a backward without autograd
+        flashc.attention_backward(q, q, q, q, q, torch.zeros(1, 4, 8), dropout_p=0.1)
     with pytest.raises(ValueError, match="block_table must be 2-d"):
         flashc.flash_attn_with_kvcache(q, q, q, block_table=torch.zeros(1, dtype=torch.int32))
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -1197,8 +1199,8 @@ def test_plan_errors_unchanged(gen):
             flashc.scaled_dot_product_attention(q, kv, kv)
         with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
             flashc.scaled_dot_product_attention(q.double(), q.double(), q.double())
-        with pytest.raises(NotImplementedError, match="dropout"):
-            flashc.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+        with pytest.raises(ValueError, match="dropout_p"):
+            flashc.scaled_dot_product_attention(q, q, q, dropout_p=float("nan"))
         with pytest.raises(flashc.FlashcError):  # the library's H % Hkv check
             flashc.scaled_dot_product_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16),
                                                 enable_gqa=True)

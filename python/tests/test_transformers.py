@@ -249,15 +249,31 @@ def test_sinks_and_mixed_layers_model(gen):
         assert rel_err(grads[1][n], grads[0][n]) <= 1e-5, "%s: %.3g" % (n, rel_err(grads[1][n], grads[0][n]))
 
 
-def test_dropout_raises(gen):
-    _, fc = model_pair(attention_dropout=0.1)
+def test_dropout_training(gen):
+    """attention_dropout in train mode runs fused dropout, seeded from torch's generator: the same seed gives the same
+    loss and gradients, another call another mask; eval mode drops nothing and matches the eager model."""
+    ref, fc = model_pair(attention_dropout=0.3)
     ids, mask = batch(padding="none")
     fc.train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fc(input_ids=ids, attention_mask=mask)
-    fc.eval()  # dropout is 0 in eval mode: runs
+
+    def step(seed):
+        fc.zero_grad()
+        torch.manual_seed(seed)
+        loss = fc(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in fc.parameters() if p.grad is not None]
+
+    l1, g1 = step(5)
+    l2, g2 = step(5)
+    l3, _ = step(6)
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert not torch.equal(l1, l3)
+    fc.eval()
+    ref.eval()
     with torch.no_grad():
-        fc(input_ids=ids, attention_mask=mask)
+        a = fc(input_ids=ids, attention_mask=mask).logits
+        b = ref(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(a, b) <= 1e-4
 
 
 # ---- the mask and attention functions on their own, against transformers' sdpa mask + sdpa attention ----------
