@@ -266,6 +266,9 @@ def plot_memory(plt, rows, cfg, path):
     run = [(r[0], r[4]) for r in rows if not r[5] and not math.isnan(r[4])]
     if run:
         ax.plot(*zip(*run), "s--", label="standard (%s)" % cfg.std_name)
+    would = [(r[0], r[4]) for r in rows if r[5] and not math.isnan(r[4])]
+    if would and run:  # the CPU's computed S and P past the cap: what standard attention would need
+        ax.plot(*zip(run[-1], *would), "s:", color="C1", alpha=0.4, label="standard, would need (not run)")
     over = [r[0] for r in rows if r[5]]
     if over:
         ax.axvline(min(over), color="red", alpha=0.5)
