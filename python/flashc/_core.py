@@ -1,9 +1,8 @@
 """What the numpy and torch front ends share: argument checks that do not depend on the array type, the
 flashc_params builder, and the calls into the library with their error handling."""
 
-import math
-
 from . import _lib
+
 
 class FlashcCopyWarning(UserWarning):
     """The library refused a tensor layout, so flashc copied the inputs to contiguous tensors for that call."""
@@ -11,8 +10,8 @@ class FlashcCopyWarning(UserWarning):
 
 def check_dropout(dropout_p):
     """dropout_p as a float in [0, 1) (0.0 for None); ValueError otherwise."""
-    # p == 0 returns before any float(): torch.compile(dynamic=True) may pass a symbolic float, which a comparison
-    # traces (as a guard) but math.isnan does not (p != p is NaN's test that traces).
+    # Comparisons only, no float() or math.isnan: torch.compile(dynamic=True) may pass a symbolic float, which a
+    # comparison traces (as a guard); the chained compare is False for NaN too.
     if dropout_p is None or dropout_p == 0:
         return 0.0
     if not (0.0 <= dropout_p < 1.0):  # False for NaN too

@@ -6,8 +6,22 @@ conventions, so that code written for flash-attn runs after changing the import:
 Layouts (flash-attn's): q (B, Nq, H, D), k/v (B, Nk, Hkv, D), qkv (B, N, 3, H, D), kv (B, Nk, 2, Hkv, D); varlen
 tensors drop the batch dimension and pack the sequences along the first one, described by int32 cu_seqlens
 (B + 1 offsets). Returns out, or (out, softmax_lse, S_dmask) with return_attn_probs=True, where softmax_lse is
-fp32 (B, H, Nq) or varlen (H, total_q) and S_dmask is None: flashc never materializes the attention probabilities
-(flash-attn documents its S_dmask as "for testing only", meaningful with dropout, which flashc does not have yet).
+fp32 (B, H, Nq) or varlen (H, total_q).
+
+dropout_p in [0, 1): each element of the attention probabilities P is dropped with probability dropout_p and the kept
+ones scaled by 1 / (1 - dropout_p), fused in the kernels (forward and backward) of the CPU backend; the CUDA backend
+does not run it yet (FlashcError, NOT_SUPPORTED). Each call draws the mask's (seed, offset) from torch's default
+generator for the tensors' device, so torch.manual_seed controls it and consecutive calls drop different elements;
+the backward replays the forward's mask. softmax_lse is that of the undropped softmax, as in flash-attn.
+
+S_dmask is None without dropout (flashc's kernels never materialize P). With dropout it is flash-attn's "for testing
+only" tensor: (B, H, Nq, Nk) in q's dtype (varlen: (num_seqs, H, max_seqlen_q, max_seqlen_k), each sequence in the
+first rows and columns of its planes, 0 elsewhere) holding P = exp(s - softmax_lse), the normalized undropped
+probabilities recomputed in fp32 from q, k and softmax_lse after every mask and score option (0 where a mask hides a
+key), negated where dropout drops the element: where(keep, P, -P), keep from flashc_dropout_mask for the call's seed
+and offset. So S_dmask >= 0 marks the kept elements and O = (max(S_dmask, 0) / (1 - p)) V. flash-attn's differs in
+that it holds P scaled by a running row maximum ("possibly with different scaling") and is padded to multiples of
+128; a masked entry there and here is 0 (or -0) whatever the mask says. It carries no gradient.
 
 Two keyword-only arguments of flashc's own follow flash-attn's on every function (its positional order is kept):
 
@@ -25,8 +39,8 @@ pools (num_pages, page_size, Hkv, D)): in-place append of k, v at cache_seqlens,
 sequence's used rows (flashc's seqused_k); it takes sinks (keyword-only) but not seqused_k, which cache_seqlens sets.
 flash_attn_varlen_func takes block_table too. Paged KV runs on the CPU backend only for now.
 
-Not supported yet, each raising NotImplementedError that names it: dropout_p > 0 and flash_attn_with_kvcache's
-cache_batch_idx and cache_leftpad. torch is imported on the first call, not at import.
+Not supported yet, each raising NotImplementedError that names it: flash_attn_with_kvcache's cache_batch_idx and
+cache_leftpad. torch is imported on the first call, not at import.
 """
 
 from typing import TYPE_CHECKING, Optional, Tuple, Union
@@ -75,7 +89,7 @@ def flash_attn_qkvpacked_func(
     *,
     seqused_k: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+) -> Union[Tensor, Tuple[Tensor, Tensor, Optional[Tensor]]]:
     """qkv (B, N, 3, H, D) -> out (B, N, H, D). The gradient comes back as one (B, N, 3, H, D) tensor."""
     return _run("qkv", (qkv,), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks)
@@ -95,7 +109,7 @@ def flash_attn_kvpacked_func(
     *,
     seqused_k: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+) -> Union[Tensor, Tuple[Tensor, Tensor, Optional[Tensor]]]:
     """q (B, Nq, H, D), kv (B, Nk, 2, Hkv, D) -> out (B, Nq, H, D)."""
     return _run("q,kv", (q, kv), False, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks)
@@ -116,7 +130,7 @@ def flash_attn_func(
     *,
     seqused_k: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+) -> Union[Tensor, Tuple[Tensor, Tensor, Optional[Tensor]]]:
     """q (B, Nq, H, D), k and v (B, Nk, Hkv, D) -> out (B, Nq, H, D).
 
     causal is bottom-right aligned (query i sees key j iff j <= i + Nk - Nq); window_size (left, right) keeps
@@ -149,7 +163,7 @@ def flash_attn_varlen_qkvpacked_func(
     *,
     seqused_k: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+) -> Union[Tensor, Tuple[Tensor, Tensor, Optional[Tensor]]]:
     """qkv (total, 3, H, D), cu_seqlens int32 (B + 1) -> out (total, H, D)."""
     return _run("qkv", (qkv,), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
@@ -174,7 +188,7 @@ def flash_attn_varlen_kvpacked_func(
     *,
     seqused_k: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+) -> Union[Tensor, Tuple[Tensor, Tensor, Optional[Tensor]]]:
     """q (total_q, H, D), kv (total_k, 2, Hkv, D) -> out (total_q, H, D)."""
     return _run("q,kv", (q, kv), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens_q,
@@ -201,7 +215,7 @@ def flash_attn_varlen_func(
     *,
     seqused_k: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
-) -> Union[Tensor, Tuple[Tensor, Tensor, None]]:
+) -> Union[Tensor, Tuple[Tensor, Tensor, Optional[Tensor]]]:
     """q (total_q, H, D), k and v (total_k, Hkv, D) -> out (total_q, H, D). Sequence b is rows
     cu_seqlens[b] .. cu_seqlens[b + 1] - 1; masks and ALiBi positions count from each sequence's start.
     seqused_k (num_seqs,) int32: sequence b uses the first seqused_k[b] of its keys; sinks (H,): attention sinks

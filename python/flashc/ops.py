@@ -21,8 +21,16 @@ The operators (q, k, v are (B, N, H, D), or (total, H, D) packed with cu_seqlens
 
     flashc::fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                 window_left, window_right, softcap, alibi_slopes, block_mask, block_q, block_k, seqused_k, sinks,
-                deterministic, block_table=None) -> (out, softmax_lse)
+                deterministic, block_table=None, dropout_p=0.0, dropout_rng=None) -> (out, softmax_lse)
     flashc::bwd(dout, q, k, v, out, softmax_lse, <the same options>) -> (dq, dk, dv, dsinks)
+    flashc::s_dmask(q, k, softmax_lse, <fwd's options but v, block_mask, sinks, deterministic, block_table>)
+                -> flash-attn's S_dmask of a call with dropout (see flash_attn_interface; no gradient)
+
+dropout_p > 0 needs dropout_rng, an int64 tensor (2,) holding the mask's (seed, offset) (flashc_params' dropout_seed,
+dropout_offset, taken mod 2**64): the callers draw it from torch's generator with torch.randint (_torch.dropout_rng),
+which torch.compile keeps in the graph beside the operator, and the autograd formula hands the saved tensor to bwd so
+the backward drops the same elements. dropout_p = 0 (the default) sets no dropout field: the calls without dropout are
+the same as before these arguments existed.
 
 out is contiguous with q's shape and dtype; softmax_lse fp32 (B, H, Nq), varlen (H, total_q). dq, dk, dv are laid
 out as torch.empty_like(q / k / v); dsinks is fp32 (H,), or (0,) without sinks. With block_table (num_seqs,
@@ -32,7 +40,6 @@ autograd formula sees it. Gradients flow to q, k, v and sinks; softmax_lse is no
 flashc.attention).
 """
 
-import contextlib
 import ctypes
 import threading
 from typing import Optional, Tuple
