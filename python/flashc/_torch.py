@@ -99,6 +99,10 @@ class _Options:
                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
         self.dropout_p = float(dropout_p or 0.0)
         if self.dropout_p:
+            if not (isinstance(dropout_rng, torch.Tensor) and dropout_rng.dtype == torch.int64
+                    and tuple(dropout_rng.shape) == (2,)):
+                raise ValueError("flashc: dropout_p > 0 needs dropout_rng, the mask's (seed, offset) as an int64 "
+                                 "tensor (2,) (flashc._torch.dropout_rng draws one from torch's generator)")
             seed, offset = (int(x) for x in dropout_rng.tolist())
             self.kw.update(dropout_p=self.dropout_p, dropout_seed=seed, dropout_offset=offset)
         self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = self.table = None

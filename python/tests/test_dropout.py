@@ -276,3 +276,26 @@ def test_cuda_refuses_dropout():
         flashc.flash_attn_func(q, q, q, dropout_p=0.1)
     with pytest.raises((flashc.FlashcError, NotImplementedError), match="(?i)dropout.*CUDA|CUDA.*dropout"):
         flashc.scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), dropout_p=0.1)
+
+
+def test_operators_take_dropout(gen):
+    """torch.ops.flashc.fwd / bwd called directly with dropout_p and dropout_rng: the mask of that (seed, offset)
+    (checked through V = identity), the same bits as flash_attn_func after the same draw, and a clear error when the
+    pair is missing."""
+    from flashc import ops  # noqa: F401  (registers the operators)
+
+    p, nk = 0.4, 32
+    q, k = torch.randn(1, 8, 2, nk), torch.randn(1, nk, 2, nk)
+    v = torch.eye(nk).expand(1, 2, nk, nk).transpose(1, 2).contiguous()
+    rng = torch.tensor([123456789, -5], dtype=torch.int64)
+    args = (None, None, 0, 0, None, False, -1, -1, 0.0, None, None, 0, 0, None, None, False, None)
+    out, lse = torch.ops.flashc.fwd(q, k, v, *args, p, rng)
+    keep = library_mask(p, 123456789, (-5) & U64, 1, 2, 8, nk)
+    assert torch.equal((out != 0).permute(0, 2, 1, 3), keep)
+    torch.manual_seed(gen)
+    direct = flashc.flash_attn_func(q, k, v, dropout_p=p)
+    torch.manual_seed(gen)
+    out, _ = torch.ops.flashc.fwd(q, k, v, *args, p, _torch.dropout_rng(q.device))
+    assert torch.equal(out, direct)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        torch.ops.flashc.fwd(q, k, v, *args, p, None)
