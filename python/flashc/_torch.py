@@ -103,6 +103,9 @@ class _Options:
                     and tuple(dropout_rng.shape) == (2,)):
                 raise ValueError("flashc: dropout_p > 0 needs dropout_rng, the mask's (seed, offset) as an int64 "
                                  "tensor (2,) (flashc._torch.dropout_rng draws one from torch's generator)")
+            if device.type == "cuda":  # refused here, before reading the pair back (a sync, and an error under capture)
+                raise NotImplementedError("flashc: dropout (dropout_p > 0) is not supported by the CUDA backend yet; "
+                                          "the CPU backend runs it")
             seed, offset = (int(x) for x in dropout_rng.tolist())
             self.kw.update(dropout_p=self.dropout_p, dropout_seed=seed, dropout_offset=offset)
         self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = self.table = None
