@@ -439,8 +439,17 @@ def test_sinks_f16(rng):
     grads = flashc.attention_backward(do, q, k, v, out, lse, causal=True, sinks=sinks)
     for name, got, want, low in zip(("dq", "dk", "dv"), grads, ref_g, low_g):
         refattn.check_lowp(name, got, want, low, 3)
-    # dsinks is accumulated in fp32 from the stored fp16 out and dout: held to the naive fp16 error as well
-    refattn.check_lowp("dsinks", grads[3], ref_g[3], low_g[3], 3)
+    # dsinks = -sum_{b,i} P_sink D_i with D_i = rowsum(dO_i o O_i) over the stored fp16 out (as flash-attn forms D):
+    # (1) the same formula in fp64 on flashc's own out and lse, which leaves only fp32 accumulation; (2) against the
+    # reference within 3x the naive fp16 error plus one rounding of out per term (u sum |P_sink dO O|): a sum of
+    # B Nq terms whose naive error can cancel below flashc's (seen: 0.00138 against 3 x 0.000383)
+    o64, do64 = out.astype(np.float64), do.astype(np.float64)
+    psink = np.exp(np.asarray(sinks, np.float64)[None, :, None] - np.asarray(lse, np.float64))  # (B, H, Nq)
+    own = -(psink * (do64 * o64).sum(-1).transpose(0, 2, 1)).sum(axis=(0, 2))
+    np.testing.assert_allclose(grads[3], own, rtol=1e-4, atol=1e-5)
+    extra = 2.0 ** -11 * (psink * np.abs(do64 * ref_out).sum(-1).transpose(0, 2, 1)).sum(axis=(0, 2))
+    err, base = np.abs(grads[3] - ref_g[3]), np.abs(low_g[3] - ref_g[3]).max()
+    assert np.all(err <= 3 * base + extra + 1e-5), ("dsinks", err, base, extra)
 
 
 def poison_unused(k, v, used, cu_k=None):
