@@ -37,7 +37,8 @@ Two keyword-only arguments of flashc's own follow flash-attn's on every function
 flash_attn_with_kvcache works on a contiguous cache (B, Nk_max, Hkv, D) or, with block_table, a paged one (page
 pools (num_pages, page_size, Hkv, D)): in-place append of k, v at cache_seqlens, rotary embedding, attention to each
 sequence's used rows (flashc's seqused_k); it takes sinks (keyword-only) but not seqused_k, which cache_seqlens sets.
-flash_attn_varlen_func takes block_table too. Paged KV runs on the CPU backend only for now.
+flash_attn_varlen_func takes block_table too. On CUDA the paged forward and append run; the paged backward is CPU-only
+for now.
 
 Not supported yet, each raising NotImplementedError that names it: flash_attn_with_kvcache's cache_batch_idx and
 cache_leftpad. torch is imported on the first call, not at import.
@@ -222,8 +223,8 @@ def flash_attn_varlen_func(
     (see the module's docstring).
     block_table (num_seqs, max_pages) int32, as flash-attn: k and v are then page pools (num_pages, page_size, Hkv, D)
     and key j of sequence b lives at row j % page_size of page block_table[b, j // page_size]; cu_seqlens_k gives
-    each sequence's key count (<= max_pages * page_size), not offsets. CPU only for now (the CUDA backend raises
-    NOT_SUPPORTED); differentiable, dk and dv coming back as page pools (0 where no key lies)."""
+    each sequence's key count (<= max_pages * page_size), not offsets. Differentiable, dk and dv coming back as page
+    pools (0 where no key lies); the backward through pages runs on the CPU only for now (CUDA: NOT_SUPPORTED)."""
     extra = {} if block_table is None else dict(block_table=block_table)
     return _run("q,k,v", (q, k, v), True, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_attn_probs, seqused_k, sinks, cu_seqlens_q=cu_seqlens_q,
@@ -270,8 +271,7 @@ def flash_attn_with_kvcache(
 
     block_table (B, max_pages) int32: a paged cache, as flash-attn: k_cache, v_cache are page pools (num_pages,
     page_size, Hkv, D) and row j of sequence b lives at row j % page_size of page block_table[b, j // page_size]
-    (Nk_max = max_pages * page_size); new rows are written at their pages. Any page size; CPU only for now (the
-    CUDA backend raises NOT_SUPPORTED).
+    (Nk_max = max_pages * page_size); new rows are written at their pages. Any page size, on both backends.
 
     Returns out (B, Nq, H, D), or (out, softmax_lse) with return_softmax_lse, softmax_lse fp32 (B, H, Nq). Not
     supported yet, each raising NotImplementedError: cache_batch_idx and cache_leftpad.
