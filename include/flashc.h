@@ -157,8 +157,8 @@ typedef struct flashc_params {
      * formula; flashc_dropout_mask materializes it): the same on every path, thread count and split, recomputed by
      * the backward from the same params, never stored. A call uses the Philox streams dropout_offset ..
      * dropout_offset + B * H - 1 (B = num_seqs with varlen): advance dropout_offset by at least B * H for a fresh mask
-     * on the next call. dropout_p in [0, 1) (NaN, < 0 and >= 1 are refused); 0: off. The CUDA backend does not run
-     * dropout yet (NOT_SUPPORTED). */
+     * on the next call. dropout_p in [0, 1) (NaN, < 0 and >= 1 are refused); 0: off. dropout_rng (0.5, below) passes
+     * the seed and offset by pointer instead. */
     float dropout_p;
     uint64_t dropout_seed;
     uint64_t dropout_offset;
@@ -209,6 +209,15 @@ typedef struct flashc_params {
     int64_t block_table_max_pages;
     int64_t block_table_stride;
     int64_t page_size;
+
+    /* ---- 0.5 ---- */
+
+    /* Dropout's (seed, offset) by pointer: when set (and dropout_p > 0), two uint64 values { seed, offset } read in
+     * place of dropout_seed and dropout_offset, from the call's device memory (CUDA: read by the kernels when they
+     * run, so a caller can pass a generator's state that lives on the GPU without reading it back: no device sync,
+     * and a CUDA graph replays whatever the pair holds at replay time) or host memory (CPU backend and
+     * flashc_dropout_mask: read when the call is made). NULL: dropout_seed and dropout_offset. */
+    const uint64_t *dropout_rng;
 } flashc_params;
 
 typedef struct flashc_context *flashc_context_t;

@@ -221,6 +221,7 @@ static const struct params_field {
     PARAMS_FIELD(deterministic, 'i'),     PARAMS_FIELD(seqused_k, 'p'),        PARAMS_FIELD(sinks, 'p'),
     PARAMS_FIELD(dsinks, 'p'),            PARAMS_FIELD(block_table, 'p'),      PARAMS_FIELD(block_table_max_pages, 'q'),
     PARAMS_FIELD(block_table_stride, 'q'), PARAMS_FIELD(page_size, 'q'),
+    PARAMS_FIELD(dropout_rng, 'p'),
 };
 
 int flashc_params_field(int index, const char **name, size_t *offset, size_t *size, char *type) {
@@ -240,8 +241,9 @@ int flashc_params_field(int index, const char **name, size_t *offset, size_t *si
 #define PARAMS_END_0_2 (offsetof(flashc_params, deterministic) + sizeof(int))
 #define PARAMS_END_0_3 (offsetof(flashc_params, dsinks) + sizeof(float *))
 #define PARAMS_END_0_4 (offsetof(flashc_params, page_size) + sizeof(int64_t))
-#define PARAMS_END_NOW PARAMS_END_0_4
-static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3, PARAMS_END_0_4};
+#define PARAMS_END_0_5 (offsetof(flashc_params, dropout_rng) + sizeof(const uint64_t *))
+#define PARAMS_END_NOW PARAMS_END_0_5
+static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3, PARAMS_END_0_4, PARAMS_END_0_5};
 #define PARAMS_ALIGN _Alignof(flashc_params)
 #define PARAMS_LAYOUT_SIZE(end) (((end) + PARAMS_ALIGN - 1) / PARAMS_ALIGN * PARAMS_ALIGN)
 _Static_assert(sizeof(flashc_params) == PARAMS_LAYOUT_SIZE(PARAMS_END_NOW),
@@ -321,6 +323,10 @@ flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_
                           "1024)",
                           (long long)B, (long long)H, (long long)Nq, (long long)Nk);
     if (!mask) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "mask is NULL");
+    if (prm.dropout_rng) { /* host memory here */
+        prm.dropout_seed = prm.dropout_rng[0];
+        prm.dropout_offset = prm.dropout_rng[1];
+    }
     const uint32_t t = flashc_dropout_threshold(prm.dropout_p);
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
@@ -632,6 +638,16 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     p->dropout_p = params->dropout_p;
     p->dropout_seed = params->dropout_seed;
     p->dropout_offset = params->dropout_offset;
+    p->dropout_rng = NULL;
+    if (p->dropout_p > 0.0f && params->dropout_rng) {
+        /* The CUDA kernels read the pair from device memory when they run; everyone else reads host memory now. */
+        if (ctx && ctx->backend == FLASHC_BACKEND_CUDA) {
+            p->dropout_rng = params->dropout_rng;
+        } else {
+            p->dropout_seed = params->dropout_rng[0];
+            p->dropout_offset = params->dropout_rng[1];
+        }
+    }
     p->deterministic = params->deterministic != 0;
 
     /* varlen */

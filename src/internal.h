@@ -85,6 +85,7 @@ typedef struct flashc_problem {
     float *dsinks;            /* backward: the sinks' gradient (H), NULL: not asked for */
     float dropout_p;
     uint64_t dropout_seed, dropout_offset;
+    const uint64_t *dropout_rng; /* CUDA: device memory holding { seed, offset }, read by the kernels; NULL: the values */
     int deterministic;
 
     /* views (data may be NULL in a supported()/workspace query) */

@@ -34,7 +34,7 @@ static const struct {
     FIELD(dropout_p, 'f'),        FIELD(dropout_seed, 'Q'),     FIELD(dropout_offset, 'Q'),
     FIELD(deterministic, 'i'),    FIELD(seqused_k, 'p'),        FIELD(sinks, 'p'),
     FIELD(dsinks, 'p'),           FIELD(block_table, 'p'),      FIELD(block_table_max_pages, 'q'),
-    FIELD(block_table_stride, 'q'), FIELD(page_size, 'q'),
+    FIELD(block_table_stride, 'q'), FIELD(page_size, 'q'),     FIELD(dropout_rng, 'p'),
 };
 #define NFIELDS (sizeof expected / sizeof expected[0])
 
@@ -125,6 +125,37 @@ static void test_growth(void) {
     check("the 0.3 layout: forward runs, the 0.4 fields (block table) at their defaults",
           flashc_forward(ctx, &tq, &tq, &tq, &old3, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
               !memcmp(out, want, EL * sizeof(float)));
+
+    /* A caller built against 0.4's flashc.h: its struct ends after page_size (8-aligned: no padding). */
+    flashc_params old4 = prm;
+    old4.struct_size = (uint32_t)(offsetof(flashc_params, page_size) + sizeof(int64_t));
+    old4.dropout_p = 0.5f;
+    old4.dropout_rng = (const uint64_t *)(uintptr_t)1; /* garbage a 0.4 caller never wrote: must not be read */
+    memset(out, 0, EL * sizeof(float));
+    flashc_params want4 = prm;
+    want4.dropout_p = 0.5f;
+    float *want4_out = malloc(EL * sizeof(float)), *outv = malloc(EL * sizeof(float));
+    check("the 0.4 layout: forward runs, dropout_rng at its default (the values used)",
+          flashc_forward(ctx, &tq, &tq, &tq, &want4, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
+              (memcpy(want4_out, out, EL * sizeof(float)), memset(out, 0, EL * sizeof(float)),
+               flashc_forward(ctx, &tq, &tq, &tq, &old4, &to, lse, NULL, 0) == FLASHC_STATUS_OK) &&
+              !memcmp(out, want4_out, EL * sizeof(float)));
+
+    /* dropout_rng given: the pair it points at replaces dropout_seed and dropout_offset. */
+    const uint64_t rng[2] = {0x1234567890abcdefull, 77};
+    flashc_params byval = prm, byptr = prm;
+    byval.dropout_p = byptr.dropout_p = 0.3f;
+    byval.dropout_seed = rng[0];
+    byval.dropout_offset = rng[1];
+    byptr.dropout_seed = 5; /* ignored */
+    byptr.dropout_rng = rng;
+    check("dropout_rng: the same output as the pair passed by value",
+          flashc_forward(ctx, &tq, &tq, &tq, &byval, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
+              (memcpy(outv, out, EL * sizeof(float)), memset(out, 0, EL * sizeof(float)),
+               flashc_forward(ctx, &tq, &tq, &tq, &byptr, &to, lse, NULL, 0) == FLASHC_STATUS_OK) &&
+              !memcmp(out, outv, EL * sizeof(float)) && memcmp(out, want, EL * sizeof(float)));
+    free(want4_out);
+    free(outv);
 
     np.later[2] = 1;
     memset(out, 0x7f, EL * sizeof(float));
