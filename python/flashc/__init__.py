@@ -81,8 +81,9 @@ def attention(q: Array, k: Array, v: Array, *, softmax_scale: Optional[float] = 
     seqused_k[b] keys as if it had only those (causal, window and ALiBi align to that length); the keys past it are
     never read and get zero gradients. sinks: (H,) attention sinks, one logit per query head (natural log, not
     scaled) that joins every row's softmax denominator without a value; differentiable with torch tensors.
-    dropout_p > 0 (torch tensors on the CPU backend): fused attention dropout, the mask drawn from torch's generator
-    and replayed by the autograd backward (numpy arrays raise NotImplementedError).
+    dropout_p > 0 (torch tensors): fused attention dropout, the mask's (seed, offset) drawn from torch's generator on
+    the tensors' device, read by the library in place (no host sync on CUDA) and replayed by the autograd backward
+    (numpy arrays raise NotImplementedError; a CUDA backend without dropout raises FlashcError).
 
     out has q's shape and dtype ((B, Nq, H, D) or (total_q, H, D)); softmax_lse is fp32 (B, H, Nq) or (H, total_q),
     natural log, the sink included; rows that see no key get out 0 and lse +inf (with sinks: the head's sink).
@@ -158,8 +159,8 @@ def scaled_dot_product_attention(query: Array, key: Array, value: Array, attn_ma
     keys j <= i). The (B, H, N, D) tensors are passed with permuted strides, not copied. attn_mask runs the masks
     flashc runs exactly (key padding with any set of keys, top-left or bottom-right causal, the two combined, all
     True), recognized by an exact check; other masks raise ValueError naming these forms (python/README.md).
-    dropout_p > 0 drops attention probabilities (fused, CPU backend; FlashcError on CUDA), the mask drawn from
-    torch's generator so that torch.manual_seed replays it (see flashc.flash_attn_interface)."""
+    dropout_p > 0 drops attention probabilities (fused), the mask drawn from torch's generator so that
+    torch.manual_seed replays it (see flashc.flash_attn_interface)."""
     from . import _torch
 
     return _torch.sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

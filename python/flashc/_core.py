@@ -109,7 +109,11 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
                 alibi_batch_stride=0, block_mask_ptr=None, block_size=(0, 0), block_mask_dims=(1, 1),
                 cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
                 seqused_k_ptr=None, sinks_ptr=None, dsinks_ptr=None, block_table_ptr=None, block_table_max_pages=0,
-                block_table_stride=0, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+                block_table_stride=0, dropout_p=0.0, dropout_seed=0, dropout_offset=0, dropout_rng_ptr=None):
+    """flashc_params for these options. Dropout's (seed, offset) goes either as values (dropout_seed, dropout_offset,
+    taken mod 2**64) or, with dropout_rng_ptr, as the address of two uint64 { seed, offset } that the library reads
+    itself (flashc_params.dropout_rng, 0.5): device memory for a CUDA call, read by the kernels when they run, host
+    memory otherwise, read at the call. The torch front end always passes the pointer."""
     p = _lib.lib.flashc_params_default()
     # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
     # softmax_scale=None means everywhere in this package.
@@ -135,6 +139,8 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
         p.dropout_p = float(dropout_p)
         p.dropout_seed = dropout_seed & 0xFFFFFFFFFFFFFFFF
         p.dropout_offset = dropout_offset & 0xFFFFFFFFFFFFFFFF
+        if dropout_rng_ptr:
+            _set_field(p, "dropout_rng", dropout_rng_ptr, "dropout's (seed, offset) by pointer (dropout_rng)", "0.5")
     if seqused_k_ptr:
         _set_field(p, "seqused_k", seqused_k_ptr, "seqused_k")
     if sinks_ptr:

@@ -75,9 +75,13 @@ def _workspace(ctx, device, fn, views, params):
 # call gets a fresh key, so consecutive calls get fresh masks whatever B*H is (no offset bookkeeping across calls). The
 # draw is an ordinary torch.randint, which torch.compile traces into the graph and AOT autograd keeps in the forward
 # (under Inductor's own RNG lowering the numbers differ from eager, as for torch's own dropout, unless
-# torch._inductor.config.fallback_random is set). The pair travels as an int64 tensor (2,) so that torch.ops.flashc
-# can take it as an argument and save it for the backward, which reuses it and never reads the generator: the
-# backward recomputes the forward's mask. p == 0 draws nothing, so calls without dropout leave the generator as it was.
+# torch._inductor.config.fallback_random is set). The pair travels as an int64 tensor (2,) on the tensors' device, so
+# that torch.ops.flashc can take it as an argument and save it for the backward, which reuses it and never reads the
+# generator: the backward recomputes the forward's mask. The library reads the pair through its address
+# (flashc_params.dropout_rng) and Python never reads it back: on CUDA the kernels load it from device memory when they
+# run, so a call with dropout makes no host synchronization, and under CUDA-graph capture torch.randint is recorded
+# with the kernels (torch's graph-safe generator state), so each replay draws a fresh pair and drops fresh elements.
+# p == 0 draws nothing, so calls without dropout leave the generator as it was.
 def dropout_rng(device):
     """A fresh (seed, offset) as an int64 tensor (2,) on device, drawn from torch's default generator there."""
     return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
@@ -98,16 +102,22 @@ class _Options:
         self.kw = dict(softmax_scale=softmax_scale, causal=bool(causal), window=_core.window_pair(window_size),
                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
         self.dropout_p = float(dropout_p or 0.0)
+        self.rng = None
         if self.dropout_p:
             if not (isinstance(dropout_rng, torch.Tensor) and dropout_rng.dtype == torch.int64
                     and tuple(dropout_rng.shape) == (2,)):
                 raise ValueError("flashc: dropout_p > 0 needs dropout_rng, the mask's (seed, offset) as an int64 "
                                  "tensor (2,) (flashc._torch.dropout_rng draws one from torch's generator)")
-            if device.type == "cuda":  # refused here, before reading the pair back (a sync, and an error under capture)
-                raise NotImplementedError("flashc: dropout (dropout_p > 0) is not supported by the CUDA backend yet; "
-                                          "the CPU backend runs it")
-            seed, offset = (int(x) for x in dropout_rng.tolist())
-            self.kw.update(dropout_p=self.dropout_p, dropout_seed=seed, dropout_offset=offset)
+            # The library reads the pair itself (flashc_params.dropout_rng): the CUDA kernels from device memory when
+            # they run (no host sync, and a captured CUDA graph reads whatever the tensor holds at replay), the CPU
+            # backend from host memory at the call. So the pair must live where the call runs, as 16 contiguous
+            # bytes, for as long as the call's work may read it: self.rng is that tensor, and this object (or the
+            # operator's saved rng tensor) is kept for the backward.
+            rng = dropout_rng.detach()
+            if rng.device != device:
+                rng = rng.to(device)
+            self.rng = rng.contiguous()
+            self.kw["dropout_p"] = self.dropout_p
         self.alibi = self.mask = self.cu_q = self.cu_k = self.used = self.sinks = self.table = None
         if self.varlen:
             if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -161,9 +171,11 @@ class _Options:
             # the library reads fp32 (H,) where it computes; a tensor that already is one is used as it is
             self.sinks = s.detach().to(device=device, dtype=torch.float32).contiguous()
 
-    def params(self, dsinks=None):
+    def params(self, dsinks=None, rng=None):
         """flashc_params pointing at this call's tensors; dsinks (fp32 (H,), backward only): where the library
-        writes the sinks' gradient."""
+        writes the sinks' gradient; rng: a host copy of the dropout pair to point at instead of self.rng (for
+        flashc_dropout_mask, which reads host memory)."""
+        rng = self.rng if rng is None else rng
         return _core.make_params(
             alibi_ptr=self.alibi.data_ptr() if self.alibi is not None else None,
             block_mask_ptr=self.mask.data_ptr() if self.mask is not None else None,
@@ -173,6 +185,7 @@ class _Options:
             sinks_ptr=self.sinks.data_ptr() if self.sinks is not None else None,
             dsinks_ptr=dsinks.data_ptr() if dsinks is not None else None,
             block_table_ptr=self.table.data_ptr() if self.table is not None else None,
+            dropout_rng_ptr=rng.data_ptr() if rng is not None else None,
             **self.kw)
 
     def lse_shape(self, q4):
@@ -416,14 +429,26 @@ def probs(q4, k4, lse, opts):
     max_seqlen_q, max_seqlen_k), sequence b in the first rows and columns of its planes, 0 beyond), holding the
     attention probabilities P = exp(s - lse) recomputed in fp32 from q, k and the forward's lse (so normalized, the
     undropped softmax, not scaled by 1 / (1 - p); 0 where a mask hides a key) with the sign carrying the dropout
-    mask: where(keep, P, -P), keep from flashc_dropout_mask for the call's params. No gradient flows through it."""
+    mask: where(keep, P, -P), keep from flashc_dropout_mask for the call's params. No gradient flows through it.
+
+    flashc_dropout_mask runs on the host and reads the (seed, offset) pair from host memory, so for CUDA tensors the
+    pair is copied to the host here: a device synchronization, which the attention calls themselves never make, and
+    no use under CUDA-graph capture (refused there). This is flash-attn's "for testing only" output."""
     if opts.mask is not None:
         raise NotImplementedError("flashc: return_attn_probs=True with dropout is not supported with a block mask")
+    device = q4.device
+    host_rng = opts.rng
+    if device.type != "cpu":
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(
+                "flashc: return_attn_probs=True with dropout_p > 0 builds S_dmask on the host from the dropout's "
+                "(seed, offset), which needs a copy from the device: not possible during CUDA-graph capture (the "
+                "attention itself is captured fine without return_attn_probs)")
+        host_rng = opts.rng.cpu()
     B, H, Nq, Nk = opts.B, opts.H, opts.Nq, opts.Nk
     keep = torch.empty((B, H, Nq, Nk), dtype=torch.uint8)
     if keep.numel():
-        _core.dropout_mask(opts.params(), B, H, Nq, Nk, keep.data_ptr())
-    device = q4.device
+        _core.dropout_mask(opts.params(rng=host_rng), B, H, Nq, Nk, keep.data_ptr())
     p = torch.zeros((B, H, Nq, Nk), dtype=torch.float32, device=device)
     kw = opts.kw
     d = q4.shape[-1]

@@ -9,19 +9,23 @@ tensors drop the batch dimension and pack the sequences along the first one, des
 fp32 (B, H, Nq) or varlen (H, total_q).
 
 dropout_p in [0, 1): each element of the attention probabilities P is dropped with probability dropout_p and the kept
-ones scaled by 1 / (1 - dropout_p), fused in the kernels (forward and backward) of the CPU backend; the CUDA backend
-does not run it yet (FlashcError, NOT_SUPPORTED). Each call draws the mask's (seed, offset) from torch's default
-generator for the tensors' device, so torch.manual_seed controls it and consecutive calls drop different elements;
-the backward replays the forward's mask. softmax_lse is that of the undropped softmax, as in flash-attn.
+ones scaled by 1 / (1 - dropout_p), fused in the kernels (forward and backward). Each call draws the mask's
+(seed, offset) from torch's default generator for the tensors' device (torch.randint into an int64 tensor (2,) there),
+so torch.manual_seed controls it and consecutive calls drop different elements; the backward replays the forward's
+mask. The library reads the pair through its address (flashc_params.dropout_rng), never read back by Python: on CUDA
+no host synchronization, and a captured CUDA graph draws a fresh pair on each replay. A libflashc whose CUDA backend
+does not run dropout answers NOT_SUPPORTED, raised as FlashcError. softmax_lse is that of the undropped softmax, as in
+flash-attn.
 
 S_dmask is None without dropout (flashc's kernels never materialize P). With dropout it is flash-attn's "for testing
 only" tensor: (B, H, Nq, Nk) in q's dtype (varlen: (num_seqs, H, max_seqlen_q, max_seqlen_k), each sequence in the
 first rows and columns of its planes, 0 elsewhere) holding P = exp(s - softmax_lse), the normalized undropped
 probabilities recomputed in fp32 from q, k and softmax_lse after every mask and score option (0 where a mask hides a
 key), negated where dropout drops the element: where(keep, P, -P), keep from flashc_dropout_mask for the call's seed
-and offset. So S_dmask >= 0 marks the kept elements and O = (max(S_dmask, 0) / (1 - p)) V. flash-attn's differs in
-that it holds P scaled by a running row maximum ("possibly with different scaling") and is padded to multiples of
-128; a masked entry there and here is 0 (or -0) whatever the mask says. It carries no gradient.
+and offset (computed on the host: on CUDA this copies the pair to the host, a synchronization, and is refused under
+CUDA-graph capture). So S_dmask >= 0 marks the kept elements and O = (max(S_dmask, 0) / (1 - p)) V. flash-attn's
+differs in that it holds P scaled by a running row maximum ("possibly with different scaling") and is padded to
+multiples of 128; a masked entry there and here is 0 (or -0) whatever the mask says. It carries no gradient.
 
 Two keyword-only arguments of flashc's own follow flash-attn's on every function (its positional order is kept):
 

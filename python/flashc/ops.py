@@ -26,11 +26,14 @@ The operators (q, k, v are (B, N, H, D), or (total, H, D) packed with cu_seqlens
     flashc::s_dmask(q, k, softmax_lse, <fwd's options but v, block_mask, sinks, deterministic, block_table>)
                 -> flash-attn's S_dmask of a call with dropout (see flash_attn_interface; no gradient)
 
-dropout_p > 0 needs dropout_rng, an int64 tensor (2,) holding the mask's (seed, offset) (flashc_params' dropout_seed,
-dropout_offset, taken mod 2**64): the callers draw it from torch's generator with torch.randint (_torch.dropout_rng),
-which torch.compile keeps in the graph beside the operator, and the autograd formula hands the saved tensor to bwd so
-the backward drops the same elements. dropout_p = 0 (the default) sets no dropout field: the calls without dropout are
-the same as before these arguments existed.
+dropout_p > 0 needs dropout_rng, an int64 tensor (2,) holding the mask's (seed, offset) (taken mod 2**64), on q's
+device (another device's is copied there): the library reads it through its address (flashc_params.dropout_rng), the
+CUDA kernels from device memory when they run, so the operators never read it on the host and a CUDA graph replays
+whatever it holds then. The callers draw it from torch's generator with torch.randint (_torch.dropout_rng), which
+torch.compile keeps in the graph beside the operator and a CUDA graph records (a fresh pair each replay), and the
+autograd formula hands the saved tensor to bwd so the backward drops the same elements. s_dmask copies it to the
+host (flashc_dropout_mask runs there): a synchronization on CUDA, refused under capture. dropout_p = 0 (the default)
+sets no dropout field: the calls without dropout are the same as before these arguments existed.
 
 out is contiguous with q's shape and dtype; softmax_lse fp32 (B, H, Nq), varlen (H, total_q). dq, dk, dv are laid
 out as torch.empty_like(q / k / v); dsinks is fp32 (H,), or (0,) without sinks. With block_table (num_seqs,

@@ -28,9 +28,10 @@ Masks of other shapes (chunked attention, packed sequences found from position_i
 masks, a 4-D mask passed by the caller) are built as transformers' sdpa masks and run through
 flashc.scaled_dot_product_attention's mask recognition in each layer, which runs key padding and causal masks and
 raises ValueError, naming the forms it runs, for the rest. Attention dropout (a module in training mode whose
-attention_dropout is not 0) runs fused in flashc's kernels on CPU tensors, its mask drawn from torch's generator
-(torch.manual_seed controls it); the CUDA backend does not run dropout yet and raises. Position biases and
-output_attentions=True are not supported and raise.
+attention_dropout is not 0) runs fused in flashc's kernels, its mask drawn from torch's generator (torch.manual_seed
+controls it) and passed to the library by address, with no host synchronization on CUDA; a libflashc whose CUDA
+backend does not run dropout raises FlashcError there. Position biases and output_attentions=True are not supported
+and raise.
 """
 
 import torch

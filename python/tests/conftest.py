@@ -12,3 +12,8 @@ def rng(request):
     seed = int(os.environ.get("FLASHC_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
     print("FLASHC_TEST_SEED=%d (%s)" % (seed, request.node.name))
     return np.random.default_rng(seed)
+
+
+def pytest_configure(config):
+    # `-m gpu` selects the tests that need a GPU (they skip themselves without one)
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and a libflashc with the CUDA backend")
