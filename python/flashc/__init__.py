@@ -59,6 +59,14 @@ def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic):
+    """flashc.ops.fast_attention (the per-shape plans' entry), which replaces this function once flashc.ops is
+    imported (importing it imports torch: only torch tensors come here)."""
+    from . import ops
+
+    return ops.fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
+
+
 def attention(q: Array, k: Array, v: Array, *, softmax_scale: Optional[float] = None, causal: bool = False,
               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Array] = None,
               block_mask: Optional[Array] = None, block_size: Union[int, Tuple[int, int], None] = None,
@@ -88,11 +96,18 @@ def attention(q: Array, k: Array, v: Array, *, softmax_scale: Optional[float] = 
     out has q's shape and dtype ((B, Nq, H, D) or (total_q, H, D)); softmax_lse is fp32 (B, H, Nq) or (H, total_q),
     natural log, the sink included; rows that see no key get out 0 and lse +inf (with sinks: the head's sink).
     """
+    torch_tensors = _is_torch(q)
+    if (torch_tensors and alibi_slopes is None and block_mask is None and cu_seqlens_q is None
+            and cu_seqlens_k is None and seqused_k is None and sinks is None and (dropout_p is None or dropout_p == 0)):
+        # plain eager calls on tensors whose key was seen before (flashc.ops' per-shape plans); None otherwise
+        r = _fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic)
+        if r is not None:
+            return r
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
               alibi_slopes=alibi_slopes, block_mask=block_mask, block_size=block_size, cu_seqlens_q=cu_seqlens_q,
               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
               seqused_k=seqused_k, sinks=sinks)
-    if _is_torch(q):
+    if torch_tensors:
         from . import _torch
 
         varlen = cu_seqlens_q is not None or cu_seqlens_k is not None

@@ -44,6 +44,7 @@ flashc.attention).
 """
 
 import ctypes
+import sys as _sys
 import threading
 from typing import Optional, Tuple
 
@@ -333,7 +334,7 @@ from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func  # noq
 
 
 # ---- the direct path's per-shape plans (host time) -----------------------------------------------------------------
-# A plain eager call of flash_attn_func on (B, N, H, D) tensors with no tensor options, or of
+# A plain eager call of flash_attn_func or flashc.attention on (B, N, H, D) tensors with no tensor options, or of
 # flashc.scaled_dot_product_attention on (B, H, N, D) tensors without attn_mask, spends most of its host time on work
 # that depends only on the shapes, strides, dtypes, devices and scalar options: argument checks, views, the
 # flashc_params struct, the flashc_tensor views, the workspace size. A plan holds that work for one such key, per
@@ -628,6 +629,22 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
     return (r[0], r[1], None) if return_attn_probs else r[0]
 
 
+def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic):
+    """flashc.attention's (out, softmax_lse) for a plain eager call on (B, N, H, D) tensors with no tensor options and
+    no dropout, through this thread's plan for the call's key; None when the call must take the full path. The key
+    and the plan are flash_attn_func's: the same library call on the same views, out and lse laid out alike (the full
+    paths of both are _torch.apply), so either function's calls plan the key for the other."""
+    if not _plain_eager(q, k, v):
+        return None
+    key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap, deterministic)
+    plans, plan = _lookup(key)
+    if plan is None:
+        _build(plans, key, q, k, v)
+        return None
+    return _run(plan, q, k, v, True)
+
+
 def _build(plans, key, q, k, v):
     """Plans the key when the full path's Python checks pass (float32 / float16 / bfloat16 tensors of one dtype on one
     device, 4-d) and the library takes the problem as it lies (flashc_supported); otherwise no plan, and every call
@@ -703,3 +720,4 @@ from . import flash_attn_interface as _fai  # noqa: E402
 
 _fai._fast = fast_flash_attn_func
 _torch._fast_sdpa = fast_sdpa
+_sys.modules[__package__]._fast_attention = fast_attention

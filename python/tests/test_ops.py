@@ -298,6 +298,78 @@ def test_plan_same_bits(case, gen):
     assert len(planned) >= 10
 
 
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_attention_plan_same_bits(case, gen):
+    """flashc.attention's repeated plain calls run the per-shape plan too (flash_attn_func's key and plan): out, lse
+    and the gradients are the full path's bits (_torch.apply), with and without autograd, lse never differentiable."""
+    from flashc import _torch
+
+    _, sq, sk, dtype, kw, tr = case
+    planned = []
+    real = ops._Plan.forward
+
+    def counting(self, *a):
+        planned.append(1)
+        return real(self, *a)
+
+    for _ in range(2):  # new tensors each round: the plan holds no data pointers
+        q, k, v, do = _plan_inputs(sq, sk, dtype, tr)
+        a, b = leaves(q, k, v), leaves(q, k, v)
+        want_out, want_lse = _torch.apply("q,k,v", b, **kw)
+        want_grads = torch.autograd.grad(want_out, b, do)
+        with torch.no_grad():
+            want_nograd = _torch.apply("q,k,v", (q, k, v), **kw)
+        ops._Plan.forward = counting
+        try:
+            for _ in range(3):  # the first call with the key plans it (unless an earlier one did), the next use it
+                out, lse = flashc.attention(*a, **kw)
+                assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+                assert out.stride() == want_out.stride() and lse.stride() == want_lse.stride()
+                assert out.requires_grad and not lse.requires_grad and lse.dtype == torch.float32
+                for x, y in zip(torch.autograd.grad(out, a, do), want_grads):
+                    assert torch.equal(x, y)
+                with torch.no_grad():
+                    o2, l2 = flashc.attention(q, k, v, **kw)
+                    assert torch.equal(o2, want_nograd[0]) and torch.equal(l2, want_nograd[1])
+        finally:
+            ops._Plan.forward = real
+    assert len(planned) >= 10
+
+
+def test_attention_plan_only_without_tensor_options(gen):
+    """flashc.attention with a tensor option (sinks, ALiBi, seqused_k, a block mask, cu_seqlens) or dropout never
+    takes the plan, on any repetition, and its errors are the full path's every time."""
+    q, k, v, _ = inputs((1, 32, 4, 16), (1, 32, 2, 16), torch.float32, "cpu")
+    planned = []
+    real = ops._Plan.forward
+
+    def counting(self, *a):
+        planned.append(1)
+        return real(self, *a)
+
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    options = [dict(sinks=torch.zeros(4)), dict(alibi_slopes=torch.ones(4)),
+               dict(seqused_k=torch.tensor([20], dtype=torch.int32)),
+               dict(block_mask=torch.ones(1, 1, dtype=torch.uint8), block_size=32), dict(dropout_p=0.1)]
+    ops._Plan.forward = counting
+    try:
+        for kw in options:
+            for _ in range(3):
+                out, lse = flashc.attention(q, k, v, **kw)
+                assert out.shape == q.shape and lse.shape == (1, 4, 32)
+        for _ in range(3):
+            out, _ = flashc.attention(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu)
+            assert out.shape == q[0].shape
+        assert not planned
+        for _ in range(3):
+            with pytest.raises(flashc.FlashcError):  # H % Hkv != 0
+                flashc.attention(torch.randn(1, 8, 3, 16), q, q)
+            with pytest.raises(TypeError, match="dtype"):
+                flashc.attention(q.double(), q.double(), q.double())
+    finally:
+        ops._Plan.forward = real
+
+
 def test_plan_threads(gen):
     """Four Python threads calling with one key at once (each thread has its own plans and contexts; the library
     call releases the GIL): every result is the single-threaded one."""
