@@ -385,24 +385,26 @@ def gpu(test):
     return pytest.mark.gpu(needs_cuda(test))
 
 
-def cuda_refusal(q, k, v, causal=False):
-    """None when the loaded library's CUDA backend runs dropout for this problem, forward and backward
+def cuda_refusals(q, k, v, causal=False):
+    """(forward, backward): None where the loaded library's CUDA backend runs dropout for this problem
     (flashc_supported, which reads no data), else its status and message."""
     device = q.device
     rng = torch.zeros(2, dtype=torch.int64, device=device)
     params = _core.make_params(causal=causal, dropout_p=0.17, dropout_rng_ptr=rng.data_ptr())
+    why = []
     with torch.cuda.device(device):
         ctx = _torch._context(device)
         views = [_torch._view(t) for t in (q, k, v)]
         for op in (_lib.OP_FORWARD, _lib.OP_BACKWARD):
             st = _lib.lib.flashc_supported(ctx.handle, op, *views, params)
-            if st != _lib.STATUS_OK:
-                return "%s: %s" % (_lib.STATUS_NAMES.get(st, st), _core.last_error(ctx))
-    return None
+            why.append(None if st == _lib.STATUS_OK else "%s: %s" % (_lib.STATUS_NAMES.get(st, st),
+                                                                      _core.last_error(ctx)))
+    return tuple(why)
 
 
-def require_cuda_dropout(q, k, v, causal=False):
-    why = cuda_refusal(q, k, v, causal)
+def require_cuda_dropout(q, k, v, causal=False, backward=True):
+    fwd, bwd = cuda_refusals(q, k, v, causal)
+    why = fwd or (bwd if backward else None)
     if why is not None:
         pytest.skip("the loaded libflashc's CUDA backend does not run dropout for this problem (%s); "
                     "test_cuda_dropout_refused checks its refusal" % why)
@@ -421,15 +423,24 @@ def fixed_pair(monkeypatch, seed):
 def test_cuda_dropout_refused(gen):
     """A CUDA backend that does not run dropout: each entry point raises the library's NOT_SUPPORTED as a FlashcError
     naming dropout (never a run without dropout), and reaches the library without reading the pair back (no host
-    synchronization: torch's sync debug mode set to error). Skipped once the backend runs dropout (the tests below
-    check it then)."""
+    synchronization: torch's sync debug mode set to error). A backend that runs the forward but not the backward
+    raises so from autograd's backward. Skipped once the backend runs both (the tests below check them then)."""
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
-    if cuda_refusal(q, q, q) is None:
+    fwd, bwd = cuda_refusals(q, q, q)
+    if fwd is None and bwd is None:
         pytest.skip("the CUDA backend runs dropout")
     qt = q.transpose(1, 2)
-    calls = [lambda: flashc.flash_attn_func(q, q, q, dropout_p=0.1),
-             lambda: flashc.attention(q, q, q, dropout_p=0.1),
-             lambda: flashc.scaled_dot_product_attention(qt, qt, qt, dropout_p=0.1)]
+    if fwd is None:  # the forward runs: the backward's refusal, through autograd
+        ql = q.clone().requires_grad_()
+        qlt = ql.transpose(1, 2)
+        calls = [lambda: torch.autograd.grad(flashc.flash_attn_func(ql, ql, ql, dropout_p=0.1).sum(), ql),
+                 lambda: torch.autograd.grad(flashc.attention(ql, ql, ql, dropout_p=0.1)[0].sum(), ql),
+                 lambda: torch.autograd.grad(
+                     flashc.scaled_dot_product_attention(qlt, qlt, qlt, dropout_p=0.1).sum(), ql)]
+    else:
+        calls = [lambda: flashc.flash_attn_func(q, q, q, dropout_p=0.1),
+                 lambda: flashc.attention(q, q, q, dropout_p=0.1),
+                 lambda: flashc.scaled_dot_product_attention(qt, qt, qt, dropout_p=0.1)]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -450,7 +461,7 @@ def test_cuda_mask_bits(p, gen, monkeypatch):
     pair = fixed_pair(monkeypatch, gen)
     b, h, nq = 2, 4, 97
     q, k, v = (t.to("cuda", torch.bfloat16) for t in identity_problem(b, h, nq))
-    require_cuda_dropout(q, k, v)
+    require_cuda_dropout(q, k, v, backward=False)
     out = flashc.flash_attn_func(q, k, v, dropout_p=p)
     assert torch.equal(kept(out), library_mask(p, *pair, b, h, nq, 64))
     out_cpu = flashc.flash_attn_func(q.float().cpu(), k.float().cpu(), v.float().cpu(), dropout_p=p)
@@ -520,7 +531,7 @@ def test_cuda_s_dmask(gen, monkeypatch):
     p, b, nq, nk, h, d = 0.25, 2, 40, 72, 2, 64
     pair = fixed_pair(monkeypatch, gen)
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for n in (nq, nk, nk))
-    require_cuda_dropout(q, k, v, causal=True)
+    require_cuda_dropout(q, k, v, causal=True, backward=False)
     out, lse, s_dmask = flashc.flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True)
     assert s_dmask.shape == (b, h, nq, nk) and s_dmask.dtype == q.dtype and s_dmask.device == q.device
     keep = library_mask(p, *pair, b, h, nq, nk)
@@ -596,7 +607,7 @@ def test_cuda_graph_replays_fresh_masks(gen, monkeypatch):
     the pair at replay time; three replays draw three pairs; torch.manual_seed before a replay repeats its draw."""
     p, b, h, nq = 0.3, 2, 4, 64
     q, k, v = (t.to("cuda", torch.bfloat16) for t in identity_problem(b, h, nq))
-    require_cuda_dropout(q, k, v)
+    require_cuda_dropout(q, k, v, backward=False)
     drawn_pairs = []
     real = _torch.dropout_rng
 
