@@ -72,11 +72,13 @@ class Flashc:
         assert t.dim() == 4
         return Tensor(t.data_ptr(), DTYPE[t.dtype], (ctypes.c_int64 * 4)(*t.shape), (ctypes.c_int64 * 4)(*t.stride()))
 
-    def prepare(self, q, k, v, out, lse=None, causal=False):
+    def prepare(self, q, k, v, out, lse=None, causal=False, dropout_p=0.0):
         """A call of flashc_forward on torch CUDA tensors q (B, N, H, D), k/v (B, Nk, Hkv, D) with its ctypes
         arguments built once (the timed loop then pays one foreign call), on torch's current stream."""
         p = self.lib.flashc_params_default()
         p.causal = int(causal)
+        if dropout_p:
+            p.dropout_p, p.dropout_seed, p.dropout_offset = dropout_p, 0x5EED, 0
         tq, tk, tv, to = self.view(q), self.view(k), self.view(v), self.view(out)
         self.check(self.lib.flashc_context_set_stream(self.ctx, torch.cuda.current_stream().cuda_stream), "set_stream")
         ws = ctypes.c_size_t(0)
@@ -145,6 +147,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory comparison")
     ap.add_argument("--no-peers", action="store_true", help="time flashc only (lab runs of tile variants)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="flashc's calls with this dropout_p (peers without)")
     args = ap.parse_args()
     if args.quick:
         args.dtypes, args.dims, args.lens = "bf16", "64,128", "1024,4096,16384"
@@ -183,7 +186,8 @@ def main():
                         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                              v.transpose(1, 2), is_causal=causal).transpose(1, 2)
                     diff = (o.float() - ref.float()).abs().max().item()
-                    res["flashc"] = time_ms([fc.prepare(*s, causal=causal) for s in sets], args.warmup, args.runs)
+                    res["flashc"] = time_ms([fc.prepare(*s, causal=causal, dropout_p=args.dropout) for s in sets],
+                                            args.warmup, args.runs)
                     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                         if args.no_peers:
                             res[name] = None

@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--sinks", action="store_true", help="attention sinks, one per head (and their gradient)")
     ap.add_argument("--blockmask", type=int, default=0, metavar="BLK",
                     help="a random block mask (about half the blocks kept) of BLK x BLK blocks, per head")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout_p: the forward through flashc.attention, the backward through flash_attn_func's "
+                         "autograd (attention_backward takes no dropout)")
     args = ap.parse_args()
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -58,7 +61,15 @@ def main():
         nb = (args.n + args.blockmask - 1) // args.blockmask
         kw["block_mask"] = (torch.rand(H, nb, nb, generator=torch.Generator().manual_seed(2)) < 0.5).to(torch.uint8).cuda()
         kw["block_size"] = (args.blockmask, args.blockmask)
+    if args.dropout:
+        kw["dropout_p"] = args.dropout
     for _ in range(args.repeat):
+        if args.dropout and not args.no_bwd:
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            o = flashc.flash_attn_func(qg, kg, vg, dropout_p=args.dropout, causal=args.causal,
+                                       deterministic=args.deterministic)
+            torch.autograd.grad(o, (qg, kg, vg), g)
+            continue
         out, lse = flashc.attention(q, k, v, **kw)
         if not args.no_bwd:
             flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)

@@ -11,11 +11,12 @@
  * shows. Built with -fsanitize=thread it also reports a missing barrier as a data race; with
  * -fsanitize=address, any read or write outside the tensors.
  *
- *   emu_bwd_simt [--quick] [--gpu-numerics] [NAME]
+ *   emu_bwd_simt [--quick] [--gpu-numerics] [--dropout] [NAME]
  *       the full (or reduced) case table, rows with backward [whose name contains NAME]. --gpu-numerics gives fp32
  *       cases the GPU's conditions: a forward on q, k, v rounded to bf16 (as the CUDA forward's operands are), so
  *       and the backward reads them rounded the same way (fc_bwd_args.qkv_bf16), with the GPU test's bf16 rule.
- *       Without it fp32 cases run on unrounded operands end to end and are held to the fp32 rule.
+ *       Without it fp32 cases run on unrounded operands end to end and are held to the fp32 rule. --dropout runs
+ *       every row with dropout_p 0.17 (the mask's factors against the oracle's).
  * Build with the host C++ compiler (not nvcc: the kernels must compile as host code), e.g. against a CPU-only build:
  *   g++ -std=c++17 -O2 -Iinclude -Isrc -I<cuda>/include tests/emu_bwd_simt.cc <build>/libflashc_testkit.a
  *       <build>/libflashc.a -fopenmp -lpthread -lm
@@ -120,7 +121,6 @@ static int g_gpu_numerics;
 
 /* What the CUDA backward refuses before it picks a path (bwd.cu), then the baseline's own limits. */
 static const char *emu_bwd_unsupported(const flashc_problem *p) {
-    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
     if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
     return emu_bwd_simt_unsupported(p);
 }
@@ -193,11 +193,12 @@ static flashc_status emu_plan(struct flashc_context *ctx, const flashc_problem *
 }
 
 int main(int argc, char **argv) {
-    int quick = 0, gpu_numerics = 0;
+    int quick = 0, gpu_numerics = 0, dropout = 0;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) quick = 1;
         else if (strcmp(argv[i], "--gpu-numerics") == 0) gpu_numerics = 1;
+        else if (strcmp(argv[i], "--dropout") == 0) dropout = 1;
         else only = argv[i];
     }
     flashc_context_t ctx = NULL;
@@ -226,8 +227,10 @@ int main(int argc, char **argv) {
             continue;
         }
         flashc_case_result r;
+        flashc_case c = table[i];
+        if (dropout) c.dropout = 0.17f; /* every row again with dropout: the kernel's Z against the oracle's */
         ran++;
-        if (flashc_case_run(ctx, &table[i], 2000 + i, &r) != 0) {
+        if (flashc_case_run(ctx, &c, 2000 + i, &r) != 0) {
             printf("FAIL %-26s could not be set up\n", table[i].name);
             continue;
         }
@@ -237,8 +240,8 @@ int main(int argc, char **argv) {
         fflush(stdout);
         passed += r.pass;
     }
-    printf("emulated CUDA backward, %s table%s: %d / %d passed (%lld kernel launches)\n", quick ? "quick" : "full",
-           gpu_numerics ? ", GPU numerics" : "", passed, ran, (long long)g_launches);
+    printf("emulated CUDA backward, %s table%s%s: %d / %d passed (%lld kernel launches)\n", quick ? "quick" : "full",
+           gpu_numerics ? ", GPU numerics" : "", dropout ? ", dropout 0.17" : "", passed, ran, (long long)g_launches);
     flashc_context_destroy(ctx);
     return passed == ran ? 0 : 1;
 }

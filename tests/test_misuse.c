@@ -325,7 +325,7 @@ int main(void) {
 
     /* ---- parameters ---- */
     /* params not from flashc_params_default() of this flashc.h: a struct_size no layout has */
-    const uint32_t foreign_sizes[] = {0, 4, (uint32_t)sizeof(flashc_params) - 8, (uint32_t)sizeof(flashc_params) + 3,
+    const uint32_t foreign_sizes[] = {0, 4, (uint32_t)sizeof(flashc_params) - 4, (uint32_t)sizeof(flashc_params) + 3,
                                       1u << 20, 0xdeadbeefu};
     for (size_t i = 0; i < sizeof foreign_sizes / sizeof foreign_sizes[0]; i++) {
         char what[64];

@@ -115,7 +115,6 @@ static const char *const bwd_path_names[] = {
     "sm90 (wgmma, TMA, warp-specialized) dK/dV + mma.sync dQ (deterministic)"};
 
 const char *flashc_cuda_bwd_plan(const flashc_problem *p, int sm90, int simt_only, flashc_plan *plan) {
-    if (p->dropout_p > 0.f) return "dropout is not supported by the CUDA backward";
     if (p->D > FLASHC_MAX_HEAD_DIM) return "the CUDA backward supports head dims up to 256";
     plan->workspace = bwd_workspace(p);
     plan->entry = -1;
@@ -307,6 +306,7 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
     a->seqused_k = p->seqused_k;
     a->scale = p->scale;
     fc_set_scores_and_masks(p, a);
+    fc_set_dropout(p, a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
     a->bf16 = p->dtype != FLASHC_DTYPE_F16;
     a->out_dtype = p->dtype;

@@ -88,6 +88,7 @@ typedef struct fc_bwd_args {
     const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
     const float *sinks;       /* attention sinks per head; NULL: none */
     float *dsinks;            /* their gradient (H); NULL: not asked for */
+    FC_DROP_FIELDS;           /* dropout (score.h) */
 } fc_bwd_args;
 
 /* Shared memory of a block: the chunks of the current tile pair, its P and dS, and its rows' lse and D_i. The +1
@@ -215,13 +216,23 @@ FC_BWD_FN void fc_bwd_tile(const fc_bwd_args &a, fc_bwd_smem &sm, const fc_seq &
     const float lse2 = sm.lse[r] * FC_LOG2E, di = sm.di[r];
     const float slope2 = fc_alibi_slope2(a, b, h);
     const uint8_t *bmrow = mask && r < nrows ? fc_bm_row(a, mask, i) : NULL;
+    uint64_t seed = a.drop_seed, stream = 0;
+    if (a.dropout) {
+        if (a.drop_rng) seed = a.drop_rng[0];
+        stream = flashc_dropout_stream(a.drop_rng ? a.drop_rng[1] : a.drop_offset, b, a.H, h);
+    }
     FC_UNROLL
     for (int u = 0; u < FC_BWD_KPT; ++u) {
         const int c = cu + FC_BWD_TPR * u;
         const int64_t j = j0 + c;
         const bool vis = r < nrows && fc_keeps(a, i, j, diag, s.nk) && (!mask || fc_bm_keeps(a, bmrow, j));
         float p = sacc[u], ds = dpacc[u];
+        /* Dropout: Z = keep / (1 - p) times dP before the element step, times P after (for dV); one Philox call per
+         * element here (the tensor-core kernels share each call between four). */
+        const float z = a.dropout ? (flashc_dropout_keep(seed, stream, i, j, a.drop_t) ? a.drop_scale : 0.f) : 1.f;
+        ds *= z;
         fc_bwd_elem<fc_exact_math>(a, p, ds, lse2, di, a.alibi ? fc_alibi(slope2, i + diag - j) : 0.f, vis);
+        p *= z;
         sm.p[r][c] = p;
         sm.ds[r][c] = ds;
     }
@@ -458,6 +469,7 @@ static fc_bwd_args fc_bwd_make_args(const flashc_problem *p, void *workspace) {
     a.sinks = p->sinks, a.dsinks = p->dsinks;
     a.scale = p->scale;
     fc_set_scores_and_masks(p, &a);
+    fc_set_dropout(p, &a);
     a.n_qt = (p->Nq + FC_BWD_BR - 1) / FC_BWD_BR;
     a.n_kt = (p->Nk + FC_BWD_BC - 1) / FC_BWD_BC;
     /* The CUDA forward runs fp32 inputs on bf16 operands (fwd_sm80.cuh): its lse and O belong to the bf16-rounded

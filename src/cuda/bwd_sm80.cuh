@@ -133,7 +133,7 @@ static __device__ __forceinline__ void fc_bwd_store2(void *base, int64_t off, in
  * first key tiles have the most queries, so the longest blocks start first. Block: nw warps; warp w owns keys
  * [16 mt (w / ds), 16 mt (w / ds + 1)) of the tile and columns [d/ds (w % ds), d/ds (w % ds + 1)) of dK, dV.
  */
-template <int D, int BF>
+template <int D, int BF, bool DROP>
 __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb) fc_bwd_kv_kernel(const __grid_constant__ flashc_bwd_args a) {
     constexpr fc_btile TL = fc_btile_for(D);
     constexpr int BK = TL.bk, BQ = TL.bq, NW = TL.nw, DS = TL.ds, NT = NW * 32;
@@ -235,6 +235,18 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
         float s[MT][BQ / 8][4], dp[MT][BQ / 8][4];
         fc_bwd_scores<BF, MT, KQ, KD>(s, dp, sKa, sVa, sQb + slot * BQ * ROWB, sGb + slot * BQ * ROWB, ROWB);
 
+        /* Dropout (Z = keep / (1 - p), the forward's bits): dP^T becomes Z o dP^T before dS^T = P^T o (dP^T - D), and
+         * P^T becomes Z o P^T after, for dV. D_i = rowsum(dO o O) needs nothing: O is the dropped output. */
+        uint32_t keep[DROP ? MT : 1][(BQ / 8 + 7) / 8];
+        if (DROP) {
+            const fc_drop_stream drop = fc_drop_begin(a, b, h);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                fc_drop_bits_cols<BQ / 8>(drop, j0 + wk0 + mt * 16, i0, lane, keep[DROP ? mt : 0]);
+                fc_drop_apply(dp[mt], keep[DROP ? mt : 0], a.drop_scale);
+            }
+        }
+
         /* P^T and dS^T: rows are keys j, columns queries i. */
         const bool need_mask = part || i0 + BQ > nq || fc_band_cuts(a, i0, i0 + BQ - 1, j0, j0 + BK - 1, diag, nk);
         const uint8_t *bmrow = part ? fc_bm_base(a, b, h) : NULL;
@@ -278,6 +290,11 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
                                                       al, vis);
                         }
                 }
+        }
+
+        if (DROP) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) fc_drop_apply(s[mt], keep[DROP ? mt : 0], a.drop_scale);
         }
 
         /* dV += P^T dO, dK += dS^T Q over the tile's queries, this warp's columns. */
@@ -377,7 +394,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
  * dQ, deterministic mode. Grid: (query tile, head, sequence), query tile fastest and in reverse (causal: longest
  * rows first). Block: qnw warps, warp w owns query rows [16 w, 16 w + 16) and all of dQ's columns for them.
  */
-template <int D, int BF>
+template <int D, int BF, bool DROP>
 __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qminb) fc_bwd_q_kernel(const __grid_constant__ flashc_bwd_args a) {
     constexpr fc_btile TL = fc_btile_for(D);
     constexpr int BR = TL.qbr, BC = TL.qbc, NW = TL.qnw, NT = NW * 32, MT = BR / (16 * NW);
@@ -454,6 +471,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
             dvr[mt][hf] = i < nq ? a.dvec[r0 + i] : 0.f;
         }
     const float slope2 = fc_alibi_slope2(a, b, h);
+    const fc_drop_stream drop = DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{};
 
     float dq[MT][D / 8][4];
 #pragma unroll
@@ -475,6 +493,14 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
 
         float s[MT][BC / 8][4], dp[MT][BC / 8][4];
         fc_bwd_scores<BF, MT, KC, KD>(s, dp, sQa, sGa, sKb + slot * BC * ROWB, sVb + slot * BC * ROWB, ROWB);
+        if (DROP) { /* dP becomes Z o dP (the dK/dV kernel's comment); P itself is not used here */
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                uint32_t keep[(BC / 8 + 7) / 8];
+                fc_drop_bits_rows<BC / 8>(drop, i0 + wr0 + mt * 16, j0, lane, keep);
+                fc_drop_apply(dp[mt], keep, a.drop_scale);
+            }
+        }
 
         const bool need_mask = part || fc_band_cuts(a, i0, ilast, j0, j0 + BC - 1, diag, nk);
         if (!need_mask && fc_score_plain(a)) {
@@ -532,24 +558,34 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
         }
 }
 
-template <int D, int BF>
-static cudaError_t fc_bwd_run(const flashc_bwd_args *a, cudaStream_t stream, int what, size_t *smem) {
+template <int D, int BF, bool DROP>
+static cudaError_t fc_bwd_run_as(const flashc_bwd_args *a, cudaStream_t stream, int what, size_t *smem) {
     constexpr fc_btile t = fc_btile_for(D);
     const size_t kv = fc_bwd_kv_smem(t), qs = fc_bwd_q_smem(t);
     if (what == 2) {
         *smem = kv > qs ? kv : qs;
-        cudaError_t e = fc_smem_optin<fc_bwd_kv_kernel<D, BF>>((int)kv);
-        if (e == cudaSuccess) e = fc_smem_optin<fc_bwd_q_kernel<D, BF>>((int)qs);
+        cudaError_t e = fc_smem_optin<fc_bwd_kv_kernel<D, BF, DROP>>((int)kv);
+        if (e == cudaSuccess) e = fc_smem_optin<fc_bwd_q_kernel<D, BF, DROP>>((int)qs);
         return e;
     }
     if (what == 0) {
         const int64_t blocks = (int64_t)a->n_kblk * a->Hkv * a->B;
-        fc_bwd_kv_kernel<D, BF><<<(unsigned)blocks, t.nw * 32, kv, stream>>>(*a);
+        fc_bwd_kv_kernel<D, BF, DROP><<<(unsigned)blocks, t.nw * 32, kv, stream>>>(*a);
     } else {
         const int64_t blocks = (int64_t)a->n_qblk * a->H * a->B;
-        fc_bwd_q_kernel<D, BF><<<(unsigned)blocks, t.qnw * 32, qs, stream>>>(*a);
+        fc_bwd_q_kernel<D, BF, DROP><<<(unsigned)blocks, t.qnw * 32, qs, stream>>>(*a);
     }
     return cudaGetLastError();
+}
+
+template <int D, int BF>
+static cudaError_t fc_bwd_run(const flashc_bwd_args *a, cudaStream_t stream, int what, size_t *smem) {
+    if (what == 2) { /* both variants' shared memory opt-in; the tile (and so the size) is the same */
+        const cudaError_t e = fc_bwd_run_as<D, BF, true>(a, stream, what, smem);
+        return e != cudaSuccess ? e : fc_bwd_run_as<D, BF, false>(a, stream, what, smem);
+    }
+    return a->dropout ? fc_bwd_run_as<D, BF, true>(a, stream, what, smem)
+                      : fc_bwd_run_as<D, BF, false>(a, stream, what, smem);
 }
 
 #define FLASHC_BWD_INSTANTIATE(D)                                                                            \

@@ -39,6 +39,7 @@ typedef struct flashc_bwd_args {
     const int32_t *seqused_k; /* keys each sequence uses (score.h's fc_used_keys); NULL: all */
     const uint32_t *bm_tiles; /* the block mask by the Hopper kernel's tiles, a row per key tile (bm_tiles.h) */
     int bm_tiles_w;           /* words per half of a bitmap row (fc_bm_tile_words) */
+    FC_DROP_FIELDS;           /* dropout (score.h); the Hopper kernels take none yet */
 } flashc_bwd_args;
 
 /*

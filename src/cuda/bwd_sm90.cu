@@ -164,7 +164,7 @@ static __device__ __forceinline__ void fc90b_step(const flashc_bwd_args &a, int 
     }
 }
 
-template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false>
+template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false, bool DROP = false>
 __global__ void __launch_bounds__(FC90B_THREADS, 1)
     fc90_bwd_kernel(const __grid_constant__ flashc_bwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -346,6 +346,13 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         const int q0 = SPLIT ? 32 * cw : 0; /* the step's first query this warpgroup scores */
         fc90b_scores_issue<D, SN, BF>(s, dKa, dQk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
         fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
+        /* Dropout (DROP): the step's keep bits (keys as rows: fc_drop_bits_cols) while both products run; Z =
+         * keep / (1 - p) multiplies dP^T before dS^T = P^T o (dP^T - D), and P^T after, for dV. */
+        uint32_t keep[(SN / 8 + 7) / 8];
+        if (DROP) {
+            fc_drop_bits_cols<SN / 8>(fc_drop_begin(a, b, h), n0 + krow + 16 * warp, m0 + q0, lane, keep);
+            fc90_block_end_bits(keep); /* under the products, not after their wait */
+        }
         if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
             fc90_bulk_wait_read();
             ring.release_slot(staged_slot);
@@ -374,6 +381,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             }
             fc90_wgmma_wait<0>();
             fc90_pin(dp);
+            if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
 #pragma unroll
             for (int j = 0; j < SN / 8; ++j) {
                 const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
@@ -387,6 +395,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90_wgmma_wait<0>();
             fc90_pin(s);
             fc90_pin(dp);
+            if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
             const float slope2 = fc_alibi_slope2(a, b, h);
 #pragma unroll
             for (int j = 0; j < SN / 8; ++j)
@@ -405,6 +414,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     }
                 }
         }
+        if (DROP) fc_drop_apply(s, keep, a.drop_scale);
         if constexpr (SPLIT) {
             /* This warpgroup's halves of P^T and dS^T (keys x its 32 queries) into the step's buffers (keys x
              * 64 queries, swizzled; n8 block j of the accumulator is query piece 4 cw + j), then both meet. */
@@ -635,20 +645,21 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
 /* ---- host ------------------------------------------------------------------------------------------------ */
 
-template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false>
+template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false, bool DROP = false>
 static cudaError_t fc90b_launch_as(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
     const int smem = (int)fc90b_smem_bytes(fc90_btile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ, VARLEN, BMASK>>(smem);
+    cudaError_t e = fc_smem_optin<fc90_bwd_kernel<D, BF, DQ, VARLEN, BMASK, DROP>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_bwd_kernel<D, BF, DQ, VARLEN, BMASK>
+    fc90_bwd_kernel<D, BF, DQ, VARLEN, BMASK, DROP>
         <<<(unsigned)blocks, FC90B_THREADS, smem, stream>>>(*a, tm[0], tm[1], tm[2], tm[3], tm[4]);
     return cudaGetLastError();
 }
 /* Varlen takes kernels of its own (VARLEN), so that the fixed-length ones keep their machine code; so does a
  * fixed-length problem whose sequences use fewer keys (seqused_k), which needs their tail clearing; and block
- * masks, BMASK kernels among the VARLEN ones. */
+ * masks, BMASK kernels among the VARLEN ones; and dropout, VARLEN kernels of its own (DROP; no block mask). */
 template <int D, int BF, int DQ>
 static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm, int64_t blocks, cudaStream_t stream) {
+    if (a->dropout) return fc90b_launch_as<D, BF, DQ, true, false, true>(a, tm, blocks, stream); /* no block mask */
     if (a->bm) return fc90b_launch_as<D, BF, DQ, true, true>(a, tm, blocks, stream);
     return a->varlen || a->seqused_k ? fc90b_launch_as<D, BF, DQ, true>(a, tm, blocks, stream)
                      : fc90b_launch_as<D, BF, DQ, false>(a, tm, blocks, stream);
@@ -733,6 +744,7 @@ static int fc90b_tma_ok(const void *p, const int64_t e[3], const int64_t s[3]) {
 
 int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
     if (a->D != 64 && a->D != 128 && a->D != 256) return 0;
+    if (a->dropout && a->bm) return 0; /* dropout: VARLEN kernels of its own, without block masks (mma.sync has both) */
     if (a->in_mode != FC_IN_ASYNC16) return 0;
     /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu) */
     if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nq, fc90_btile_for(a->D).bm) * 4 > 48 * 1024) return 0;

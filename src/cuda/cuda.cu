@@ -221,13 +221,11 @@ static void fwd_info(cuda_state *s, int e, int bf16) {
  * pairs keep the main tile. The crossover between 8 and 128 pairs is not measured; 64 is a guess.
  */
 static int fwd_dec(struct flashc_context *ctx, const flashc_problem *p, int e) {
-    return p->Nq <= FC_DEC_ROWS && p->B * p->H >= 64 && state_of(ctx)->dec_occupancy[e][p->dtype != FLASHC_DTYPE_F16] > 0;
+    return p->Nq <= FC_DEC_ROWS && p->B * p->H >= 64 && p->dropout_p == 0 && state_of(ctx)->dec_occupancy[e][p->dtype != FLASHC_DTYPE_F16] > 0;
 }
 
 /* Whether the forward kernels take p: its kernel entry, or NOT_SUPPORTED with the reason. */
 static flashc_status fwd_check(struct flashc_context *ctx, const flashc_problem *p, int *entry) {
-    if (p->dropout_p > 0)
-        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "dropout is not supported by the CUDA backend");
     const int e = fwd_entry_index(p->D);
     if (e < 0)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
@@ -338,6 +336,7 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
     a.block_table = p->block_table, a.bt_stride = p->bt_stride;
     a.page_size = (int)p->page_size, a.num_pages = (int)p->num_pages;
     fc_set_scores_and_masks(p, &a);
+    fc_set_dropout(p, &a);
     const int f32 = p->dtype == FLASHC_DTYPE_F32;
     a.bf16 = p->dtype != FLASHC_DTYPE_F16; /* f32 inputs run on bf16 operands: the f32 range, never inf */
     a.out_f32 = f32;
@@ -379,7 +378,7 @@ static const char *const fwd_path_names[] = {
  */
 static int fwd_gqa_rows(const flashc_problem *p, flashc_problem *out) {
     if (p->Nq != 1 || p->Hkv < 1 || p->H <= p->Hkv || p->H % p->Hkv || p->varlen || p->win_left >= 0 || p->alibi ||
-        p->sinks || p->block_mask)
+        p->sinks || p->block_mask || p->dropout_p > 0) /* dropout's bits follow (head, row) */
         return 0;
     const int64_t G = p->H / p->Hkv;
     *out = *p;

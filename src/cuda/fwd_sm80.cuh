@@ -289,7 +289,7 @@ static __device__ __forceinline__ void fc_load_kv_paged(uint16_t *sk, uint16_t *
  * blocks of one head run together and share K/V in L2) and in reverse order (with causal masks the longest rows
  * start first). Block: nw warps; warp w owns query rows [w * 16 mt, (w + 1) * 16 mt) of the tile.
  */
-template <int D, int BF, bool DEC>
+template <int D, int BF, bool DEC, bool DROP>
 __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90)).nw * 32,
                                   (DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90)).minb)
     fc_fwd_kernel(const __grid_constant__ flashc_fwd_args a) {
@@ -412,6 +412,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
     }
     const bool score_plain = fc_score_plain(a) && a.score_mul > 0.f;
     const float slope2 = fc_alibi_slope2(a, b, h);
+    const fc_drop_stream drop = DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{};
 
     for (int it = 0;; ++it) {
         fc_cp_async_wait<ST - 2>();
@@ -427,6 +428,15 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
                 for (int kk = 0; kk < KD; ++kk) fc_ldsm_x4(qf[mt][kk], sQa + mt * 16 * ROWB + kk * 32);
         }
         issue_next((it + ST - 1) % ST);
+
+        /* Dropout's keep bits of this tile (fc_drop_bits_rows), before S exists: the Philox work then has the
+         * registers that S and the softmax need later, and only a few words of bits stay live across them. */
+        uint32_t keep[DROP ? MT : 1][(NKT + 7) / 8];
+        if (DROP) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                fc_drop_bits_rows<NKT>(drop, m0 + wr0 + mt * 16, t * BC, lane, keep[DROP ? mt : 0]);
+        }
 
         /* S = Q K^T for this warp's rows: MT x NKT accumulators of m16n8. */
         float s[MT][NKT][4];
@@ -511,6 +521,13 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
                 }
         }
 
+        /* Dropout: the dropped entries of P leave the product (the row sums above keep them: lse and the
+         * normalization are the undropped softmax's); the kept ones are scaled by 1 / (1 - p) with 1 / l. */
+        if (DROP) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) fc_drop_apply(s[mt], keep[DROP ? mt : 0], 1.f);
+        }
+
         /* O += P V: P is the S accumulators, packed. */
         fc_acc_product<BF, MT, KC, KD>(o, s, vbase, ROWB);
     }
@@ -530,6 +547,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
             float inv = l > 0.f ? 1.f / l : 0.f;
             float lse = l > 0.f ? row_m[mt][hf] * FC_LN2 + logf(l) : (a.nsplit > 1 ? -INFINITY : INFINITY);
             if (a.sinks && a.nsplit == 1) inv = fc_sink_fold(a.sinks[h], row_m[mt][hf], l, lse); /* split: combine's */
+            if (DROP) inv *= a.drop_scale;
             if (bad) inv = lse = __int_as_float(0x7fffffff); /* a page outside the pool: NaN, never a quiet result */
 #pragma unroll
             for (int dt = 0; dt < NDT; ++dt) {
@@ -598,17 +616,17 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
     }
 }
 
-template <int D, int BF, bool DEC>
+template <int D, int BF, bool DEC, bool DROP = false>
 static cudaError_t fc_fwd_run_as(const flashc_fwd_args *a, cudaStream_t stream, int what, fc_tile *tile,
                                  int *occupancy) {
     /* The tile column is the one the loaded kernel was compiled for (sm_90a binary, or sm_80 code/PTX); the
      * decode tile has one. */
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, fc_fwd_kernel<D, BF, DEC>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, fc_fwd_kernel<D, BF, DEC, DROP>);
     if (e != cudaSuccess) return e;
     const fc_tile t = DEC ? fc_tile_dec(D) : fc_tile_for(D, fa.ptxVersion >= 90);
     const int smem = (int)fc_fwd_smem_bytes(t);
-    e = fc_smem_optin<fc_fwd_kernel<D, BF, DEC>>(smem);
+    e = fc_smem_optin<fc_fwd_kernel<D, BF, DEC, DROP>>(smem);
     if (what == 1) {
         /* A GPU without enough shared memory for this tile reports occupancy 0 (the host refuses the problem). */
         *tile = t;
@@ -617,16 +635,18 @@ static cudaError_t fc_fwd_run_as(const flashc_fwd_args *a, cudaStream_t stream, 
             cudaGetLastError();
             return cudaSuccess;
         }
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, fc_fwd_kernel<D, BF, DEC>, t.nw * 32, smem);
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, fc_fwd_kernel<D, BF, DEC, DROP>, t.nw * 32, smem);
     }
     if (e != cudaSuccess) return e;
     const int64_t blocks = (int64_t)a->n_mblk * a->nsplit * a->H * a->B;
-    fc_fwd_kernel<D, BF, DEC><<<(unsigned)blocks, t.nw * 32, smem, stream>>>(*a);
+    fc_fwd_kernel<D, BF, DEC, DROP><<<(unsigned)blocks, t.nw * 32, smem, stream>>>(*a);
     return cudaGetLastError();
 }
 template <int D, int BF>
 static cudaError_t fc_fwd_run(const flashc_fwd_args *a, cudaStream_t stream, int what, fc_tile *tile,
                               int *occupancy) {
+    /* Dropout runs the main tile only (the host never picks the decode tile for it). */
+    if (what == 0 && a->dropout) return fc_fwd_run_as<D, BF, false, true>(a, stream, 0, tile, occupancy);
     return what >= 2 ? fc_fwd_run_as<D, BF, true>(a, stream, what - 2, tile, occupancy)
                      : fc_fwd_run_as<D, BF, false>(a, stream, what, tile, occupancy);
 }

@@ -398,8 +398,8 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
  * live together. Q is released (PERSIST) after the tile's last S.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK>
-static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a,
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP>
+static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a, const fc_drop_stream &drop,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, uint32_t nt,
                                                          uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
                                                          const uint8_t *bmbase, float slope2, int nq, int nk,
@@ -425,6 +425,11 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     const float smul = GENERIC ? 1.f : a.score_mul;
     uint32_t pa[BC / 16][4];
     float alpha[2];
+    /* Dropout (DROP): the keep bits of the tile whose S is in flight (fc_drop_bits_rows, this warp's 16 rows), taken
+     * while the tensor cores compute it and the P V before it; applied to P after the softmax (the row sums keep
+     * the dropped entries), the factor 1 / (1 - p) in the epilogue. */
+    uint32_t keep[(BC / 8 + 7) / 8];
+    const int wrow0 = m0 + row0 - (threadIdx.x % 32) / 4; /* the warp's first row: fc_drop_bits_rows adds g */
     if (cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
 
     sm.kr.wait_full(kv_it);
@@ -433,12 +438,17 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_wgmma_fence();
     fc90_qk_issue<D, BF>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4));
     fc90_turn_end<NC>(cw, false);
+    if (DROP) {
+        fc_drop_bits_rows<BC / 8>(drop, wrow0, ktile * BC, threadIdx.x % 32, keep);
+        fc90_block_end_bits(keep); /* under the products, not after their wait */
+    }
     fc90_wgmma_wait<0>();
     fc90_pin(s);
     sm.kr.release(kv_it);
     if (PERSIST && ntiles == 1) sm.qr.release(nt);
     fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2, part_of(ktile), bmbase);
     fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
+    if (DROP) fc_drop_apply(s, keep, 1.f);
     fc90_pack_p<BC, BF>(pa, s);
 
     for (int it = 1; it < ntiles; ++it) {
@@ -457,6 +467,10 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_qk_issue<D, BF>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4));
         fc90_pv_issue<D, BF>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4));
         fc90_turn_end<NC>(cw, false);
+        if (DROP) {
+            fc_drop_bits_rows<BC / 8>(drop, wrow0, ktile * BC, threadIdx.x % 32, keep);
+            fc90_block_end_bits(keep); /* under the products, not after their wait */
+        }
         fc90_wgmma_wait<1>();
         fc90_pin(s);
         sm.kr.release(kt);
@@ -464,6 +478,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2, part_of(ktile),
                                bmbase);
         fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
+        if (DROP) fc_drop_apply(s, keep, 1.f);
         fc90_block_end(s, row_l[0]);
         fc90_wgmma_wait<0>();
         fc90_pin(o);
@@ -493,7 +508,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
  * (no other warp touches them) and stores 16 bytes per lane; over Q and K (ALIASED) only after every consumer is
  * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
  */
-template <int D, int BF, bool VARLEN>
+template <int D, int BF, bool VARLEN, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D).st> &sm, float (&o)[D / 2],
                                                          const float (&row_m)[2], const float (&row_l)[2],
@@ -515,6 +530,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
         float inv = l > 0.f ? 1.f / l : 0.f, sink_lse = 0.f;
         if constexpr (VARLEN) /* sinks take the VARLEN kernels, so that the fixed-length ones keep their code */
             if (a.sinks) inv = fc_sink_fold(a.sinks[h], row_m[hf], l, sink_lse);
+        if (DROP) inv *= a.drop_scale; /* kept entries of P times 1 / (1 - p) */
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[4 * j + 2 * hf] *= inv;
@@ -573,7 +589,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP = false>
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
@@ -641,23 +657,23 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
         if (ntiles > 0)
-            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK>(
-                a, sm, nt, kv_it, tb, ntiles, bits, BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL,
+            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP>(
+                a, DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{}, sm, nt, kv_it, tb, ntiles, bits, BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL,
                 fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
-        fc90_fwd_epilogue<D, BF, VARLEN>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
+        fc90_fwd_epilogue<D, BF, VARLEN, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
 }
 
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false, bool DROP = false>
 static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                   const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
-    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK>>(smem);
+    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK>
+    fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>
         <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
@@ -670,6 +686,8 @@ template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
     const bool generic = fc90_generic(k);
+    /* Dropout: a VARLEN kernel of its own (fixed-length problems too), plain scores only (supports() says) */
+    if (k->dropout) return fc90_launch_as<D, BF, false, true, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
     if (k->bm)
         return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
@@ -764,6 +782,8 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit != 1) return 0;
     if (a->block_table) return 0; /* paged K/V: the mma.sync kernel's per-page loads (TMA by page: not yet) */
+    /* Dropout: plain scores (no softcap, ALiBi or block mask) in kernels of their own; the rest on mma.sync. */
+    if (a->dropout && (fc90_generic(a) || a->bm)) return 0;
     /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu), Nk below 25M keys. */
     if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D)).bc) * 4 > 48 * 1024) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;

@@ -6,6 +6,7 @@
 #define FLASHC_CUDA_LAUNCH_H
 
 #include "../internal.h"
+#include "../dropout.h"
 #include "score.h" /* FC_LOG2E */
 
 #include <stdint.h>
@@ -44,6 +45,16 @@ static inline void fc_set_scores_and_masks(const flashc_problem *p, Args *a) {
         a->bm_batch = (int)p->bm_batch, a->bm_heads = (int)p->bm_heads;
         a->bm_nqb = (int)p->bm_nqb, a->bm_nkb = (int)p->bm_nkb;
     }
+}
+
+/* The dropout fields (score.h's FC_DROP_FIELDS) of a problem: the same threshold and factor as every backend's. */
+template <typename Args>
+static inline void fc_set_dropout(const flashc_problem *p, Args *a) {
+    a->dropout = p->dropout_p > 0.0f;
+    a->drop_t = a->dropout ? flashc_dropout_threshold(p->dropout_p) : 0u;
+    a->drop_scale = a->dropout ? flashc_dropout_scale(p->dropout_p) : 1.0f;
+    a->drop_seed = p->dropout_seed, a->drop_offset = p->dropout_offset;
+    a->drop_rng = p->dropout_rng;
 }
 
 #endif /* FLASHC_CUDA_LAUNCH_H */

@@ -24,7 +24,8 @@
 #ifndef FLASHC_CUDA_SCORE_CUH
 #define FLASHC_CUDA_SCORE_CUH
 
-#include "common.cuh" /* fc_exp2, fc_tanh */
+#include "../dropout.h" /* the keep bit: Philox4x32-10, one definition for every backend */
+#include "common.cuh"    /* fc_exp2, fc_tanh */
 #include "score.h"
 
 #include <math.h>
@@ -173,6 +174,100 @@ static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &r
     }
     row_l = row_l * alpha + rs;
     return alpha;
+}
+
+/* ---- dropout ------------------------------------------------------------------------------------------------ */
+
+/*
+ * The keep bits of src/dropout.h on accumulator fragments. One Philox call gives a row's four columns 4 j4 .. 4 j4 + 3
+ * (a nibble, bit k for column 4 j4 + k), so each lane computes exactly one nibble per n8 block it holds and the lanes
+ * that hold the other parts of those nibbles trade them by shuffles: no Philox output is computed twice or wasted.
+ * The result is a bit set over the fragment: bit 4 (j % 8) + k of word j / 8 keeps element k (2 hf + e) of n8 block
+ * j (fc_frag's numbering), 1 where the element is kept.
+ */
+
+/* A (sequence b, query head h) stream's Philox key and counter words, and the threshold. Every lane of the block reads
+ * the same pair, so the loads from drop_rng are uniform. */
+struct fc_drop_stream {
+    uint32_t k0, k1, s0, s1, t;
+};
+template <typename Args>
+static __device__ __forceinline__ fc_drop_stream fc_drop_begin(const Args &a, int b, int h) {
+    uint64_t seed = a.drop_seed, offset = a.drop_offset;
+    if (a.drop_rng) {
+        seed = __ldg((const unsigned long long *)a.drop_rng);
+        offset = __ldg((const unsigned long long *)a.drop_rng + 1);
+    }
+    const uint64_t st = flashc_dropout_stream(offset, b, a.H, h);
+    return {(uint32_t)seed, (uint32_t)(seed >> 32), (uint32_t)st, (uint32_t)(st >> 32), a.drop_t};
+}
+
+/* The keep nibble of row i, columns 4 j4 .. 4 j4 + 3. */
+static __device__ __forceinline__ uint32_t fc_drop_nibble(const fc_drop_stream &d, uint32_t i, uint32_t j4) {
+    const flashc_u32x4 x = flashc_philox4x32_10(j4, i, d.s0, d.s1, d.k0, d.k1);
+    return (uint32_t)(x.x[0] >= d.t) | (uint32_t)(x.x[1] >= d.t) << 1 | (uint32_t)(x.x[2] >= d.t) << 2 |
+           (uint32_t)(x.x[3] >= d.t) << 3;
+}
+
+/*
+ * Rows are queries: NB n8 blocks whose rows are query rows i0 + g + 8 hf and columns keys n0 + 8 j + 2 tig + e
+ * (n0 % 8 == 0): the forward's S and the dQ kernel's. Lanes tig and tig ^ 1 hold the same four columns of rows g and
+ * g + 8: the even lane computes row g's nibble, the odd one row g + 8's, and they swap (one shuffle per 8 blocks).
+ */
+template <int NB>
+static __device__ __forceinline__ void fc_drop_bits_rows(const fc_drop_stream &d, int i0, int n0, int lane,
+                                                         uint32_t (&bits)[(NB + 7) / 8]) {
+    const int g = lane >> 2, tig = lane & 3, odd = tig & 1;
+    const uint32_t i = (uint32_t)(i0 + g + 8 * odd), j4 = (uint32_t)(n0 / 4 + (tig >> 1));
+#pragma unroll
+    for (int w = 0; w < (NB + 7) / 8; ++w) {
+        uint32_t own = 0;
+#pragma unroll
+        for (int j = 8 * w; j < NB && j < 8 * w + 8; ++j) own |= fc_drop_nibble(d, i, j4 + 2 * j) << (4 * (j - 8 * w));
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, own, 1);
+        /* this lane's two columns of each nibble, then row hf = odd from its own, the other row from the partner */
+        const uint32_t mine = (own >> (2 * odd)) & 0x33333333u, theirs = (other >> (2 * odd)) & 0x33333333u;
+        bits[w] = odd ? theirs | mine << 2 : mine | theirs << 2;
+    }
+}
+
+/*
+ * Rows are keys (the dK/dV kernel's S^T): NB n8 blocks whose rows are keys jb + g + 8 hf (jb % 16 == 0) and columns
+ * query rows c0 + 8 j + 2 tig + e. A nibble (one query row, four keys) then spans the lanes g = 4 q .. 4 q + 3 of one
+ * tig, which together hold 2 query rows x 2 key groups: lane r = g % 4 computes query row 2 tig + (r & 1) of key group
+ * (r >> 1) and two butterfly shuffles give every lane all four nibbles (two blocks per 32-bit exchange).
+ */
+template <int NB>
+static __device__ __forceinline__ void fc_drop_bits_cols(const fc_drop_stream &d, int jb, int c0, int lane,
+                                                         uint32_t (&bits)[(NB + 7) / 8]) {
+    const int g = lane >> 2, tig = lane & 3, r = g & 3;
+    const uint32_t j4 = (uint32_t)((jb + (g & ~3) + 8 * (r >> 1)) / 4), i = (uint32_t)(c0 + 2 * tig + (r & 1));
+#pragma unroll
+    for (int w = 0; w < (NB + 7) / 8; ++w) bits[w] = 0;
+#pragma unroll
+    for (int j = 0; j < NB; j += 2) {
+        uint32_t v = fc_drop_nibble(d, i + 8 * j, j4) << (4 * r);
+        if (j + 1 < NB) v |= fc_drop_nibble(d, i + 8 * (j + 1), j4) << (16 + 4 * r);
+        v |= __shfl_xor_sync(0xffffffffu, v, 4);
+        v |= __shfl_xor_sync(0xffffffffu, v, 8);
+#pragma unroll
+        for (int half = 0; half < 2 && j + half < NB; ++half)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) /* element k = 2 hf + e: lane (e + 2 hf)'s nibble, key offset r */
+                bits[(j + half) / 8] |= ((v >> (16 * half + 4 * k + r)) & 1u) << (4 * ((j + half) % 8) + k);
+    }
+}
+
+/* Element k of n8 block j of x: times z where the bit set keeps it, else 0. */
+template <typename Frag, int NW>
+static __device__ __forceinline__ void fc_drop_apply(Frag &x, const uint32_t (&bits)[NW], float z) {
+#pragma unroll
+    for (int j = 0; j < fc_frag_n<Frag>::value; ++j)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float &v = fc_frag(x, j, k);
+            v = (bits[j / 8] >> (4 * (j % 8) + k)) & 1u ? v * z : 0.f;
+        }
 }
 
 /* ---- tiles under the block mask ---------------------------------------------------------------------------- */

@@ -204,6 +204,19 @@ static __device__ __forceinline__ void fc90_pin(uint32_t (&x)[N][4]) {
 }
 
 /*
+ * Ends the basic block after work whose results are the bits b (dropout's keep bits, computed while a wgmma runs),
+ * so that ptxas cannot hoist the wgmma.wait_group that follows above that work (it schedules within a block, and
+ * would otherwise move independent integer work after the wait, onto the critical path). The branch depends on a
+ * value known only at run time; what it guards (a fence) changes nothing when taken.
+ */
+template <int N>
+static __device__ __forceinline__ void fc90_block_end_bits(uint32_t (&b)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(b[i])::"memory");
+    if (b[0] == 0x9e3779b9u) asm volatile("membar.cta;\n" ::: "memory");
+}
+
+/*
  * Shared-memory matrix descriptor of wgmma: bits 0-13 start address >> 4, 16-29 leading-dimension byte offset
  * >> 4, 32-45 stride-dimension byte offset >> 4, 49-51 base offset (0: tiles are 1024-byte aligned), 62-63
  * swizzle mode (1: 128-byte). For a 128B-swizzled operand:

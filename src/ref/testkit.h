@@ -80,7 +80,7 @@ typedef struct flashc_case_result {
     char message[256];        /* why it failed, if it did */
     const char *kernel_fwd;   /* flashc_kernel_name of the forward (and backward) the case ran; NULL if not run */
     const char *kernel_bwd;
-    int skipped;              /* 1: a case the CUDA backend refused with NOT_SUPPORTED (paged backward, dropout; pass 1,
+    int skipped;              /* 1: a case the CUDA backend refused with NOT_SUPPORTED (the paged backward; pass 1,
                                  message "skipped (not supported): ..."); nothing was checked */
 } flashc_case_result;
 
@@ -94,7 +94,7 @@ const flashc_case *flashc_case_table(int full, size_t *count);
  *   fp32:     relative error ||ours - ref|| / ||ref|| <= 1e-5 (gradients 1e-4)
  *   f16/bf16: max|ours - ref| <= 2 * max|naive_lowp - ref| + 1e-5 (gradients 3x);
  *   fp32 on the CUDA backend: the bf16 rule, with the naive algorithm's inputs rounded to bf16 too.
- * A paged case's backward (page_size > 0) or a dropout case on a CUDA context, which does not run those yet, is
+ * A paged case's backward (page_size > 0) on a CUDA context, which does not run that yet, is
  * reported as skipped when flashc_supported refuses it with NOT_SUPPORTED (res->skipped; pass 1, nothing checked);
  * any other backend or status counts as a failure.
  * Returns 0 when the case ran (pass or fail is in res), -1 when it could not be set up.
