@@ -4,6 +4,11 @@
  * materialized, one head at a time) as the baseline. Also the peak extra memory at a long N.
  *
  *   cpu_speed [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] [--no-bwd] [--memory]
+ *             [--ns 8192,32768] [--nq NQ] [--causal 0|1] [--heads H] [--no-std] [--reps R]
+ *                            --ns: these N instead of 512, 1024, ... nmax; --causal: one mask mode only; --no-std:
+ *                            no standard attention (its N x N matrix is 4 GiB at N = 32768); --reps: timed runs;
+ *                            --nq: NQ query rows against N keys (a long key length at a fraction of the time);
+ *                            --cpu-time: time by CPU time per thread (see now())
  *   cpu_speed --kernels      one thread: GFLOP/s of each microkernel product at the forward's tile shapes, and the
  *                            share of a forward tile that the online softmax takes
  *
@@ -28,10 +33,14 @@
 void openblas_set_num_threads(int) __attribute__((weak));
 #endif
 
+/* --cpu-time: the process's CPU time (all threads) divided by the thread count instead of the wall clock, what the
+ * run would take with its cores to itself; on a machine shared with other jobs the wall clock mostly measures
+ * them. Run it with OMP_WAIT_POLICY=passive so threads waiting at a barrier sleep rather than spin. */
+static int cpu_clock, cpu_clock_threads = 1;
 static double now(void) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    clock_gettime(cpu_clock ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &t);
+    return ((double)t.tv_sec + 1e-9 * (double)t.tv_nsec) / (cpu_clock ? cpu_clock_threads : 1);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -55,7 +64,11 @@ static double time_median(bench_fn fn, void *arg, int reps) {
     return t[reps / 2];
 }
 
-static int reps_for(double flops) { return flops > 2e11 ? 3 : flops > 2e10 ? 5 : MAX_REPS; }
+static int reps_forced; /* --reps */
+static int reps_for(double flops) {
+    if (reps_forced > 0) return reps_forced < MAX_REPS ? reps_forced : MAX_REPS;
+    return flops > 2e11 ? 3 : flops > 2e10 ? 5 : MAX_REPS;
+}
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float frand(void) {
@@ -250,7 +263,7 @@ static void memory_report(flashc_context_t ctx) {
 
 int main(int argc, char **argv) {
     int nmax = 8192, dims[4] = {64, 128}, ndims = 2, threads[8], nthreads = 0, do_bwd = 1, memory = 0;
-    int dt_f32 = 1, dt_bf16 = 1, kernels = 0;
+    int dt_f32 = 1, dt_bf16 = 1, kernels = 0, ns[16], nns = 0, causal_only = -1, heads = 8, no_std = 0, nq_fixed = 0;
 #ifdef _OPENMP
     const int all = omp_get_max_threads();
 #else
@@ -268,9 +281,17 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--no-bwd")) do_bwd = 0;
         else if (!strcmp(argv[i], "--memory")) memory = 1;
         else if (!strcmp(argv[i], "--kernels")) kernels = 1;
+        else if (!strcmp(argv[i], "--ns") && i + 1 < argc) nns = parse_list(argv[++i], ns, 16);
+        else if (!strcmp(argv[i], "--causal") && i + 1 < argc) causal_only = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--heads") && i + 1 < argc) heads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--nq") && i + 1 < argc) nq_fixed = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--cpu-time")) cpu_clock = 1;
+        else if (!strcmp(argv[i], "--no-std")) no_std = 1;
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps_forced = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] "
-                            "[--no-bwd] [--memory] | --kernels\n", argv[0]);
+                            "[--no-bwd] [--memory] [--ns N1,N2] [--nq NQ] [--causal 0|1] [--heads H] [--no-std] "
+                            "[--reps R] [--cpu-time] | --kernels\n", argv[0]);
             return 2;
         }
     }
@@ -298,26 +319,36 @@ int main(int argc, char **argv) {
         s.c = malloc(n * 4);
         for (size_t i = 0; i < n; i++) s.a[i] = frand(), s.b[i] = frand();
         set_threads(ctx, threads[ti]);
+        cpu_clock_threads = threads[ti];
         double t = time_median(run_sgemm, &s, 5);
         sgemm_rate[ti] = 2.0 * s.n * (double)s.n * s.n / t * 1e-9;
+        if (cpu_clock) { /* OpenBLAS's threads spin a while after a call: let them sleep before the CPU time counts */
+            struct timespec pause = {1, 0};
+            nanosleep(&pause, NULL);
+        }
         printf("sgemm 2048^3 on %d thread(s): %.1f GFLOP/s\n", threads[ti], sgemm_rate[ti]);
         free(s.a), free(s.b), free(s.c);
     }
 #else
     printf("sgemm: no CBLAS in this build\n");
 #endif
+    if (cpu_clock) printf("\ntimes are CPU time per thread (--cpu-time), not wall clock");
+    if (nq_fixed > 0) printf("\n%d query rows against N keys", nq_fixed);
     printf("\n%-5s %4s %6s %3s %6s | %9s %8s %7s | %9s %8s %6s | %9s %8s\n", "dtype", "D", "causal", "thr", "N",
            "fwd ms", "GFLOP/s", "%sgemm", "std ms", "GFLOP/s", "ratio", "bwd ms", "GFLOP/s");
-    const int64_t B = 1, H = 8;
+    if (nns == 0)
+        for (int n = 512; n <= nmax && nns < 16; n *= 2) ns[nns++] = n;
+    const int64_t B = 1, H = heads;
     for (int di = 0; di < 2; di++) {
         flashc_dtype dt = di == 0 ? FLASHC_DTYPE_F32 : FLASHC_DTYPE_BF16;
         if ((dt == FLASHC_DTYPE_F32 && !dt_f32) || (dt == FLASHC_DTYPE_BF16 && !dt_bf16)) continue;
         for (int d = 0; d < ndims; d++)
             for (int causal = 0; causal < 2; causal++)
-                for (int ti = 0; ti < nthreads; ti++)
-                    for (int64_t N = 512; N <= nmax; N *= 2) {
-                        const int64_t D = dims[d];
+                for (int ti = 0; ti < nthreads && (causal_only < 0 || causal == causal_only); ti++)
+                    for (int ni = 0; ni < nns; ni++) {
+                        const int64_t N = ns[ni], D = dims[d], NQ = nq_fixed > 0 ? nq_fixed : N;
                         set_threads(ctx, threads[ti]);
+                        cpu_clock_threads = threads[ti];
                         fprintf(stderr, "cpu_speed: %s D=%lld causal=%d threads=%d N=%lld\r", flashc_dtype_name(dt),
                                 (long long)D, causal, threads[ti], (long long)N);
                         attn_case c;
@@ -325,23 +356,24 @@ int main(int argc, char **argv) {
                         c.ctx = ctx;
                         c.params = flashc_params_default();
                         c.params.causal = causal;
-                        void *bufs[8] = {alloc_tensor(&c.q, dt, B, N, H, D, 1), alloc_tensor(&c.k, dt, B, N, H, D, 1),
-                                         alloc_tensor(&c.v, dt, B, N, H, D, 1), alloc_tensor(&c.o, dt, B, N, H, D, 0),
-                                         alloc_tensor(&c.dout, dt, B, N, H, D, 1),
-                                         alloc_tensor(&c.dq, dt, B, N, H, D, 0), alloc_tensor(&c.dk, dt, B, N, H, D, 0),
+                        void *bufs[8] = {alloc_tensor(&c.q, dt, B, NQ, H, D, 1), alloc_tensor(&c.k, dt, B, N, H, D, 1),
+                                         alloc_tensor(&c.v, dt, B, N, H, D, 1), alloc_tensor(&c.o, dt, B, NQ, H, D, 0),
+                                         alloc_tensor(&c.dout, dt, B, NQ, H, D, 1),
+                                         alloc_tensor(&c.dq, dt, B, NQ, H, D, 0), alloc_tensor(&c.dk, dt, B, N, H, D, 0),
                                          alloc_tensor(&c.dv, dt, B, N, H, D, 0)};
-                        c.lse = malloc(sizeof(float) * (size_t)(B * H * N));
+                        c.lse = malloc(sizeof(float) * (size_t)(B * H * NQ));
                         size_t wf = 0, wb = 0;
                         flashc_forward_workspace_size(ctx, &c.q, &c.k, &c.v, &c.params, &wf);
                         flashc_backward_workspace_size(ctx, &c.q, &c.k, &c.v, &c.params, &wb);
                         c.ws_bytes = wf > wb ? wf : wb;
                         c.ws = malloc(c.ws_bytes);
-                        const double flops = 4.0 * B * H * (double)N * N * D * (causal ? 0.5 : 1.0);
+                        /* (with NQ != N and causal, only roughly half the scores are visible) */
+                        const double flops = 4.0 * B * H * (double)NQ * N * D * (causal ? 0.5 : 1.0);
                         const double tf = time_median(run_fwd, &c, reps_for(flops));
                         double tb = -1.0, ts = -1.0;
                         if (do_bwd) tb = time_median(run_bwd, &c, reps_for(2.5 * flops));
 #ifdef FLASHC_BENCH_CBLAS
-                        if (dt == FLASHC_DTYPE_F32) {
+                        if (dt == FLASHC_DTYPE_F32 && !no_std && NQ == N) {
                             std_case sc = {(int)N, (int)H, (int)D, causal, c.q.data, c.k.data, c.v.data, c.o.data,
                                            malloc(sizeof(float) * (size_t)(N * N))};
                             if (sc.s) ts = time_median(run_standard, &sc, reps_for(flops));

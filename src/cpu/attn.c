@@ -1,14 +1,15 @@
 /*
  * The CPU attention drivers: FlashAttention-2 (Dao 2023, Algorithms 1 and 2) on fp32 tiles.
  *
- * Forward: one task per (sequence, head, block of br query rows). The query block stays resident (as scale*Q^T)
- * while key/value blocks of bc rows stream past it; scores are kept key-major (St[key][query]) so K and V are
- * read in place when they are fp32 with unit stride along D, and so the online-softmax state (running max m,
- * running sum l, output O) updates with vector operations across query rows. Scores are in base 2 (log2(e)
- * folded into the Q scale). Causal and window masks bound the key range of each query block, the block-sparse
- * mask skips whole tiles, and partial tiles mask element-wise. When there are fewer tasks than threads (few
- * heads, long keys) the key range of each task is split across threads and the partial (m, l, O) merge by
- * log-sum-exp (flash-decoding). Forwards of at most 16 query rows (decode) run decode.c's path instead, which packs
+ * Forward: one task per (sequence, head, group of G blocks of br query rows). The group's query blocks stay
+ * resident (as scale*Q^T) while key/value blocks of bc rows stream past them, the key-block loop outside the block
+ * loop, so each K/V block is read from memory once per group and meets the G blocks from L2 (G from the cache sizes,
+ * tiles.c); scores are kept key-major (St[key][query]) so K and V are read in place when they are fp32 with unit
+ * stride along D, and so the online-softmax state (running max m, running sum l, output O) updates with vector
+ * operations across query rows. Scores are in base 2 (log2(e) folded into the Q scale). Causal and window masks
+ * bound the key range of each query block, the block-sparse mask skips whole tiles, and partial tiles mask
+ * element-wise. When there are fewer tasks than threads (few heads, long keys) the groups are of one block and the
+ * key range of each task is split across threads, the partial (m, l, O) merging by log-sum-exp (flash-decoding). Forwards of at most 16 query rows (decode) run decode.c's path instead, which packs
  * a GQA group's rows into one tile.
  *
  * Backward: P is recomputed from q, k and the saved lse, never stored. D_i = rowsum(dO o O) is computed first.
@@ -28,7 +29,7 @@
  * whole softmax's) and the store scales by 1 / (1 - p) with 1 / l; the backward regenerates Z = keep / (1 - p) per
  * tile into a buffer, dS = P (Z dP - D) and dV += (P Z)^T dO.
  *
- * Extra memory: per thread a few tiles (sizes below, O(br * D + bc * D + br * bc)); split-KV partials
+ * Extra memory: per thread a few tiles (sizes below, O(G * br * D + bc * D + br * bc)); split-KV partials
  * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode dQ, Q^T and dO^T of one
  * sequence per thread (3 * Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats); with dropout
  * one more bc x br tile per thread in backward.
@@ -45,8 +46,8 @@ static int imin(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
 
 /* Per-thread tiles; every piece 64-byte aligned (sizes are multiples of 16 floats). */
 typedef struct tile_bufs {
-    float *qt, *dot;    /* (scale Q)^T, dO^T: dp x ld */
-    float *o, *dq;      /* br x dp */
+    float *qt, *dot;    /* (scale Q)^T, dO^T: dp x ld (forward: one per block of the query group) */
+    float *o, *dq;      /* br x dp (o: one per block of the query group, as are m and l) */
     float *st, *dpt, *t; /* bc x ld: scores / P, dP / dS, tanh for softcap */
     float *kbuf, *vbuf; /* bc x dp: converted K, V rows */
     float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
@@ -59,11 +60,14 @@ typedef struct layout {
     int br, bc, dp;
     int ld; /* leading dim of the query-major tiles (Q^T, dO^T, S^T, dP^T): br + FLASHC_CPU_LD_PAD */
     int64_t nqb, nkb;
+    int gq;      /* forward: query blocks per task (tiles.c, flashc_cpu_query_group); 1 in backward */
+    int64_t ngq; /* forward: query groups per (sequence, head), ceil(nqb / gq) */
     int dropout;       /* the backward keeps a tile of dropout factors */
     size_t per_thread; /* floats */
 } layout;
 
-static layout make_layout(const flashc_problem *p, int backward) {
+/* Tiles of the forward (backward = 0) or backward run on nthreads threads. */
+static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
     flashc_cpu_tiles t = flashc_cpu_choose_tiles(p->D, backward);
     layout L;
     L.br = t.br;
@@ -72,9 +76,17 @@ static layout make_layout(const flashc_problem *p, int backward) {
     L.ld = L.br + FLASHC_CPU_LD_PAD;
     L.nqb = (p->Nq + L.br - 1) / L.br;
     L.nkb = (p->Nk + L.bc - 1) / L.bc;
-    size_t br = (size_t)L.br, bc = (size_t)L.bc, dp = (size_t)L.dp, ld = (size_t)L.ld;
+    /* A group shares its K/V blocks but is one task of the dynamic schedule: keep at least four tasks per thread,
+     * so the threads still end close together (and split-KV, for fewer tasks than threads, sees groups of one). */
+    L.gq = backward ? 1 : flashc_cpu_query_group(p->D, t, nthreads);
+    const int64_t blocks = p->B * p->H * L.nqb;
+    if (L.gq > 1 && blocks < (int64_t)4 * nthreads * L.gq) L.gq = (int)(blocks / (4 * (int64_t)nthreads));
+    if (L.gq > L.nqb) L.gq = (int)L.nqb;
+    if (L.gq < 1) L.gq = 1;
+    L.ngq = (L.nqb + L.gq - 1) / L.gq;
+    size_t br = (size_t)L.br, bc = (size_t)L.bc, dp = (size_t)L.dp, ld = (size_t)L.ld, gq = (size_t)L.gq;
     if (!backward)
-        L.per_thread = dp * ld + br * dp + bc * ld + 2 * bc * dp + 3 * br;
+        L.per_thread = gq * (dp * ld + br * dp + 2 * br) + bc * ld + 2 * bc * dp + br;
     else
         L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * bc * dp + 2 * br * dp + 2 * br;
     L.dropout = backward && p->dropout_p > 0.0f;
@@ -85,16 +97,16 @@ static layout make_layout(const flashc_problem *p, int backward) {
 static tile_bufs carve(float *x, const layout *L, int backward) {
     tile_bufs b;
     memset(&b, 0, sizeof b);
-    size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp, ld = (size_t)L->ld;
+    size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp, ld = (size_t)L->ld, gq = (size_t)L->gq;
 #define TAKE(ptr, n) (ptr = x, x += (n))
-    TAKE(b.qt, dp * ld);
+    TAKE(b.qt, gq * dp * ld);
     TAKE(b.st, bc * ld);
     TAKE(b.kbuf, bc * dp);
     TAKE(b.vbuf, bc * dp);
     if (!backward) {
-        TAKE(b.o, br * dp);
-        TAKE(b.m, br);
-        TAKE(b.l, br);
+        TAKE(b.o, gq * br * dp);
+        TAKE(b.m, gq * br);
+        TAKE(b.l, gq * br);
         TAKE(b.alpha, br);
     } else {
         TAKE(b.dot, dp * ld);
@@ -117,8 +129,8 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
 
 /* Split-KV plan: how many pieces each task's key range is cut into. */
 static int64_t kv_splits(const flashc_problem *p, const layout *L, int nthreads) {
-    const int64_t tasks = p->B * p->H * L->nqb;
-    if (tasks >= nthreads || L->nkb < 2) return 1;
+    const int64_t tasks = p->B * p->H * L->ngq;
+    if (tasks >= nthreads || L->nkb < 2 || L->gq > 1) return 1;
     int64_t s = (nthreads + tasks - 1) / tasks;
     return s < L->nkb ? s : L->nkb;
 }
@@ -130,50 +142,107 @@ static size_t partial_floats(const layout *L) { return (size_t)L->br * L->dp + 2
 #define SADD flashc_size_add
 
 size_t flashc_cpu_forward_workspace(const flashc_problem *p, int nthreads) {
-    const layout L = make_layout(p, 0);
+    const layout L = make_layout(p, 0, nthreads);
     const int64_t splits = kv_splits(p, &L, nthreads);
-    const size_t tasks = SMUL(SMUL(flashc_size_of_i64(p->B), flashc_size_of_i64(p->H)), flashc_size_of_i64(L.nqb));
+    const size_t tasks = SMUL(SMUL(flashc_size_of_i64(p->B), flashc_size_of_i64(p->H)), flashc_size_of_i64(L.ngq));
     const size_t partials = splits > 1 ? SMUL(SMUL(tasks, (size_t)splits), partial_floats(&L)) : 0;
     return SADD(SMUL(SADD(SMUL((size_t)nthreads, L.per_thread), partials), sizeof(float)), 64);
 }
 
+/* Query block g of a group: its (scale Q)^T, unnormalized O, m and l in the thread's tiles. */
+typedef struct query_block {
+    float *qt, *o, *m, *l;
+    int64_t i0; /* first row, within the sequence */
+    int rows;
+    int64_t lo, hi; /* the keys it sees, within the group's key range */
+} query_block;
+
+static query_block group_block(const layout *L, tile_bufs *t, int g) {
+    query_block q;
+    memset(&q, 0, sizeof q);
+    q.qt = t->qt + (size_t)g * L->dp * L->ld;
+    q.o = t->o + (size_t)g * L->br * L->dp;
+    q.m = t->m + (size_t)g * L->br;
+    q.l = t->l + (size_t)g * L->br;
+    return q;
+}
+
 /*
- * Streams key blocks [jlo, jhi) (already clipped to the visible range) past query block qb of (b, h), leaving
- * the unnormalized O, m and l of its rows in t.
+ * One step of the online softmax (FlashAttention-2, Algorithm 1, lines 8-10) for query block q against keys
+ * [j0, j0 + cols): S^T = K (scale Q)^T, the score epilogue, m and l, O rescaled by alpha, O += P V.
  */
-static void forward_range(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                          int64_t b, int64_t h, int64_t i0, int rows, int64_t jlo, int64_t jhi) {
+static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                         const query_block *q, int64_t b, int64_t h, int64_t nq, int64_t nk, const float *k,
+                         int64_t ldk, const float *v, int64_t ldv, int64_t j0, int cols,
+                         const flashc_cpu_dropout *drop) {
+    const int D = (int)p->D, dp = L->dp, br = L->br, ld = L->ld, rows = q->rows;
+    kern->gemm(cols, br, D, k, ldk, 1, q->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
+    if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
+        flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
+    kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
+    for (int r = 0; r < rows; r++)
+        if (t->alpha[r] != 1.0f) {
+            float *orow = q->o + (size_t)r * dp;
+            for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
+        }
+    /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
+    if (drop) kern->dropout(cols, br, t->st, ld, drop, q->i0, j0);
+    kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, q->o, dp, 1); /* O += P V */
+}
+
+/*
+ * The forward of n consecutive query blocks of (b, h), the first at row i0, with the key-block loop outside the
+ * block loop: each K/V block is read (and converted) once and meets every block of the group while it is in
+ * cache, where one block at a time would stream the whole K and V of the head from memory again per block once
+ * they outgrow the last-level cache. Each block sees the keys of its own visible range within [jlo, jhi) (a
+ * split-KV piece, else all keys); the key blocks start at the group's first visible key, so a group of one steps
+ * exactly as a lone block does. Leaves block g's unnormalized O, m and l in slot g of t.
+ */
+static void forward_group(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                          int64_t b, int64_t h, int64_t i0, int n, int64_t jlo, int64_t jhi) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br, ld = L->ld;
+    const int D = (int)p->D, dp = L->dp, bc = L->bc, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
     flashc_cpu_dropout drop; /* kept values are scaled by 1 / (1 - p) in the store, with 1 / l */
     const int dropout = flashc_cpu_dropout_of(p, b, h, 1.0f, &drop);
 
-    flashc_cpu_load_t(kern, t->qt, ld, &p->q, tb, q0 + i0, rows, br, h, D, flashc_cpu_qscale(p));
-    memset(t->o, 0, sizeof(float) * (size_t)br * dp);
-    for (int r = 0; r < br; r++) {
-        t->m[r] = -INFINITY;
-        t->l[r] = 0.0f;
+    query_block qb[FLASHC_CPU_MAX_GQ];
+    int64_t glo = jhi, ghi = jlo; /* the union of the blocks' key ranges */
+    for (int g = 0; g < n; g++) {
+        query_block *q = &qb[g];
+        *q = group_block(L, t, g);
+        q->i0 = i0 + (int64_t)g * br;
+        q->rows = imin(br, nq - q->i0);
+        flashc_cpu_block_key_range(p, q->i0, q->rows, nq, nk, &q->lo, &q->hi);
+        if (q->lo < jlo) q->lo = jlo;
+        if (q->hi > jhi) q->hi = jhi;
+        if (q->hi > q->lo) {
+            if (q->lo < glo) glo = q->lo;
+            if (q->hi > ghi) ghi = q->hi;
+        }
+        flashc_cpu_load_t(kern, q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D, flashc_cpu_qscale(p));
+        memset(q->o, 0, sizeof(float) * (size_t)br * dp);
+        for (int r = 0; r < br; r++) {
+            q->m[r] = -INFINITY;
+            q->l[r] = 0.0f;
+        }
     }
-    for (int64_t j0 = jlo; j0 < jhi; j0 += bc) {
-        const int cols = imin(bc, jhi - j0);
-        if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-        int64_t ldk, ldv;
-        const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
-        const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
-        kern->gemm(cols, br, D, k, ldk, 1, t->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
-        if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
-            flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, NULL);
-        kern->softmax(cols, br, t->st, ld, t->m, t->l, t->alpha);
-        for (int r = 0; r < rows; r++)
-            if (t->alpha[r] != 1.0f) {
-                float *orow = t->o + (size_t)r * dp;
-                for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
+    for (int64_t j0 = glo; j0 < ghi; j0 += bc) {
+        const int cols = imin(bc, ghi - j0);
+        const float *k = NULL, *v = NULL;
+        int64_t ldk = 0, ldv = 0;
+        for (int g = 0; g < n; g++) {
+            const query_block *q = &qb[g];
+            const int64_t a = q->lo > j0 ? q->lo : j0, e = q->hi < j0 + cols ? q->hi : j0 + cols;
+            if (e <= a || !flashc_cpu_tile_visible(p, b, h, q->i0, q->rows, a, (int)(e - a))) continue;
+            if (!k) { /* the first block that needs these keys loads them */
+                k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
+                v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
             }
-        /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
-        if (dropout) kern->dropout(cols, br, t->st, ld, &drop, i0, j0);
-        kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, t->o, dp, 1); /* O += P V */
+            forward_tile(p, kern, L, t, q, b, h, nq, nk, k + (a - j0) * ldk, ldk, v + (a - j0) * ldv, ldv, a,
+                         (int)(e - a), dropout ? &drop : NULL);
+        }
     }
 }
 
@@ -251,9 +320,27 @@ static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int
     return 1;
 }
 
+int flashc_cpu_forward_group(const flashc_problem *p, int nthreads) { return make_layout(p, 0, nthreads).gq; }
+
+/* Query group task of (b, h): its first row *i0 and its blocks *n; 0 when it lies past the sequence. Groups in
+ * decreasing order within each head, as task_rows orders blocks. */
+static int task_group(const flashc_problem *p, const layout *L, int64_t task, int64_t *b, int64_t *h, int64_t *i0,
+                      int *n) {
+    const int64_t gi = L->ngq - 1 - task % L->ngq, bh = task / L->ngq;
+    *b = bh / p->H;
+    *h = bh % p->H;
+    int64_t q0, nq, k0, nk;
+    flashc_seq_bounds(p, *b, &q0, &nq, &k0, &nk);
+    *i0 = gi * L->gq * L->br;
+    if (*i0 >= nq) return 0;
+    const int64_t left = (nq - *i0 + L->br - 1) / L->br, last = L->nqb - gi * L->gq;
+    *n = imin(L->gq, left < last ? left : last);
+    return 1;
+}
+
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
-    const layout L = make_layout(p, 0);
-    const int64_t ntasks = p->B * p->H * L.nqb, splits = kv_splits(p, &L, nthreads);
+    const layout L = make_layout(p, 0, nthreads);
+    const int64_t ntasks = p->B * p->H * L.ngq, splits = kv_splits(p, &L, nthreads);
     float *base = flashc_cpu_align64(workspace), *partials = base + (size_t)nthreads * L.per_thread;
     const size_t pf = partial_floats(&L);
 #ifdef _OPENMP
@@ -271,18 +358,28 @@ void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern,
 #endif
         for (int64_t work = 0; work < ntasks * splits; work++) {
             const int64_t task = work / splits, s = work % splits;
+            if (splits == 1) {
+                int64_t b, h, i0;
+                int n;
+                if (!task_group(p, &L, task, &b, &h, &i0, &n)) continue;
+                int64_t q0, nq, k0, nk;
+                flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+                forward_group(p, kern, &L, &t, b, h, i0, n, 0, nk);
+                for (int g = 0; g < n; g++) {
+                    const query_block q = group_block(&L, &t, g);
+                    const int64_t ig = i0 + (int64_t)g * L.br;
+                    flashc_cpu_forward_store(p, L.dp, q.o, q.m, q.l, b, h, ig, imin(L.br, nq - ig));
+                }
+                continue;
+            }
+            /* Piece s of the visible key range of one block (groups are of one here), cut at key-block
+             * boundaries. */
             int64_t b, h, i0, lo, hi;
             int rows;
             if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
-            if (splits == 1) {
-                forward_range(p, kern, &L, &t, b, h, i0, rows, lo, hi);
-                flashc_cpu_forward_store(p, L.dp, t.o, t.m, t.l, b, h, i0, rows);
-                continue;
-            }
-            /* Piece s of the visible key range, cut at key-block boundaries. */
             const int64_t nblk = hi > lo ? (hi - lo + L.bc - 1) / L.bc : 0, per = (nblk + splits - 1) / splits;
             const int64_t jlo = lo + s * per * L.bc, jhi = jlo + per * L.bc < hi ? jlo + per * L.bc : hi;
-            forward_range(p, kern, &L, &t, b, h, i0, rows, jlo, jhi > jlo ? jhi : jlo);
+            forward_group(p, kern, &L, &t, b, h, i0, 1, jlo, jhi > jlo ? jhi : jlo);
             float *part = partials + (size_t)work * pf;
             memcpy(part, t.o, sizeof(float) * (size_t)rows * L.dp);
             memcpy(part + (size_t)L.br * L.dp, t.m, sizeof(float) * (size_t)rows);
@@ -331,7 +428,7 @@ static int64_t dkv_batch(const flashc_problem *p, int64_t b) {
 }
 
 size_t flashc_cpu_backward_workspace(const flashc_problem *p, int nthreads) {
-    const layout L = make_layout(p, 1);
+    const layout L = make_layout(p, 1, nthreads);
     size_t floats = SADD(SMUL((size_t)nthreads, L.per_thread), di_floats(p));
     if (single_pass(p, nthreads)) {
         floats = SADD(floats, SMUL((size_t)nthreads, dq_seq_floats(p, &L)));
@@ -590,7 +687,7 @@ static void sinks_grad(const flashc_problem *p, const float *dvec) {
 }
 
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
-    const layout L = make_layout(p, 1);
+    const layout L = make_layout(p, 1, nthreads);
     const int single = single_pass(p, nthreads);
     float *dvec = flashc_cpu_align64(workspace);
     float *base = dvec + di_floats(p);

@@ -118,6 +118,18 @@ typedef struct flashc_cpu_tiles {
 } flashc_cpu_tiles;
 /* Chosen from the head dim and the L1/L2 sizes of this CPU so the per-thread working set stays in L2. */
 flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward);
+/* Data cache sizes in bytes (L1d and L2 per core, L3 as cpu0 sees it), detected once per process. */
+typedef struct flashc_cpu_caches {
+    long l1d, l2, l3;
+} flashc_cpu_caches;
+flashc_cpu_caches flashc_cpu_cache_sizes(void);
+/*
+ * The forward's query group: how many query blocks of br rows one task holds, so that each K/V block it loads
+ * meets all of them while it is in L2, from L3's size and the thread count (tiles.c explains the sizes). From 1 to
+ * FLASHC_CPU_MAX_GQ.
+ */
+#define FLASHC_CPU_MAX_GQ 16
+int flashc_cpu_query_group(int64_t D, flashc_cpu_tiles t, int nthreads);
 /*
  * The query-major tiles (Q^T, dO^T, S^T, dP^T) have leading dim br + FLASHC_CPU_LD_PAD, one cache line past a
  * multiple of 16 floats: with ld = br = 128 (512 bytes) the rows of a 32-column stripe of Q^T fall into a quarter
@@ -205,6 +217,8 @@ void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, i
 size_t flashc_cpu_forward_workspace(const flashc_problem *p, int threads);
 size_t flashc_cpu_backward_workspace(const flashc_problem *p, int threads);
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
+/* Query blocks per task that flashc_cpu_forward groups for p on threads threads (tests check a case groups). */
+int flashc_cpu_forward_group(const flashc_problem *p, int threads);
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 
 /*

@@ -6,19 +6,65 @@
 #define _GNU_SOURCE /* sysconf cache sizes */
 #include "cpu.h"
 
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 /* ---- tiles --------------------------------------------------------------------------------------------- */
 
-static long cache_bytes(int name, long fallback) {
+/*
+ * Data cache sizes of cpu0, read once: /sys/devices/system/cpu/cpu0/cache/index<i>/{level,type,size} first, since
+ * glibc's sysconf answers from cpuid and can be far off in a VM (256 MiB of L3 on the 2-core AMD EPYC dev VM,
+ * whose /sys and lscpu say 32 MiB); then sysconf; then 32 KiB, 1 MiB, 8 MiB.
+ */
+static flashc_cpu_caches caches;
+static pthread_once_t caches_once = PTHREAD_ONCE_INIT;
+
+/* A number in a /sys file, with its K or M suffix applied; -1 when absent. */
+static long read_sys_long(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    char buf[64] = {0};
+    const int ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    if (!ok) return -1;
+    char *end;
+    long v = strtol(buf, &end, 10);
+    if (end == buf || v <= 0) return -1;
+    return *end == 'K' ? v << 10 : *end == 'M' ? v << 20 : v;
+}
+
+static void caches_init(void) {
+    long size[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 8; i++) {
+        char path[96], type[32] = {0};
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/type", i);
+        FILE *f = fopen(path, "r");
+        if (!f) break;
+        const int ok = fgets(type, sizeof type, f) != NULL;
+        fclose(f);
+        if (!ok || !strncmp(type, "Instruction", 11)) continue;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        const long level = read_sys_long(path);
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        const long bytes = read_sys_long(path);
+        if (level >= 1 && level <= 3 && bytes > 0) size[level] = bytes;
+    }
 #if defined(_SC_LEVEL2_CACHE_SIZE)
-    long v = sysconf(name);
-    if (v > 0) return v;
+    if (size[1] <= 0) size[1] = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    if (size[2] <= 0) size[2] = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (size[3] <= 0) size[3] = sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
-    (void)name;
-    return fallback;
+    caches.l1d = size[1] > 0 ? size[1] : 32L << 10;
+    caches.l2 = size[2] > 0 ? size[2] : 1L << 20;
+    caches.l3 = size[3] > 0 ? size[3] : 8L << 20;
+}
+
+flashc_cpu_caches flashc_cpu_cache_sizes(void) {
+    pthread_once(&caches_once, caches_init);
+    return caches;
 }
 
 /*
@@ -33,11 +79,8 @@ static long cache_bytes(int name, long fallback) {
  * multiple of 16 (<= 128) that fits. There the same swap measured no better.
  */
 flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward) {
-#if defined(_SC_LEVEL2_CACHE_SIZE)
-    long l2 = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 1L << 20), l1 = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32L << 10);
-#else
-    long l2 = 1L << 20, l1 = 32L << 10;
-#endif
+    const flashc_cpu_caches c = flashc_cpu_cache_sizes();
+    long l2 = c.l2, l1 = c.l1d;
     if (l2 < (256L << 10)) l2 = 256L << 10;
     if (l2 > (2L << 20)) l2 = 2L << 20;
     flashc_cpu_tiles t;
@@ -58,6 +101,26 @@ flashc_cpu_tiles flashc_cpu_choose_tiles(int64_t D, int backward) {
     }
     t.br = br;
     return t;
+}
+
+/*
+ * The forward's query group (attn.c): with the key-block loop outside the group's query blocks, a K/V block is read
+ * from memory once per group instead of once per query block. The K/V block and the score tile are touched by every
+ * block of the group, so they stay in L2 while the blocks' (scale Q)^T and O tiles pass through it; those G tiles
+ * per thread must stay in the last-level cache, so G is the most that fill at most half of this thread's share of
+ * L3 (and at most FLASHC_CPU_MAX_GQ). A group of G costs one K/V read from memory (or, for a short head that L3
+ * holds, from L3 through strided rows, a TLB miss per row where the row stride is 4 KiB) per G blocks; on the
+ * 2-core AMD EPYC (L2 512 KiB, L3 32 MiB), Nq 2048 against Nk 32768, H 8, f32, CPU time: G = 1, 4, 8, 16 ran at
+ * 103-110, 121-127, 129-131, 131-132 GFLOP/s at D = 128 (D = 64: 91-97, 123-129, 134, 139-141), the same order at
+ * Nk 8192 (lab/LOG.md).
+ */
+int flashc_cpu_query_group(int64_t D, flashc_cpu_tiles t, int nthreads) {
+    const flashc_cpu_caches c = flashc_cpu_cache_sizes();
+    const long dp = (long)((D + 15) / 16 * 16), ld = t.br + FLASHC_CPU_LD_PAD;
+    const long per_block = dp * ld + (long)t.br * dp + 2L * t.br; /* floats of Q^T, O, m and l */
+    const long share = c.l3 / 4 / 2 / (nthreads > 0 ? nthreads : 1); /* floats */
+    const long g = share / per_block;
+    return g < 1 ? 1 : g > FLASHC_CPU_MAX_GQ ? FLASHC_CPU_MAX_GQ : (int)g;
 }
 
 /* ---- loads and stores ---------------------------------------------------------------------------------- */
