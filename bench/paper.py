@@ -77,6 +77,8 @@ def cpu_model():
 
 
 def git_commit():
+    if os.environ.get("FLASHC_COMMIT"):  # a tree copied without its .git (a remote machine's run) names it
+        return os.environ["FLASHC_COMMIT"]
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                            timeout=10)
