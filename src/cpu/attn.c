@@ -168,6 +168,68 @@ static query_block group_block(const layout *L, tile_bufs *t, int g) {
 }
 
 /*
+ * Each row's visible columns [lo[r], hi[r]) of the tile (keys j0 .. j0 + cols) for r < rows, clipped to [0, cols);
+ * both grow with r (causal and window masks). Returns 1, with the ranges filled, when some row sees only part of
+ * the tile (the tile lies on the diagonal of a causal mask or on a window's edge), else 0 without filling them.
+ */
+static int tile_row_ranges(const flashc_problem *p, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0,
+                           int cols, int *lo, int *hi) {
+    int64_t lo_last, hi_last, lo_first, hi_first; /* lo and hi grow with the row: the first and last rows decide */
+    flashc_row_key_range(p, i0 + rows - 1, nq, nk, &lo_last, &hi_last);
+    flashc_row_key_range(p, i0, nq, nk, &lo_first, &hi_first);
+    if (lo_last <= j0 && hi_first >= j0 + cols) return 0;
+    int partial = 0;
+    for (int r = 0; r < rows; r++) {
+        int64_t l, h;
+        flashc_row_key_range(p, i0 + r, nq, nk, &l, &h);
+        l -= j0;
+        h -= j0;
+        lo[r] = l < 0 ? 0 : l > cols ? cols : (int)l;
+        hi[r] = h < 0 ? 0 : h > cols ? cols : (int)h;
+        partial |= lo[r] > 0 || hi[r] < cols;
+    }
+    return partial;
+}
+
+/*
+ * S^T = K (scale Q)^T and O += P V on a tile that only part of each row sees (causal diagonal, window edges), in
+ * strips of ch keys (for S) and ch query rows (for P V), each product over the rows / keys some element of the strip
+ * sees: on a causal 64 x 64 diagonal block about 3/4 of the masked triangle is not computed where the whole tile
+ * computes all of it. Scores left out are masked ones, which the epilogue overwrites with -inf; P is exactly 0
+ * there, so the P V strips leave out only zero terms (and no NaN of a masked key's V reaches O). Padding rows
+ * (rows .. br) get their scores as in a whole tile.
+ */
+static void edge_scores(const flashc_cpu_kernels *kern, const layout *L, int D, const query_block *q, const int *lo,
+                        const int *hi, const float *k, int64_t ldk, int cols, float *st, int ch) {
+    const int br = L->br, ld = L->ld, rows = q->rows, nr = kern->nr;
+    for (int c0 = 0; c0 < cols; c0 += ch) {
+        const int c1 = c0 + ch < cols ? c0 + ch : cols;
+        int rs = 0, re = rows; /* rows meeting keys [c0, c1): hi > c0 from rs on, lo < c1 before re */
+        while (rs < rows && hi[rs] <= c0) rs++;
+        while (re > rs && lo[re - 1] >= c1) re--;
+        if (rows < br) re = br;
+        rs = rs / nr * nr;
+        re = (re + nr - 1) / nr * nr;
+        if (re > br) re = br;
+        if (re > rs)
+            kern->gemm(c1 - c0, re - rs, D, k + (int64_t)c0 * ldk, ldk, 1, q->qt + rs, ld, st + (size_t)c0 * ld + rs,
+                       ld, 0);
+    }
+}
+
+static void edge_pv(const flashc_cpu_kernels *kern, const layout *L, int D, const query_block *q, const int *lo,
+                    const int *hi, const float *v, int64_t ldv, int cols, const float *st, int ch) {
+    const int ld = L->ld, rows = q->rows;
+    for (int r0 = 0; r0 < rows; r0 += ch) {
+        const int r1 = r0 + ch < rows ? r0 + ch : rows;
+        const int k0 = lo[r0], k1 = hi[r1 - 1] < cols ? hi[r1 - 1] : cols;
+        if (k1 > k0)
+            kern->gemm(r1 - r0, D, k1 - k0, st + (size_t)k0 * ld + r0, 1, ld, v + (int64_t)k0 * ldv, ldv,
+                       q->o + (size_t)r0 * L->dp, L->dp, 1);
+    }
+}
+
+/*
  * One step of the online softmax (FlashAttention-2, Algorithm 1, lines 8-10) for query block q against keys
  * [j0, j0 + cols): S^T = K (scale Q)^T, the score epilogue, m and l, O rescaled by alpha, O += P V.
  */
@@ -176,8 +238,13 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
                          int64_t ldk, const float *v, int64_t ldv, int64_t j0, int cols,
                          const flashc_cpu_dropout *drop) {
     const int D = (int)p->D, dp = L->dp, br = L->br, ld = L->ld, rows = q->rows;
-    kern->gemm(cols, br, D, k, ldk, 1, q->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
-    if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
+    /* strips of the edge products: whole register tiles of the microkernel, about 16 rows */
+    const int ch = (16 + kern->mr - 1) / kern->mr * kern->mr;
+    int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
+    const int edge = tile_row_ranges(p, nq, nk, q->i0, rows, j0, cols, lo, hi);
+    if (edge) edge_scores(kern, L, D, q, lo, hi, k, ldk, cols, t->st, ch);
+    else kern->gemm(cols, br, D, k, ldk, 1, q->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
+    if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
     kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
     for (int r = 0; r < rows; r++)
@@ -187,7 +254,8 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
         }
     /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
     if (drop) kern->dropout(cols, br, t->st, ld, drop, q->i0, j0);
-    kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, q->o, dp, 1); /* O += P V */
+    if (edge) edge_pv(kern, L, D, q, lo, hi, v, ldv, cols, t->st, ch);
+    else kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, q->o, dp, 1); /* O += P V */
 }
 
 /*
