@@ -14,6 +14,8 @@
  *     kernels, the decode tile or GQA heads as rows.
  *  4. dropout_rng: the pair read from device memory gives the output of the pair by value, bit for bit, and the
  *     pointer's current contents are what a call uses.
+ *  gpu_dropout [--quick] [--seed S] [--case NAME [--seeds N]]: --case reports one table row's error against its
+ *  bound over N seeds (default 100), with and without dropout, and runs nothing else.
  */
 #include "gpu_common.h"
 
@@ -224,6 +226,34 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed) {
            skipped);
 }
 
+/* --case NAME --seeds N: the table rows named NAME at N seeds, with and without dropout, as the ratio of the
+ * output error to its bound (how often and how far a row goes past it, against the same row without dropout). */
+static void case_seeds(flashc_context_t ctx, const char *name, int nseeds) {
+    size_t n = 0;
+    const flashc_case *table = flashc_case_table(1, &n);
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(table[i].name, name)) continue;
+        for (int drop = 0; drop < 2; drop++) {
+            flashc_case c = table[i];
+            c.dropout = drop ? 0.17f : 0.f;
+            double worst = 0, sum = 0;
+            int over = 0, ran = 0;
+            for (int sd = 0; sd < nseeds; sd++) {
+                flashc_case_result r;
+                memset(&r, 0, sizeof r);
+                if (flashc_case_run(ctx, &c, 50000 + sd, &r) != 0 || r.skipped) continue;
+                const double q = r.tol_out > 0 ? r.err_out / r.tol_out : 0;
+                worst = q > worst ? q : worst;
+                sum += q;
+                over += q > 1;
+                ran++;
+            }
+            printf("case %s dropout %.2f: %d seeds, out error / bound mean %.3f max %.3f, %d over\n", name,
+                   (double)c.dropout, ran, ran ? sum / ran : 0.0, worst, over);
+        }
+    }
+}
+
 /* Part 4: the pair by pointer. */
 static void rng_pointer(flashc_context_t ctx) {
     const int64_t B = 2, N = 300, H = 4, D = 64, n = B * N * H * D;
@@ -259,11 +289,14 @@ static void rng_pointer(flashc_context_t ctx) {
 }
 
 int main(int argc, char **argv) {
-    int quick = 0;
+    int quick = 0, nseeds = 100;
     uint64_t seed = 9100; /* the case table's inputs; --seed S draws others */
+    const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 0);
+        else if (!strcmp(argv[i], "--case") && i + 1 < argc) only = argv[++i];
+        else if (!strcmp(argv[i], "--seeds") && i + 1 < argc) nseeds = atoi(argv[++i]);
     }
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -271,6 +304,11 @@ int main(int argc, char **argv) {
         return 0;
     }
     flashc_context_t ctx = gpu_test_context();
+    if (only) {
+        case_seeds(ctx, only, nseeds);
+        flashc_context_destroy(ctx);
+        return 0;
+    }
     static const reveal_shape fwd[] = {
         {"gqa_tiles_d64", 2, 150, 300, 4, 2, 64},
         {"split_keys_d128", 1, 100, 2048, 1, 1, 128},
@@ -300,7 +338,7 @@ int main(int argc, char **argv) {
         {"bf16_d128", 8, 300, 512, 16, 8, 128}, /* enough blocks that the keys are not split (split-KV: mma.sync) */
         {"bf16_d256", 8, 150, 1024, 8, 4, 256},
     };
-    for (size_t i = 0; i < sizeof fwd16 / sizeof fwd16[0]; i++)
+    for (size_t i = 0; i < (quick ? 1 : sizeof fwd16 / sizeof fwd16[0]); i++) /* quick (sanitizers): the small one */
         reveal_forward(ctx, &fwd16[i], 0.5f, 0x16160000ull + i, 99 + i, FLASHC_DTYPE_BF16);
     static const reveal_shape bwd16[] = {
         {"bf16_d64", 2, 300, 256, 3, 3, 64},
