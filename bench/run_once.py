@@ -36,7 +36,15 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.0,
                     help="dropout_p: the forward through flashc.attention, the backward through flash_attn_func's "
                          "autograd (attention_backward takes no dropout)")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode instead: one query per sequence against a full KV cache of --n keys (H query heads "
+                         "over --hkv kv heads) through flash_attn_with_kvcache")
+    ap.add_argument("--hkv", type=int, default=8, help="kv heads of --decode")
+    ap.add_argument("--pages", type=int, default=0, help="--decode from a paged cache of this page size (pages "
+                                                         "shuffled in the pool)")
     args = ap.parse_args()
+    if args.decode:
+        return decode(args)
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     kw = dict(causal=args.causal, window_size=tuple(int(x) for x in args.window.split(",")), softcap=args.softcap)
@@ -75,6 +83,31 @@ def main():
             flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)
     torch.cuda.synchronize()
     print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if x not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks", "block_mask")}))
+
+
+def decode(args):
+    """One flash_attn_with_kvcache call per --repeat: B (default 16) sequences, Nq 1, a full cache of --n keys."""
+    B, H, D, n = args.b or 16, args.h or 32, args.d, args.n
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(B, n, args.hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    kw = {}
+    if args.pages:
+        per = (n + args.pages - 1) // args.pages
+        perm = torch.randperm(B * per, generator=torch.Generator().manual_seed(3)).to(torch.int32).cuda()
+        table = perm.reshape(B, per)
+        pool_k = torch.empty(B * per, args.pages, args.hkv, D, device="cuda", dtype=torch.bfloat16)
+        pool_v = torch.empty_like(pool_k)
+        pad = per * args.pages - n
+        for src, pool in ((kc, pool_k), (vc, pool_v)):
+            full = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, pad)).reshape(B * per, args.pages, args.hkv, D)
+            pool[table.reshape(-1).long()] = full
+        kc, vc, kw = pool_k, pool_v, dict(block_table=table)
+    for _ in range(args.repeat):
+        flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, **kw)
+    torch.cuda.synchronize()
+    print("decode B %d Nk %d H %d Hkv %d D %d%s" % (B, n, H, args.hkv, D, " pages of %d" % args.pages if args.pages
+                                                   else ""))
 
 
 if __name__ == "__main__":
