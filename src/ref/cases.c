@@ -281,6 +281,10 @@ const flashc_case *flashc_case_table(int full, size_t *count) {
 static flashc_case_memory g_mem;
 static int g_mem_set;
 
+static int g_reruns; /* flashc_case_set_reruns */
+
+void flashc_case_set_reruns(int reruns) { g_reruns = reruns > 0 ? reruns : 0; }
+
 void flashc_case_set_memory(const flashc_case_memory *mem) {
     if (mem) {
         g_mem = *mem;
@@ -318,6 +322,66 @@ static void buf_free(buffer *b) {
 
 static int buf_upload(buffer *b) { return g_mem_set && b->bytes ? g_mem.to_device(b->dev, b->host, b->bytes) : 0; }
 static int buf_download(buffer *b) { return g_mem_set && b->bytes ? g_mem.to_host(b->host, b->dev, b->bytes) : 0; }
+
+/* Runs call() reruns more times, each on outputs poisoned first, and compares the n buffers bitwise with what the
+ * first run left in them (their host copies): the index of the first rerun that differs, 0 when all agree, -1 when a
+ * call or a copy failed (status in *st). */
+typedef flashc_status (*rerun_fn)(void *arg);
+static int rerun_compare(buffer *const *bufs, int n, rerun_fn call, void *arg, flashc_status *st) {
+    void *first[5] = {0};
+    int differ = 0;
+    for (int i = 0; i < n; i++) {
+        first[i] = malloc(bufs[i]->bytes ? bufs[i]->bytes : 1);
+        if (!first[i]) differ = -1;
+        else memcpy(first[i], bufs[i]->host, bufs[i]->bytes);
+    }
+    for (int r = 1; r <= g_reruns && differ == 0; r++) {
+        for (int i = 0; i < n && differ == 0; i++) {
+            memset(bufs[i]->host, 0xff, bufs[i]->bytes);
+            if (buf_upload(bufs[i])) differ = -1;
+        }
+        if (differ) break;
+        *st = call(arg);
+        if (*st != FLASHC_STATUS_OK) {
+            differ = -1;
+            break;
+        }
+        for (int i = 0; i < n && differ == 0; i++) {
+            if (buf_download(bufs[i])) differ = -1;
+            else if (memcmp(first[i], bufs[i]->host, bufs[i]->bytes) != 0) differ = r;
+        }
+    }
+    for (int i = 0; i < n; i++) free(first[i]);
+    return differ;
+}
+
+
+/* One library call, as the reruns repeat it. */
+typedef struct fwd_call {
+    flashc_context_t ctx;
+    const flashc_tensor *q, *k, *v, *out;
+    const flashc_params *prm;
+    float *lse;
+    void *ws;
+    size_t ws_bytes;
+} fwd_call;
+static flashc_status fwd_call_run(void *p) {
+    const fwd_call *a = p;
+    return flashc_forward(a->ctx, a->q, a->k, a->v, a->prm, a->out, a->lse, a->ws, a->ws_bytes);
+}
+typedef struct bwd_call {
+    flashc_context_t ctx;
+    const flashc_tensor *q, *k, *v, *out, *dout, *dq, *dk, *dv;
+    const flashc_params *prm;
+    const float *lse;
+    void *ws;
+    size_t ws_bytes;
+} bwd_call;
+static flashc_status bwd_call_run(void *p) {
+    const bwd_call *a = p;
+    return flashc_backward(a->ctx, a->q, a->k, a->v, a->out, a->dout, a->lse, a->prm, a->dq, a->dk, a->dv, a->ws,
+                           a->ws_bytes);
+}
 
 /* ---- tensors --------------------------------------------------------------------------------------------- */
 
@@ -808,8 +872,17 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
         goto done;
     }
     if (buf_download(&buf[BOUT]) || buf_download(&buf[BLSE])) goto done;
-
-    /* backward, from the library's own out and lse */
+    int fwd_differ = 0, bwd_differ = 0;
+    if (g_reruns) { /* the same forward again: out and lse bit for bit */
+        fwd_call fa = {ctx, &q_, &k_, &v_, &out_, &prm, (float *)buf[BLSE].dev, ws, ws_bytes};
+        buffer *const outs[2] = {&buf[BOUT], &buf[BLSE]};
+        fwd_differ = rerun_compare(outs, 2, fwd_call_run, &fa, &st);
+        if (fwd_differ < 0) {
+            set_status(res, st, "forward rerun", ctx);
+            rc = st == FLASHC_STATUS_OK ? -1 : 0;
+            goto done;
+        }
+    }
     if (c->backward) {
         for (int i = BDQ; i <= BDV; i++) {
             memset(buf[i].host, 0xff, buf[i].bytes);
@@ -824,6 +897,18 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
         for (int i = BDQ; i <= BDV; i++)
             if (buf_download(&buf[i])) goto done;
         if (buf[BDSINK].host && buf_download(&buf[BDSINK])) goto done;
+        if (g_reruns) { /* dK and dV have one writer each: bit for bit in both modes (and dQ when deterministic) */
+            bwd_call ba = {ctx, &q_, &k_, &v_, &out_, &dout_, &dq_, &dk_, &dv_, &prm, (const float *)buf[BLSE].dev, ws,
+                           ws_bytes};
+            buffer *const grads[3] = {&buf[BDK], &buf[BDV], &buf[BDQ]};
+            bwd_differ = rerun_compare(grads, prm.deterministic ? 3 : 2, bwd_call_run, &ba, &st);
+            if (bwd_differ < 0) {
+                set_status(res, st, "backward rerun", ctx);
+                rc = st == FLASHC_STATUS_OK ? -1 : 0;
+                goto done;
+            }
+            if (!prm.deterministic && buf_download(&buf[BDQ])) goto done; /* dQ (atomic) as the last run left it */
+        }
         if (prm.deterministic) { /* a second run must reproduce every bit */
             for (int i = 0; i < 3; i++) {
                 first[i] = malloc(buf[BDQ + i].bytes ? buf[BDQ + i].bytes : 1);
@@ -917,6 +1002,14 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
     }
     if (nondet) {
         append(res, "deterministic backward: two runs differ");
+        ok = 0;
+    }
+    if (fwd_differ > 0) {
+        append(res, "forward rerun %d differs from the first run", fwd_differ);
+        ok = 0;
+    }
+    if (bwd_differ > 0) {
+        append(res, "backward rerun %d: dK / dV%s differ from the first run", bwd_differ, prm.deterministic ? " / dQ" : "");
         ok = 0;
     }
     res->pass = ok;

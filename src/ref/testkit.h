@@ -109,6 +109,10 @@ typedef struct flashc_case_memory {
     int (*to_host)(void *dst, const void *src, size_t bytes);
 } flashc_case_memory;
 void flashc_case_set_memory(const flashc_case_memory *mem); /* NULL: host malloc/memcpy */
+/* Reruns per case (0: none, the default): the forward again that many times, out and lse compared bit for bit with
+ * the first run, and the backward likewise (dK and dV, which have one writer each in every mode, and dQ too when
+ * deterministic); a difference fails the case ("forward rerun R differs ..."). */
+void flashc_case_set_reruns(int reruns);
 
 /* Deterministic random numbers for tests: splitmix64 + Box-Muller. */
 uint64_t flashc_rand_u64(uint64_t *state);
