@@ -236,8 +236,8 @@ static void case_seeds(flashc_context_t ctx, const char *name, int nseeds) {
         for (int drop = 0; drop < 2; drop++) {
             flashc_case c = table[i];
             c.dropout = drop ? 0.17f : 0.f;
-            double worst = 0, sum = 0;
-            int over = 0, ran = 0;
+            double worst = 0, sum = 0, gworst = 0, gsum = 0;
+            int over = 0, gover = 0, ran = 0;
             for (int sd = 0; sd < nseeds; sd++) {
                 flashc_case_result r;
                 memset(&r, 0, sizeof r);
@@ -246,10 +246,15 @@ static void case_seeds(flashc_context_t ctx, const char *name, int nseeds) {
                 worst = q > worst ? q : worst;
                 sum += q;
                 over += q > 1;
+                const double gq = r.tol_grad > 0 ? r.err_grad / r.tol_grad : 0;
+                gworst = gq > gworst ? gq : gworst;
+                gsum += gq;
+                gover += gq > 1;
                 ran++;
             }
-            printf("case %s dropout %.2f: %d seeds, out error / bound mean %.3f max %.3f, %d over\n", name,
-                   (double)c.dropout, ran, ran ? sum / ran : 0.0, worst, over);
+            printf("case %s dropout %.2f: %d seeds, out error / bound mean %.3f max %.3f, %d over; gradients mean "
+                   "%.3f max %.3f, %d over\n", name, (double)c.dropout, ran, ran ? sum / ran : 0.0, worst, over,
+                   ran ? gsum / ran : 0.0, gworst, gover);
         }
     }
 }
