@@ -173,7 +173,10 @@ static __device__ __forceinline__ int64_t bwd_at(const bwd_view &v, const bwd_pr
 }
 
 /* One warp per (row, head), x = row H + h: D_i = sum_d dO o O in fp32 (lanes over d, then a fixed-order shuffle
- * tree, so it is reproducible), and the row's dQ sums cleared when there are any. */
+ * tree, so it is reproducible), and the row's dQ sums cleared when there are any. fp32 dO is rounded to bf16 first,
+ * as the tensor-core kernels round it for dP = dO V^T: then D_i = sum_j P_ij dP_ij holds for the dP they compute, and
+ * dS = P o (dP - D) has no term from dO's rounding alone (with one key, P = 1 and dS must be 0; unrounded, dK there
+ * went past the bf16 rule at 4% of seeds, 3.1x the bound at worst: gpu_dropout --case n1x1, H200). */
 __global__ void __launch_bounds__(256) fc_bwd_pre(const __grid_constant__ bwd_pre_args a) {
     const int64_t x = (int64_t)blockIdx.x * 8 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -183,7 +186,9 @@ __global__ void __launch_bounds__(256) fc_bwd_pre(const __grid_constant__ bwd_pr
     const int64_t oo = bwd_at(a.o, a, r, h), og = bwd_at(a.g, a, r, h);
     float acc = 0.f;
     for (int d = lane; d < a.D; d += 32)
-        acc += bwd_load(a.o.data, oo + d * a.o.sd, a.dtype) * bwd_load(a.g.data, og + d * a.g.sd, a.dtype);
+        acc += bwd_load(a.o.data, oo + d * a.o.sd, a.dtype) *
+               (a.dtype == FLASHC_DTYPE_F32 ? __bfloat162float(__float2bfloat16_rn(((const float *)a.g.data)[og + d * a.g.sd]))
+                                            : bwd_load(a.g.data, og + d * a.g.sd, a.dtype));
 #pragma unroll
     for (int m = 16; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
     if (lane == 0) {
