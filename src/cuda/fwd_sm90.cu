@@ -427,11 +427,12 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     float alpha[2];
     /* Dropout (DROP): the keep bits of a tile (fc_drop_bits_rows, this warp's 16 rows), taken after the tile before
      * it is packed: S's registers are free there (under the other consumer's products), so more Philox chains run
-     * at once than while S is in flight (the first version, 0.37x at d 128); applied to P after the softmax (the row
-     * sums keep the dropped entries), the factor 1 / (1 - p) in the epilogue. */
+     * at once than while S is in flight (lab/LOG.md); applied to P after the softmax (the row sums keep the dropped
+     * entries), the factor 1 / (1 - p) in the epilogue. The next tile is tile + 1: no block mask with DROP. */
+    static_assert(!(DROP && BMASK), "dropout's bits follow consecutive key tiles");
     uint32_t keep[(BC / 8 + 7) / 8];
     const int wrow0 = m0 + row0 - (threadIdx.x % 32) / 4; /* the warp's first row: fc_drop_bits_rows adds g */
-    if (DROP) fc_drop_bits_rows<BC / 8>(drop, wrow0, tb * BC, threadIdx.x % 32, keep); /* no BMASK with DROP */
+    if (DROP) fc_drop_bits_rows<BC / 8>(drop, wrow0, tb * BC, threadIdx.x % 32, keep);
     if (cw == NC - 1) fc90_nbar_arrive(FC90_BAR_TURN + 0);
 
     sm.kr.wait_full(kv_it);
@@ -654,8 +655,9 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
         if (ntiles > 0)
             fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP>(
-                a, DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{}, sm, nt, kv_it, tb, ntiles, bits, BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL,
-                fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw, row0, tig, dq, dk, dv, o, s, row_m, row_l);
+                a, DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{}, sm, nt, kv_it, tb, ntiles, bits,
+                BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw,
+                row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
         fc90_fwd_epilogue<D, BF, VARLEN, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;

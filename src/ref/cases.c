@@ -907,7 +907,6 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
                 rc = st == FLASHC_STATUS_OK ? -1 : 0;
                 goto done;
             }
-            if (!prm.deterministic && buf_download(&buf[BDQ])) goto done; /* dQ (atomic) as the last run left it */
         }
         if (prm.deterministic) { /* a second run must reproduce every bit */
             for (int i = 0; i < 3; i++) {
