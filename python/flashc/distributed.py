@@ -1,0 +1,388 @@
+"""Context-parallel (ring) attention over torch.distributed: the sequence is split across the ranks of a process
+group, and each rank computes the attention of its own queries over every rank's keys while the keys and values
+travel around the ring.
+
+    import torch.distributed as dist
+    import flashc.distributed as fcd
+
+    q_local, k_local, v_local = (fcd.shard(t, group) for t in (q, k, v))    # (B, N / W, H, D) each
+    out_local = fcd.ring_attention(q_local, k_local, v_local, group, causal=True)
+    out = fcd.unshard(out_local, group)     # the whole (B, N, H, D) on every rank, when it is wanted
+
+Any backend torch.distributed has point-to-point for: NCCL with CUDA tensors, gloo with CPU tensors (each process
+on its own GPU: call torch.cuda.set_device(local_rank) first, as NCCL wants).
+
+Layout. With W ranks the sequence is cut into 2W equal chunks and rank r holds chunks r and 2W-1-r, in that order
+(zig-zag): under a causal mask each rank then has the same amount of work at every step. shard() and unshard()
+convert; layout="contiguous" (rank r holds the r-th of W chunks) is there for callers that shard that way. Every
+rank must hold the same number of tokens (and an even number with zig-zag): ring_attention checks that across the
+group before it sends anything and raises ValueError naming the ranks' sizes otherwise.
+
+Forward. W steps; at step t rank r holds the keys and values of rank (r - t) mod W. It starts sending them to rank
+r + 1 (and receiving the next rank's from r - 1, torch.distributed.batch_isend_irecv) before it computes with them,
+so the transfer runs under the computation. For each of its query chunks and each key chunk it holds, the band
+that causal / window_size cuts from the global positions is either empty (skipped), whole (one call without a mask)
+or partial: then the query rows and keys that see nothing are trimmed and the rest is one flashc call whose window
+reproduces the band exactly (flashc's windows are bottom-right aligned; trimming moves the alignment). Calls that
+are whole and share a key chunk (or a query chunk) are made as one. Each call's (out, lse) is merged into fp32
+accumulators with flashc's merge (flashc_merge); out is rounded to q's dtype once at the end.
+
+Backward. The keys and values go around again with their gradients: at step t rank r computes the partial dq, dk,
+dv of the same calls (flashc's backward with the global out and lse, which makes each partial gradient exact),
+adds dq into its fp32 accumulator and dk, dv into the fp32 accumulator that travels with those keys. That
+accumulator is sent on while the next step computes, and after W steps one more hop brings every rank's dk, dv home.
+
+Takes what position-free or relative-to-the-diagonal options flashc's forward takes: causal, window_size (as
+flash-attn's), softcap, softmax_scale, GQA / MQA (k, v with fewer heads), float32, float16, bfloat16, and the
+deterministic backward. Not taken (ValueError / NotImplementedError, nothing sent): ALiBi and dropout, whose values
+depend on absolute positions (a rank's chunk would need the library to take a position offset), block masks and
+varlen.
+"""
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _core, _torch
+
+__all__ = ["ring_attention", "shard", "unshard", "LAYOUTS"]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# ---- the group and the layout -------------------------------------------------------------------------------------
+def _group_info(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashc.distributed: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first)")
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout):
+    if layout not in LAYOUTS:
+        raise ValueError("flashc.distributed: layout must be one of %s, got %r" % (LAYOUTS, layout))
+
+
+def _chunks_of(layout, world):
+    return 2 * world if layout == "zigzag" else world
+
+
+def shard(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of the whole sequence x along dim (a view for layout="contiguous", a copy for zig-zag):
+    chunks r and 2W-1-r of 2W (zig-zag), or chunk r of W. x's length along dim must divide evenly."""
+    _check_layout(layout)
+    group, world, rank = _group_info(group)
+    n, parts = x.shape[dim], _chunks_of(layout, world)
+    if n % parts:
+        raise ValueError("flashc.distributed.shard: the sequence length %d along dim %d does not split into %d equal "
+                         "chunks (%s layout, %d ranks); pad it to a multiple of %d"
+                         % (n, dim, parts, layout, world, parts))
+    c = n // parts
+    if layout == "contiguous":
+        return x.narrow(dim, rank * c, c)
+    return torch.cat((x.narrow(dim, rank * c, c), x.narrow(dim, (parts - 1 - rank) * c, c)), dim)
+
+
+def unshard(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """The whole sequence from every rank's part x (an all-gather): shard's inverse, the same on every rank."""
+    _check_layout(layout)
+    group, world, _ = _group_info(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    if layout == "contiguous":
+        return torch.cat(parts, dim)
+    if x.shape[dim] % 2:
+        raise ValueError("flashc.distributed.unshard: a zig-zag part has an even length along dim %d, got %d"
+                         % (dim, x.shape[dim]))
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * world)
+    for r, p in enumerate(parts):
+        chunks[r], chunks[2 * world - 1 - r] = p.chunk(2, dim)
+    return torch.cat(chunks, dim)
+
+
+class _Piece(NamedTuple):
+    """A run of a rank's local tokens: local row offset, global position of its first token, length."""
+    local: int
+    pos: int
+    n: int
+
+
+def _pieces(layout, rank, world, n):
+    if layout == "contiguous":
+        return (_Piece(0, rank * n, n),)
+    c = n // 2
+    return (_Piece(0, rank * c, c), _Piece(c, (2 * world - 1 - rank) * c, c))
+
+
+# ---- which calls a step makes ---------------------------------------------------------------------------------------
+class _Call(NamedTuple):
+    """One flashc call: query rows [q0, q1) and keys [k0, k1) of the local tensors, window (left, right), -1 for
+    unbounded (flashc's bottom-right aligned window, which _pair chose to reproduce the global band)."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    left: int
+    right: int
+
+
+def _band(causal, window_size):
+    """The visible offsets key position - query position as (lo, hi), None for unbounded."""
+    left, right = _core.window_pair(window_size)
+    if causal:
+        right = 0
+    return (None if left < 0 else -left), (None if right < 0 else right)
+
+
+def _pair(qp, kp, lo, hi):
+    """The call (in piece-local rows and keys) for query piece qp against key piece kp under the band [lo, hi] on
+    global positions; None when no query sees any key. Offsets x = j - i in piece-local indices are visible iff x in
+    [lo + a - b, hi + a - b] (a, b: the pieces' first positions). A flashc call on rows [qs, qe) and keys [ks, ke)
+    with window (left, right) keeps x in [d - left, d + right], d = ke - qe: trimming rows and keys that see nothing
+    at the ends moves d into the band, which then gives left, right >= 0."""
+    nq, nk = qp.n, kp.n
+    lo = None if lo is None else lo + qp.pos - kp.pos
+    hi = None if hi is None else hi + qp.pos - kp.pos
+    if (lo is not None and lo > nk - 1) or (hi is not None and hi < -(nq - 1)):
+        return None
+    if (lo is None or lo <= -(nq - 1)) and (hi is None or hi >= nk - 1):
+        return _Call(0, nq, 0, nk, -1, -1)
+    qs = 0 if hi is None else max(0, -hi)  # rows i < -hi see no key j >= 0
+    ks = 0 if lo is None else max(0, lo)  # keys j < lo are seen by no row i >= 0
+    qe, ke = nq, nk
+    if lo is not None and nk - nq < lo:
+        qe = nk - lo  # rows i >= nk - lo see no key j < nk
+    elif hi is not None and nk - nq > hi:
+        ke = nq + hi  # keys j >= nq + hi are seen by no row i < nq
+    d = ke - qe
+    return _Call(qs, qe, ks, ke, -1 if lo is None else d - lo, -1 if hi is None else hi - d)
+
+
+def _plan(qpieces, kpieces, lo, hi, same_rank):
+    """The calls of one step: query pieces of this rank against the key pieces it holds now."""
+    nq = sum(p.n for p in qpieces)
+    nk = sum(p.n for p in kpieces)
+    if lo is None and hi is None:
+        return [_Call(0, nq, 0, nk, -1, -1)]
+    if same_rank and lo is None and hi == 0:
+        # causal over the rank's own tokens: their positions increase with the local index, so flashc's causal mask
+        # on the local indices is the global one
+        return [_Call(0, nq, 0, nk, -1, 0)]
+    pairs = {(a, b): _pair(qp, kp, lo, hi) for a, qp in enumerate(qpieces) for b, kp in enumerate(kpieces)}
+
+    def full(a, b):
+        c = pairs[a, b]
+        return c is not None and c.left < 0 and c.right < 0
+
+    calls, done = [], set()
+    for b, kp in enumerate(kpieces):  # a key piece every query piece sees whole: one call for all rows
+        if all(full(a, b) for a in range(len(qpieces))):
+            calls.append(_Call(0, nq, kp.local, kp.local + kp.n, -1, -1))
+            done.update((a, b) for a in range(len(qpieces)))
+    for a, qp in enumerate(qpieces):  # a query piece's whole key pieces, adjacent ones as one call
+        run = None
+        for b, kp in enumerate(kpieces):
+            if (a, b) not in done and full(a, b):
+                done.add((a, b))
+                if run is not None and run[1] == kp.local:
+                    run = (run[0], kp.local + kp.n)
+                    continue
+                if run is not None:
+                    calls.append(_Call(qp.local, qp.local + qp.n, run[0], run[1], -1, -1))
+                run = (kp.local, kp.local + kp.n)
+        if run is not None:
+            calls.append(_Call(qp.local, qp.local + qp.n, run[0], run[1], -1, -1))
+    for (a, b), c in pairs.items():  # the partial ones
+        if c is not None and (a, b) not in done:
+            qp, kp = qpieces[a], kpieces[b]
+            calls.append(_Call(qp.local + c.q0, qp.local + c.q1, kp.local + c.k0, kp.local + c.k1, c.left, c.right))
+    return calls
+
+
+_REFUSED = ("alibi_slopes", "dropout_p", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")
+
+
+# ---- checks ---------------------------------------------------------------------------------------------------------
+def _check_inputs(q, k, v, group, world, layout, kwargs):
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _torch._check(n, t, q.device)
+        if t.dim() != 4:
+            raise ValueError("flashc.distributed.ring_attention: %s must be (B, N_local, H, D), got shape %s"
+                             % (n, tuple(t.shape)))
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError("flashc.distributed.ring_attention: q (B, N, H, D), k and v (B, N, Hkv, D) with the same "
+                         "B, N and D on a rank and H a multiple of Hkv, got %s, %s, %s" % (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    for name, value in kwargs.items():
+        if name not in _REFUSED:
+            raise TypeError("flashc.distributed.ring_attention: unexpected argument %r" % name)
+        if value is not None and not (isinstance(value, (int, float)) and value == 0):
+            raise NotImplementedError(
+                "flashc.distributed.ring_attention does not take %s: %s" % (
+                    name, "its values depend on absolute positions, which a rank's chunk does not carry"
+                    if name in ("alibi_slopes", "dropout_p") else "not built for the ring yet"))
+    backend = dist.get_backend(group)
+    if q.is_cuda and backend == "gloo":
+        raise ValueError("flashc.distributed.ring_attention: the group's backend is gloo, which has no "
+                         "point-to-point for CUDA tensors; use an NCCL group for CUDA tensors (gloo for CPU ones)")
+    # every rank's sizes, before anything is sent: a send that does not match its receive would hang or fail late
+    dev = torch.device("cpu") if backend == "gloo" else q.device
+    mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64, device=dev)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    shapes = [tuple(t.tolist()) for t in every]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(
+            "flashc.distributed.ring_attention: every rank must hold the same number of tokens (and the same B, H, "
+            "D); the ranks hold q, k of shapes %s. Shard the sequence into equal parts (flashc.distributed.shard; "
+            "pad it to a multiple of %d tokens)" % (
+                ", ".join("rank %d: %s, %s" % (i, s[:4], s[4:]) for i, s in enumerate(shapes)),
+                _chunks_of(layout, world)))
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError("flashc.distributed.ring_attention: the zig-zag layout holds two equal chunks per rank, so "
+                         "N_local must be even, got %d (pad the sequence to a multiple of %d)"
+                         % (q.shape[1], 2 * world))
+
+
+# ---- the ring ---------------------------------------------------------------------------------------------------
+class _Ring:
+    """Point-to-point with the neighbours: send to rank r + 1, receive from r - 1 (ranks of the group)."""
+
+    def __init__(self, group, world, rank):
+        self.group, self.world = group, world
+        self.next = dist.get_global_rank(group, (rank + 1) % world)
+        self.prev = dist.get_global_rank(group, (rank - 1) % world)
+
+    def exchange(self, send, recv):
+        """Starts sending send on and receiving recv; returns the requests to wait for."""
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for r in reqs:
+        r.wait()
+
+
+class _Setup(NamedTuple):
+    group: object
+    world: int
+    rank: int
+    layout: str
+    lo: Optional[int]
+    hi: Optional[int]
+    softmax_scale: Optional[float]
+    softcap: float
+    deterministic: bool
+
+
+def _options(s, q4, k4, call):
+    return _torch._Options(q4, k4, softmax_scale=s.softmax_scale, window_size=(call.left, call.right),
+                           softcap=s.softcap, deterministic=s.deterministic)
+
+
+def _calls(s, step, n):
+    return _plan(_pieces(s.layout, s.rank, s.world, n), _pieces(s.layout, (s.rank - step) % s.world, s.world, n),
+                 s.lo, s.hi, step == 0)
+
+
+def _ring_forward(s, q, k, v):
+    b, n, h, d = q.shape
+    ring = _Ring(s.group, s.world, s.rank)
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, h, n), float("inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))
+    for step in range(s.world):
+        nxt, reqs = None, []
+        if step + 1 < s.world:
+            nxt = torch.empty_like(kv)
+            reqs = ring.exchange(kv, nxt)
+        for c in _calls(s, step, n):
+            q4, k4, v4 = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
+            o, l = _torch._forward(q4, k4, v4, _options(s, q4, k4, c))
+            rows = acc[:, c.q0:c.q1]
+            whole = c.q0 == 0 and c.q1 == n
+            lr = lse if whole else lse[:, :, c.q0:c.q1].contiguous()
+            _torch._merge(rows, lr, o.float(), l, out=rows, lse=lr)
+            if not whole:
+                lse[:, :, c.q0:c.q1] = lr
+        _wait(reqs)
+        if nxt is not None:
+            kv = nxt
+    return acc.to(q.dtype), lse
+
+
+def _ring_backward(s, dout, q, k, v, out, lse):
+    b, n, h, d = q.shape
+    ring = _Ring(s.group, s.world, s.rank)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack((k, v))
+    dkv_in, dkv_reqs, keep = None, [], None  # the travelling dk, dv accumulator of the keys held now
+    for step in range(s.world):
+        nxt, reqs = None, []
+        if step + 1 < s.world:
+            nxt = torch.empty_like(kv)
+            reqs = ring.exchange(kv, nxt)
+        part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for c in _calls(s, step, n):
+            q4, k4, v4 = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
+            dq4, dk4, dv4 = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
+            l = lse[:, :, c.q0:c.q1].contiguous()
+            _torch._backward(dout[:, c.q0:c.q1], q4, k4, v4, out[:, c.q0:c.q1], l, _options(s, q4, k4, c),
+                             dq4, dk4, dv4)
+            dq[:, c.q0:c.q1] += dq4
+            part[0, :, c.k0:c.k1] += dk4
+            part[1, :, c.k0:c.k1] += dv4
+        _wait(dkv_reqs)  # the accumulator of these keys, from the rank before (sent while this step computed)
+        if dkv_in is not None:
+            part += dkv_in
+        dkv_in = torch.empty_like(part)
+        dkv_reqs, keep = ring.exchange(part, dkv_in), part  # keep: the send buffer lives until its request is done
+        _wait(reqs)
+        if nxt is not None:
+            kv = nxt
+    _wait(dkv_reqs)  # after W hops every accumulator is back with its keys' owner
+    del keep
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+class _RingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, setup, q, k, v):
+        out, lse = _ring_forward(setup, q, k, v)
+        ctx.setup = setup
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.setup, dout.contiguous(), q, k, v, out, lse)
+        return None, dq, dk, dv
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
+                   softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                   softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
+                   return_lse: bool = False, **unsupported):
+    """Attention of this rank's queries over the whole sequence's keys: q (B, N_local, H, D), k and v
+    (B, N_local, Hkv, D), this rank's part of the sequence in `layout` (see shard). Returns out (B, N_local, H, D)
+    in q's dtype, and with return_lse=True also lse (B, H, N_local) fp32 (natural log; +inf for a row that sees no
+    key), both in the local order. Differentiable w.r.t. q, k and v (the backward is a ring too).
+
+    causal and window_size apply to global positions, as flashc.attention / flash_attn_func do on the whole
+    sequence; softcap, softmax_scale and deterministic as there. Every rank of the group must call it with the same
+    options and shapes; the sizes are checked across the group first."""
+    _check_layout(layout)
+    group, world, rank = _group_info(group)
+    _check_inputs(q, k, v, group, world, layout, unsupported)
+    lo, hi = _band(causal, window_size)
+    setup = _Setup(group, world, rank, layout, lo, hi, softmax_scale, float(softcap or 0.0), bool(deterministic))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _RingFunction.apply(setup, q, k, v)
+    else:
+        out, lse = _ring_forward(setup, q, k, v)
+    return (out, lse) if return_lse else out
