@@ -8,8 +8,8 @@ Shape: B 1, H 16, D 128 (hidden 2048), bf16, each rank holding N / W tokens in t
 on; forward (no autograd) and forward + backward (autograd). A ring time is the slowest rank's CUDA-event time of one
 call (all ranks start together after a barrier), the median of --runs after --warmup. FLOPs: 4 B H N^2 D (halved
 causal), forward + backward 3.5x that; per-GPU TFLOP/s divides by W. The one-GPU row is flashc.flash_attn_func on
-(B, N / W, H, D) on each GPU alone (the same per-GPU work as the ring's); efficiency = ring per-GPU TFLOP/s / one-GPU
-TFLOP/s.
+(B, N / W, H, D) on each GPU alone, W calls back to back per timed run (the ring's per-GPU work, over as long a run);
+efficiency = ring per-GPU TFLOP/s / one-GPU TFLOP/s.
 
 --check first compares the ring's output and gradients (unsharded) with one GPU's flashc on the whole sequence at the
 smallest N. --cp-ns: torch.distributed.tensor.experimental.context_parallel around F.scaled_dot_product_attention
@@ -80,15 +80,19 @@ def ring_call(q, k, v, do, causal, mode):
     return fn
 
 
-def one_gpu_call(q, k, v, do, causal, mode):
+def one_gpu_call(q, k, v, do, causal, mode, times):
+    """flash_attn_func `times` times back to back: as long a run as the ring's (W steps), so that both are timed at
+    the clocks a GPU holds over that long."""
     if mode == "fwd":
         def fn():
             with torch.no_grad():
-                flashc.flash_attn_func(q, k, v, causal=causal)
+                for _ in range(times):
+                    flashc.flash_attn_func(q, k, v, causal=causal)
     else:
         def fn():
-            o = flashc.flash_attn_func(q, k, v, causal=causal)
-            torch.autograd.grad(o, (q, k, v), do)
+            for _ in range(times):
+                o = flashc.flash_attn_func(q, k, v, causal=causal)
+                torch.autograd.grad(o, (q, k, v), do)
     return fn
 
 
@@ -133,12 +137,12 @@ def torch_cp(n, world, dev, causal, mode, backends, runs, warmup):
                     if mode == "fwd":
                         def fn():
                             with torch.no_grad():
-                                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
                     else:
                         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
                         def fn():
-                            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=bool(causal))
                             torch.autograd.grad(o, (qg, kg, vg), do)
                     out[name] = slowest_ms(fn, runs, warmup)
         except Exception as e:  # noqa: BLE001
@@ -182,7 +186,7 @@ def main():
         for causal in (int(c) for c in a.causal.split(",")):
             for mode in a.modes.split(","):
                 q, k, v, do = tensors(nl, dev, mode != "fwd")
-                t1 = slowest_ms(one_gpu_call(q, k, v, do, causal, mode), a.runs, a.warmup)
+                t1 = slowest_ms(one_gpu_call(q, k, v, do, causal, mode, world), a.runs, a.warmup) / world
                 tr = slowest_ms(ring_call(q, k, v, do, causal, mode), a.runs, a.warmup)
                 del q, k, v, do
                 row = dict(world=world, n=n, n_local=nl, causal=causal, mode=mode, ring_ms=tr, one_gpu_ms=t1,
