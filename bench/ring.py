@@ -6,7 +6,8 @@ same per-GPU sequence length, and torch's context parallelism (DTensor's ring ov
 
 Shape: B 1, H 16, D 128 (hidden 2048), bf16, each rank holding N / W tokens in the zig-zag layout; causal off and
 on; forward (no autograd) and forward + backward (autograd). A ring time is the slowest rank's CUDA-event time of one
-call (all ranks start together after a barrier), the median of --runs after --warmup. FLOPs: 4 B H N^2 D (halved
+call (all ranks start together after a barrier), the median of --runs after --warmup, every variant timed in
+turns (one call of each per round). FLOPs: 4 B H N^2 D (halved
 causal), forward + backward 3.5x that; per-GPU TFLOP/s divides by W. The one-GPU row is flashc.flash_attn_func on
 (B, N / W, H, D) on each GPU alone, W calls back to back per timed run (the ring's per-GPU work, over as long a run);
 efficiency = ring per-GPU TFLOP/s / one-GPU TFLOP/s.
@@ -38,23 +39,42 @@ def say(*a):
         print(*a, flush=True)
 
 
-def slowest_ms(fn, runs, warmup):
-    """Median over runs of the slowest rank's CUDA-event time of fn()."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        t = torch.tensor([a.elapsed_time(b)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return statistics.median(times)
+def _timed(fn):
+    dist.barrier()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    t = torch.tensor([a.elapsed_time(b)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def turns(entries, runs, warmup):
+    """Median over runs of the slowest rank's CUDA-event time of each entry, timed in turns (one call of each per
+    round). entries: name -> (context factory or None, fn); the context (torch's context parallel, which shards its
+    buffers on entry and restores them on exit) is entered around each call, outside the timed region. A failing
+    entry is dropped with its reason printed (None)."""
+    out = {name: [] for name in entries}
+    for rnd in range(warmup + runs):
+        for name, (ctx, fn) in entries.items():
+            if out[name] is None:
+                continue
+            try:
+                if ctx is None:
+                    t = _timed(fn)
+                else:
+                    with ctx():
+                        t = _timed(fn)
+            except Exception as e:  # noqa: BLE001
+                say("  %s failed: %s: %s" % (name, type(e).__name__, str(e)[:300]))
+                out[name] = None
+                continue
+            if rnd >= warmup:
+                out[name].append(t)
+    return {name: (statistics.median(ts) if ts else None) for name, ts in out.items()}
 
 
 def flops(n, causal, mode):
@@ -114,47 +134,67 @@ def check(n, world, dev):
     return res
 
 
-def torch_cp(n, world, dev, causal, mode, backends, runs, warmup):
-    """ms of torch's context parallel SDPA per backend (None where it failed, with the reason printed)."""
+def torch_cp_entries(n, world, dev, causal, mode, backends):
+    """name -> (context factory, fn): torch's context parallel around F.scaled_dot_product_attention on the whole
+    (B, H, N, D) tensors, one entry per SDPA backend (cudnn, torch's flash, flash run by flashc.torch_backend)."""
+    import contextlib
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashc.torch_backend as tb
 
+    try:  # torch's load balancing (head-tail chunks) is for causal attention only
+        from torch.distributed.tensor.experimental import _attention as cp_attention
+        cp_attention._cp_options.enable_load_balance = bool(causal)
+    except (ImportError, AttributeError) as e:
+        say("  (torch's context parallel options not found: %s)" % e)
     mesh = init_device_mesh("cuda", (world,))
-    out = {}
+    q, k, v, do = (t.detach().transpose(1, 2).contiguous() for t in tensors(n, dev, False))
+    entries = {}
     for name in backends:
-        q, k, v, do = (t.detach().transpose(1, 2).contiguous() for t in tensors(n, dev, False))
         backend = SDPBackend.CUDNN_ATTENTION if name == "cudnn" else SDPBackend.FLASH_ATTENTION
-        if name == "flashc":
-            tb.enable()
-        before = sum(tb.calls.values())
-        try:
-            with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2],
-                                  no_restore_buffers={q, k, v, do}):
-                with sdpa_kernel(backend):
-                    if mode == "fwd":
-                        def fn():
-                            with torch.no_grad():
-                                F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
-                    else:
-                        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
-                        def fn():
-                            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=bool(causal))
-                            torch.autograd.grad(o, (qg, kg, vg), do)
-                    out[name] = slowest_ms(fn, runs, warmup)
-        except Exception as e:  # noqa: BLE001
-            say("  torch context_parallel with %s failed: %s: %s" % (name, type(e).__name__, str(e)[:300]))
-            out[name] = None
-        finally:
-            ran = sum(tb.calls.values()) - before
+        @contextlib.contextmanager
+        def ctx(name=name, backend=backend):
             if name == "flashc":
-                tb.disable()
-                say("  flashc.torch_backend ran %d calls under torch's context parallel (%s)" % (ran, mode))
-        del q, k, v, do
-    return out
+                tb.enable()
+            try:
+                with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
+                    with sdpa_kernel(backend):
+                        yield
+            finally:
+                if name == "flashc":
+                    tb.disable()
+
+        if mode == "fwd":
+            def fn():
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+        else:
+            def fn():
+                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=bool(causal))
+                torch.autograd.grad(o, (qg, kg, vg), do)
+        entries["cp_" + name] = (ctx, fn)
+    return entries
+
+
+def profile(fns, title):
+    """torch.profiler's CUDA kernel table of one call of each fn (every rank runs them; rank 0 prints)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        say("\n---- profile: %s, %s ----" % (title, name))
+        say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def main():
@@ -167,6 +207,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables at the first N (forward)")
     ap.add_argument("--json")
     a = ap.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -186,16 +227,24 @@ def main():
         for causal in (int(c) for c in a.causal.split(",")):
             for mode in a.modes.split(","):
                 q, k, v, do = tensors(nl, dev, mode != "fwd")
-                t1 = slowest_ms(one_gpu_call(q, k, v, do, causal, mode, world), a.runs, a.warmup) / world
-                tr = slowest_ms(ring_call(q, k, v, do, causal, mode), a.runs, a.warmup)
-                del q, k, v, do
+                entries = {"one_gpu": (None, one_gpu_call(q, k, v, do, causal, mode, world)),
+                           "ring": (None, ring_call(q, k, v, do, causal, mode))}
+                if n in [int(x) for x in a.cp_ns.split(",") if x]:
+                    entries.update(torch_cp_entries(n, world, dev, causal, mode, a.cp_backends.split(",")))
+                if a.profile and n == ns[0] and mode == "fwd":
+                    profile({"ring": entries["ring"][1], "one GPU x W": entries["one_gpu"][1]},
+                            "N %d causal %d %s" % (n, causal, mode))
+                ms = turns(entries, a.runs, a.warmup)
+                tr, t1 = ms.pop("ring"), ms.pop("one_gpu") / world
+                del q, k, v, do, entries
                 row = dict(world=world, n=n, n_local=nl, causal=causal, mode=mode, ring_ms=tr, one_gpu_ms=t1,
                            ring_tflops_per_gpu=flops(n, causal, mode) / world / tr / 1e9,
                            one_gpu_tflops=flops(nl, causal, mode) / t1 / 1e9)
                 row["efficiency"] = row["ring_tflops_per_gpu"] / row["one_gpu_tflops"]
-                if n in [int(x) for x in a.cp_ns.split(",") if x]:
-                    cp = torch_cp(n, world, dev, causal, mode, a.cp_backends.split(","), a.runs, a.warmup)
-                    row.update({"cp_%s_ms" % k_: v_ for k_, v_ in cp.items()})
+                row.update({k_ + "_ms": v_ for k_, v_ in ms.items()})
+                if "cp_flashc" in ms:
+                    import flashc.torch_backend as tb
+                    say("  flashc.torch_backend calls so far: %s" % dict(tb.calls))
                 rows.append(row)
                 say("N %7d (%6d / GPU) causal %d %-7s ring %9.2f ms %6.1f TFLOP/s/GPU | one GPU %9.2f ms %6.1f | "
                     "eff %.3f%s" % (n, nl, causal, mode, tr, row["ring_tflops_per_gpu"], t1, row["one_gpu_tflops"],

@@ -206,7 +206,7 @@ _REFUSED = ("alibi_slopes", "dropout_p", "block_mask", "cu_seqlens_q", "cu_seqle
 
 
 # ---- checks ---------------------------------------------------------------------------------------------------------
-def _check_inputs(q, k, v, group, world, layout, kwargs):
+def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes):
     for n, t in (("q", q), ("k", k), ("v", v)):
         _torch._check(n, t, q.device)
         if t.dim() != 4:
@@ -227,7 +227,17 @@ def _check_inputs(q, k, v, group, world, layout, kwargs):
     if q.is_cuda and backend == "gloo":
         raise ValueError("flashc.distributed.ring_attention: the group's backend is gloo, which has no "
                          "point-to-point for CUDA tensors; use an NCCL group for CUDA tensors (gloo for CPU ones)")
-    # every rank's sizes, before anything is sent: a send that does not match its receive would hang or fail late
+    # every rank's sizes, before anything is sent (and before a refusal that depends on them, which then comes on
+    # every rank alike): a send that does not match its receive would hang or fail late
+    if check_shapes:
+        _check_same_shapes(q, k, group, world, layout, backend)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError("flashc.distributed.ring_attention: the zig-zag layout holds two equal chunks per rank, so "
+                         "N_local must be even, got %d (pad the sequence to a multiple of %d)"
+                         % (q.shape[1], 2 * world))
+
+
+def _check_same_shapes(q, k, group, world, layout, backend):
     dev = torch.device("cpu") if backend == "gloo" else q.device
     mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64, device=dev)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -240,10 +250,6 @@ def _check_inputs(q, k, v, group, world, layout, kwargs):
             "pad it to a multiple of %d tokens)" % (
                 ", ".join("rank %d: %s, %s" % (i, s[:4], s[4:]) for i, s in enumerate(shapes)),
                 _chunks_of(layout, world)))
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError("flashc.distributed.ring_attention: the zig-zag layout holds two equal chunks per rank, so "
-                         "N_local must be even, got %d (pad the sequence to a multiple of %d)"
-                         % (q.shape[1], 2 * world))
 
 
 # ---- the ring ---------------------------------------------------------------------------------------------------
@@ -367,7 +373,7 @@ class _RingFunction(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                    softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
-                   return_lse: bool = False, **unsupported):
+                   return_lse: bool = False, check_shapes: bool = True, **unsupported):
     """Attention of this rank's queries over the whole sequence's keys: q (B, N_local, H, D), k and v
     (B, N_local, Hkv, D), this rank's part of the sequence in `layout` (see shard). Returns out (B, N_local, H, D)
     in q's dtype, and with return_lse=True also lse (B, H, N_local) fp32 (natural log; +inf for a row that sees no
@@ -375,10 +381,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 
     causal and window_size apply to global positions, as flashc.attention / flash_attn_func do on the whole
     sequence; softcap, softmax_scale and deterministic as there. Every rank of the group must call it with the same
-    options and shapes; the sizes are checked across the group first."""
+    options and shapes. check_shapes: compare every rank's shapes first (one small all-gather, and on CUDA a wait for
+    the GPU to reach it); False skips that for callers that guarantee equal shards (a mismatch then fails or hangs
+    inside the point-to-point transfers)."""
     _check_layout(layout)
     group, world, rank = _group_info(group)
-    _check_inputs(q, k, v, group, world, layout, unsupported)
+    _check_inputs(q, k, v, group, world, layout, unsupported, check_shapes)
     lo, hi = _band(causal, window_size)
     setup = _Setup(group, world, rank, layout, lo, hi, softmax_scale, float(softcap or 0.0), bool(deterministic))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
