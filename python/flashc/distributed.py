@@ -69,38 +69,65 @@ def _chunks_of(layout, world):
     return 2 * world if layout == "zigzag" else world
 
 
-def shard(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's part of the whole sequence x along dim (a view for layout="contiguous", a copy for zig-zag):
-    chunks r and 2W-1-r of 2W (zig-zag), or chunk r of W. x's length along dim must divide evenly."""
+def _runs(dim_len, cu, world, rank, layout):
+    """This rank's runs (start, length) of the sequence axis: chunks r and 2W-1-r of 2W (zig-zag) or chunk r of W,
+    of the whole axis or, with offsets cu (varlen), of each packed sequence."""
+    parts = _chunks_of(layout, world)
+    seqs = [(0, dim_len)] if cu is None else list(zip(cu, (b - a for a, b in zip(cu, cu[1:]))))
+    runs = []
+    for i, (start, length) in enumerate(seqs):
+        if length % parts:
+            raise ValueError("flashc.distributed.shard: %s %d does not split into %d equal chunks (%s layout, %d "
+                             "ranks); pad it to a multiple of %d" % (
+                                 "the sequence length" if cu is None else "sequence %d's length" % i,
+                                 length, parts, layout, world, parts))
+        c = length // parts
+        runs.append((start + rank * c, c))
+        if layout == "zigzag":
+            runs.append((start + (parts - 1 - rank) * c, c))
+    return runs
+
+
+def shard(x: torch.Tensor, group=None, *, dim: Optional[int] = None, layout: str = "zigzag",
+          cu_seqlens=None) -> torch.Tensor:
+    """This rank's part of the whole sequence x along dim (default 1, or 0 with cu_seqlens): chunks r and 2W-1-r of
+    2W (zig-zag), or chunk r of W (a view then, without cu_seqlens). With cu_seqlens (the packed batch's offsets,
+    B + 1) every packed sequence is cut that way and this rank's chunks are packed in sequence order. Lengths must
+    divide evenly."""
     _check_layout(layout)
     group, world, rank = _group_info(group)
-    n, parts = x.shape[dim], _chunks_of(layout, world)
-    if n % parts:
-        raise ValueError("flashc.distributed.shard: the sequence length %d along dim %d does not split into %d equal "
-                         "chunks (%s layout, %d ranks); pad it to a multiple of %d"
-                         % (n, dim, parts, layout, world, parts))
-    c = n // parts
-    if layout == "contiguous":
-        return x.narrow(dim, rank * c, c)
-    return torch.cat((x.narrow(dim, rank * c, c), x.narrow(dim, (parts - 1 - rank) * c, c)), dim)
+    dim = (0 if cu_seqlens is not None else 1) if dim is None else dim
+    cu = None if cu_seqlens is None else _host_offsets(cu_seqlens)
+    if cu is not None and cu[-1] != x.shape[dim]:
+        raise ValueError("flashc.distributed.shard: cu_seqlens ends at %d but x has %d tokens along dim %d"
+                         % (cu[-1], x.shape[dim], dim))
+    runs = _runs(x.shape[dim], cu, world, rank, layout)
+    if len(runs) == 1:
+        return x.narrow(dim, *runs[0])
+    return torch.cat([x.narrow(dim, a, n) for a, n in runs], dim)
 
 
-def unshard(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+def unshard(x: torch.Tensor, group=None, *, dim: Optional[int] = None, layout: str = "zigzag",
+            cu_seqlens=None) -> torch.Tensor:
     """The whole sequence from every rank's part x (an all-gather): shard's inverse, the same on every rank."""
     _check_layout(layout)
     group, world, _ = _group_info(group)
+    dim = (0 if cu_seqlens is not None else 1) if dim is None else dim
+    cu = None if cu_seqlens is None else _host_offsets(cu_seqlens)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
-    if layout == "contiguous":
-        return torch.cat(parts, dim)
-    if x.shape[dim] % 2:
-        raise ValueError("flashc.distributed.unshard: a zig-zag part has an even length along dim %d, got %d"
-                         % (dim, x.shape[dim]))
-    chunks: List[Optional[torch.Tensor]] = [None] * (2 * world)
+    total = x.shape[dim] * world
+    if cu is not None and cu[-1] != total:
+        raise ValueError("flashc.distributed.unshard: cu_seqlens ends at %d but the ranks' parts make %d tokens"
+                         % (cu[-1], total))
+    pieces = []  # (global start, tensor)
     for r, p in enumerate(parts):
-        chunks[r], chunks[2 * world - 1 - r] = p.chunk(2, dim)
-    return torch.cat(chunks, dim)
+        local = 0
+        for a, n in _runs(total, cu, world, r, layout):
+            pieces.append((a, p.narrow(dim, local, n)))
+            local += n
+    return torch.cat([t for _, t in sorted(pieces, key=lambda e: e[0])], dim)
 
 
 class _Piece(NamedTuple):
@@ -203,10 +230,14 @@ def _plan(qpieces, kpieces, lo, hi, same_rank):
 
 
 _REFUSED = ("alibi_slopes", "dropout_p", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")
+_REFUSAL = {"cu_seqlens_q": "self-attention over packed sequences takes one cu_seqlens (the whole batch's offsets)",
+            "cu_seqlens_k": "self-attention over packed sequences takes one cu_seqlens (the whole batch's offsets)"}
 
 
 # ---- checks ---------------------------------------------------------------------------------------------------------
-def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes):
+def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes, extra=()):
+    """extra: integers every rank must agree on too (varlen: a digest of cu_seqlens). layout "contiguous" for
+    varlen, whose per-sequence chunk rule _local_segments checks."""
     for n, t in (("q", q), ("k", k), ("v", v)):
         _torch._check(n, t, q.device)
         if t.dim() != 4:
@@ -222,7 +253,7 @@ def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes):
             raise NotImplementedError(
                 "flashc.distributed.ring_attention does not take %s: %s" % (
                     name, "its values depend on absolute positions, which a rank's chunk does not carry"
-                    if name in ("alibi_slopes", "dropout_p") else "not built for the ring yet"))
+                    if name in ("alibi_slopes", "dropout_p") else _REFUSAL.get(name, "not built for the ring yet")))
     backend = dist.get_backend(group)
     if q.is_cuda and backend == "gloo":
         raise ValueError("flashc.distributed.ring_attention: the group's backend is gloo, which has no "
@@ -230,25 +261,26 @@ def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes):
     # every rank's sizes, before anything is sent (and before a refusal that depends on them, which then comes on
     # every rank alike): a send that does not match its receive would hang or fail late
     if check_shapes:
-        _check_same_shapes(q, k, group, world, layout, backend)
+        _check_same_shapes(q, k, group, world, layout, backend, extra)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError("flashc.distributed.ring_attention: the zig-zag layout holds two equal chunks per rank, so "
                          "N_local must be even, got %d (pad the sequence to a multiple of %d)"
                          % (q.shape[1], 2 * world))
 
 
-def _check_same_shapes(q, k, group, world, layout, backend):
+def _check_same_shapes(q, k, group, world, layout, backend, extra):
     dev = torch.device("cpu") if backend == "gloo" else q.device
-    mine = torch.tensor(list(q.shape) + list(k.shape), dtype=torch.int64, device=dev)
+    mine = torch.tensor(list(q.shape) + list(k.shape) + list(extra), dtype=torch.int64, device=dev)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     shapes = [tuple(t.tolist()) for t in every]
     if any(s != shapes[0] for s in shapes):
         raise ValueError(
             "flashc.distributed.ring_attention: every rank must hold the same number of tokens (and the same B, H, "
-            "D); the ranks hold q, k of shapes %s. Shard the sequence into equal parts (flashc.distributed.shard; "
-            "pad it to a multiple of %d tokens)" % (
-                ", ".join("rank %d: %s, %s" % (i, s[:4], s[4:]) for i, s in enumerate(shapes)),
+            "D, and cu_seqlens with varlen); the ranks hold q, k of shapes %s. Shard the sequence into equal parts "
+            "(flashc.distributed.shard; pad it to a multiple of %d tokens)" % (
+                ", ".join("rank %d: %s, %s%s" % (i, s[:4], s[4:8], " (cu_seqlens differ)" if s[8:] != shapes[0][8:]
+                                                  else "") for i, s in enumerate(shapes)),
                 _chunks_of(layout, world)))
 
 
@@ -282,6 +314,7 @@ class _Setup(NamedTuple):
     softmax_scale: Optional[float]
     softcap: float
     deterministic: bool
+    segments: Tuple[Tuple[int, int], ...]  # (first local row, local rows) of each sequence; one without varlen
 
 
 def _options(s, q4, k4, call):
@@ -289,9 +322,18 @@ def _options(s, q4, k4, call):
                            softcap=s.softcap, deterministic=s.deterministic)
 
 
-def _calls(s, step, n):
-    return _plan(_pieces(s.layout, s.rank, s.world, n), _pieces(s.layout, (s.rank - step) % s.world, s.world, n),
-                 s.lo, s.hi, step == 0)
+def _calls(s, step):
+    """The step's calls over every sequence (varlen: each packed sequence is planned alone, its calls moved to its
+    rows, which are the same on every rank)."""
+    out = []
+    src = (s.rank - step) % s.world
+    for off, n in s.segments:
+        if n == 0:
+            continue
+        for c in _plan(_pieces(s.layout, s.rank, s.world, n), _pieces(s.layout, src, s.world, n), s.lo, s.hi,
+                       step == 0):
+            out.append(_Call(c.q0 + off, c.q1 + off, c.k0 + off, c.k1 + off, c.left, c.right))
+    return out
 
 
 def _ring_forward(s, q, k, v):
@@ -305,7 +347,7 @@ def _ring_forward(s, q, k, v):
         if step + 1 < s.world:
             nxt = torch.empty_like(kv)
             reqs = ring.exchange(kv, nxt)
-        for c in _calls(s, step, n):
+        for c in _calls(s, step):
             q4, k4, v4 = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
             o, l = _torch._forward(q4, k4, v4, _options(s, q4, k4, c))
             rows = acc[:, c.q0:c.q1]
@@ -332,7 +374,7 @@ def _ring_backward(s, dout, q, k, v, out, lse):
             nxt = torch.empty_like(kv)
             reqs = ring.exchange(kv, nxt)
         part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for c in _calls(s, step, n):
+        for c in _calls(s, step):
             q4, k4, v4 = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
             dq4, dk4, dv4 = torch.empty_like(q4), torch.empty_like(k4), torch.empty_like(v4)
             l = lse[:, :, c.q0:c.q1].contiguous()
@@ -370,9 +412,30 @@ class _RingFunction(torch.autograd.Function):
         return None, dq, dk, dv
 
 
+def _host_offsets(cu_seqlens):
+    return [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+
+
+def _local_segments(cu, n_local, world, layout):
+    """(first local row, local rows) per sequence from the global offsets cu, checked."""
+    parts = _chunks_of(layout, world)
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError("flashc.distributed.ring_attention: cu_seqlens must be the whole packed batch's offsets, "
+                         "0 first and non-decreasing, got %s" % (cu[:8],))
+    if cu[-1] != n_local * world:
+        raise ValueError("flashc.distributed.ring_attention: cu_seqlens ends at %d tokens, but %d ranks holding %d "
+                         "each make %d" % (cu[-1], world, n_local, n_local * world))
+    bad = [(i, b - a) for i, (a, b) in enumerate(zip(cu, cu[1:])) if (b - a) % parts]
+    if bad:
+        raise ValueError("flashc.distributed.ring_attention: every sequence's length must split into %d equal chunks "
+                         "(%s layout, %d ranks); sequence %d has %d tokens (pad each sequence to a multiple of %d)"
+                         % (parts, layout, world, bad[0][0], bad[0][1], parts))
+    return tuple((a // world, (b - a) // world) for a, b in zip(cu, cu[1:]))
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                   softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
+                   softcap: float = 0.0, cu_seqlens=None, layout: str = "zigzag", deterministic: bool = False,
                    return_lse: bool = False, check_shapes: bool = True, **unsupported):
     """Attention of this rank's queries over the whole sequence's keys: q (B, N_local, H, D), k and v
     (B, N_local, Hkv, D), this rank's part of the sequence in `layout` (see shard). Returns out (B, N_local, H, D)
@@ -383,14 +446,36 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     sequence; softcap, softmax_scale and deterministic as there. Every rank of the group must call it with the same
     options and shapes. check_shapes: compare every rank's shapes first (one small all-gather, and on CUDA a wait for
     the GPU to reach it); False skips that for callers that guarantee equal shards (a mismatch then fails or hangs
-    inside the point-to-point transfers)."""
+    inside the point-to-point transfers).
+
+    Packed sequences (varlen): cu_seqlens, the whole packed batch's int offsets (B + 1, the same on every rank, as
+    flash_attn_varlen_func takes them; a tensor is read to the host), and q (total / W, H, D), k, v
+    (total / W, Hkv, D): every sequence sharded on its own (shard(x, group, cu_seqlens=cu_seqlens)), so each
+    length must split into 2W (zig-zag) or W equal chunks. lse is then (H, total / W). Each sequence is planned
+    on its own (a few flashc calls per sequence and step)."""
     _check_layout(layout)
     group, world, rank = _group_info(group)
-    _check_inputs(q, k, v, group, world, layout, unsupported, check_shapes)
+    varlen = cu_seqlens is not None
+    if varlen:
+        for n_, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError("flashc.distributed.ring_attention: with cu_seqlens, %s must be packed "
+                                 "(total / W, H, D), got %s" % (n_, tuple(getattr(t, "shape", ()))))
+        cu = _host_offsets(cu_seqlens)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        extra = (len(cu), sum(cu), sum(i * c for i, c in enumerate(cu)))
+    else:
+        extra = ()
+    # the collective check first: a refusal after it comes on every rank alike
+    _check_inputs(q, k, v, group, world, "contiguous" if varlen else layout, unsupported, check_shapes, extra)
+    segments = _local_segments(cu, q.shape[1], world, layout) if varlen else ((0, q.shape[1]),)
     lo, hi = _band(causal, window_size)
-    setup = _Setup(group, world, rank, layout, lo, hi, softmax_scale, float(softcap or 0.0), bool(deterministic))
+    setup = _Setup(group, world, rank, layout, lo, hi, softmax_scale, float(softcap or 0.0), bool(deterministic),
+                   segments)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _RingFunction.apply(setup, q, k, v)
     else:
         out, lse = _ring_forward(setup, q, k, v)
+    if varlen:
+        out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

@@ -33,15 +33,18 @@ import flashc  # noqa: E402
 import flashc.distributed as fcd  # noqa: E402
 from test_torch import attn_ref, check_close, keep_mask, rule_dtype  # noqa: E402
 
-# name, B, N (whole sequence), H, Hkv, D, causal, window, softcap, layout
+# name, B, N (whole sequence), H, Hkv, D, causal, window, softcap, layout, cu_seqlens (varlen: B is 1, the packed
+# sequences' offsets; every length a multiple of 8 = 2W at 4 ranks)
 CASES = [
-    ("plain", 2, 48, 2, 2, 32, False, (-1, -1), 0.0, "zigzag"),
-    ("causal_gqa", 2, 48, 4, 2, 64, True, (-1, -1), 0.0, "zigzag"),
-    ("causal_contiguous", 1, 40, 2, 1, 32, True, (-1, -1), 0.0, "contiguous"),
-    ("window", 2, 48, 2, 2, 32, False, (13, 5), 0.0, "zigzag"),
-    ("window_left_causal_softcap", 1, 64, 2, 2, 64, True, (21, -1), 5.0, "zigzag"),
-    ("window_right_only", 1, 48, 2, 2, 32, False, (-1, 7), 0.0, "contiguous"),
-    ("window_tiny", 1, 48, 2, 2, 32, False, (1, 0), 0.0, "zigzag"),
+    ("plain", 2, 48, 2, 2, 32, False, (-1, -1), 0.0, "zigzag", None),
+    ("causal_gqa", 2, 48, 4, 2, 64, True, (-1, -1), 0.0, "zigzag", None),
+    ("causal_contiguous", 1, 40, 2, 1, 32, True, (-1, -1), 0.0, "contiguous", None),
+    ("window", 2, 48, 2, 2, 32, False, (13, 5), 0.0, "zigzag", None),
+    ("window_left_causal_softcap", 1, 64, 2, 2, 64, True, (21, -1), 5.0, "zigzag", None),
+    ("window_right_only", 1, 48, 2, 2, 32, False, (-1, 7), 0.0, "contiguous", None),
+    ("window_tiny", 1, 48, 2, 2, 32, False, (1, 0), 0.0, "zigzag", None),
+    ("varlen_causal", 1, 72, 4, 2, 32, True, (-1, -1), 0.0, "zigzag", [0, 16, 16, 56, 64, 72]),
+    ("varlen_window_softcap", 1, 64, 2, 2, 32, False, (9, 2), 4.0, "contiguous", [0, 24, 32, 64]),
 ]
 
 
@@ -51,7 +54,18 @@ def case_tensors(case, dtype, device, seed):
     q, do = (torch.randn((b, n, h, d), generator=g) for _ in range(2))
     k, v = (torch.randn((b, n, hkv, d), generator=g) for _ in range(2))
     q[:, n // 3] *= 6.0  # a row with large logits
+    if case[10] is not None:  # packed: (total, H, D)
+        q, k, v, do = (t[0] for t in (q, k, v, do))
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
+
+
+def per_sequence(fn, cu, *ts):
+    """fn on each packed sequence of ts (total, ...) as a batch of one; its outputs (..., L, ...) packed again:
+    tensors of rank 4 along dim 1 as (total, ...), lse (1, H, L) as (H, total)."""
+    if cu is None:
+        return fn(*ts)
+    outs = [fn(*(t[a:b].unsqueeze(0) for t in ts)) for a, b in zip(cu, cu[1:])]
+    return [torch.cat([o[i][0] for o in outs], dim=0 if outs[0][i].dim() == 4 else 1) for i in range(len(outs[0]))]
 
 
 def part_rounding(q, k, v, do, causal, window, softcap, rd):
@@ -85,36 +99,37 @@ def part_rounding(q, k, v, do, causal, window, softcap, rd):
 
 
 def run_case(case, dtype, device, seed, group, record):
-    name, b, n, h, hkv, d, causal, window, softcap, layout = case
+    name, b, n, h, hkv, d, causal, window, softcap, layout, cu = case
     tag = "%s/%s" % (name, str(dtype).replace("torch.", ""))
     q, k, v, do = case_tensors(case, dtype, device, seed)
     opts = dict(causal=causal, window_size=window, softcap=softcap)
-    qs, ks, vs, dos = (fcd.shard(t, group, layout=layout).detach().requires_grad_(t is not do) for t in (q, k, v, do))
-    out, lse = fcd.ring_attention(qs, ks, vs, group, layout=layout, return_lse=True, **opts)
+    sh = dict(layout=layout, cu_seqlens=cu)
+    qs, ks, vs, dos = (fcd.shard(t, group, **sh).detach().requires_grad_(t is not do) for t in (q, k, v, do))
+    out, lse = fcd.ring_attention(qs, ks, vs, group, return_lse=True, **sh, **opts)
     out.backward(dos)
     rd = rule_dtype(dtype, device)
     # fp32 on CUDA runs on bf16 operands (rule_dtype): the reference then takes the operands the kernels see, so the
     # rule measures the attention's error, not the inputs' rounding (as the bf16 rows do)
     qr, kr, vr = (t.detach().to(rd).double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = attn_ref(qr, kr, vr, **opts)
+    ref, ref_lse = per_sequence(lambda *t: attn_ref(*t, **opts), cu, qr, kr, vr)
     ref.backward(do.to(rd).double())
     naive = [None] * 5
     if rd != torch.float32:
         ql, kl, vl = (t.detach().to(rd).requires_grad_() for t in (q, k, v))
-        no, nl = attn_ref(ql, kl, vl, upcast=False, **opts)
+        no, nl = per_sequence(lambda *t: attn_ref(*t, upcast=False, **opts), cu, ql, kl, vl)
         no.backward(do.to(rd))
         naive = [no, nl, ql.grad, kl.grad, vl.grad]
     pairs = [("out", out, ref, 2), ("lse", lse, ref_lse, 2), ("dq", qs.grad, qr.grad, 3), ("dk", ks.grad, kr.grad, 3),
              ("dv", vs.grad, vr.grad, 3)]
     parts = [None] * 5
     if rd != torch.float32:
-        po, pq, pk, pv = part_rounding(q, k, v, do, causal, window, softcap, rd)
+        po, pq, pk, pv = per_sequence(lambda *t: part_rounding(*t, causal, window, softcap, rd), cu, q, k, v, do)
         parts = [po, None, pq, pk, pv]
     for (what, got, want, factor), nv, part in zip(pairs, naive, parts):
         # the rule's maxima are over the whole sequence, as for one process: the ranks' results gathered
-        seq_dim = 2 if what == "lse" else 1
+        seq_dim = (2 if what == "lse" else 1) if cu is None else (1 if what == "lse" else 0)
         want = want.detach().cpu()
-        got = fcd.unshard(got.detach(), group, dim=seq_dim, layout=layout).cpu()
+        got = fcd.unshard(got.detach(), group, dim=seq_dim, **sh).cpu()
         if nv is None:
             ok, msg = True, None
             try:
@@ -133,7 +148,7 @@ def run_case(case, dtype, device, seed, group, record):
     record["checked"].append(tag)
     # the same call again gives the same bits (the merge order and the ring are fixed)
     with torch.no_grad():
-        again = fcd.ring_attention(qs, ks, vs, group, layout=layout, **opts)
+        again = fcd.ring_attention(qs, ks, vs, group, **sh, **opts)
     if not torch.equal(again, out.detach()):
         record["failures"].append("%s: a second run differs (max %.3g)" % (tag, (again - out).abs().max().item()))
 
@@ -165,6 +180,13 @@ def refusals(device, group, record):
     expect_error(record, "unknown", TypeError, "unexpected argument",
                  lambda: fcd.ring_attention(z, z, z, group, bogus=None))
     expect_error(record, "layout", ValueError, "layout must be", lambda: fcd.ring_attention(z, z, z, group, layout="x"))
+    world = dist.get_world_size(group)
+    p = torch.randn((64 // world, 2, 16), device=device)
+    expect_error(record, "varlen_length", ValueError, "sequence 0 has 6 tokens",
+                 lambda: fcd.ring_attention(p, p, p, group, cu_seqlens=[0, 6, 64]))
+    cu = [0, 32, 64] if rank == 0 else [0, 16, 64]
+    expect_error(record, "varlen_differ", ValueError, "cu_seqlens differ",
+                 lambda: fcd.ring_attention(p, p, p, group, cu_seqlens=cu))
     # after the refusals the ring still works (nothing was left in flight)
     with torch.no_grad():
         fcd.ring_attention(z, z, z, group, causal=True)

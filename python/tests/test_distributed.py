@@ -4,10 +4,11 @@
   keep exactly the global band's (query, key) pairs, each once: checked exhaustively against the band on global
   positions, with each call's flashc window evaluated by CONVENTIONS.md's bottom-right rule.
 - 2 and 4 processes (ring_worker.py, one per rank, a gloo group through a file store): forward and backward of a case
-  table (causal, GQA, windows, softcap, both layouts; fp32 and bf16) against test_torch's fp64 reference of the
-  whole sequence by CONVENTIONS.md's rule; a second run gives the same bits; uneven shards, an odd zig-zag shard,
-  ALiBi, an unknown argument and a bad layout are refused on every rank with a clear error, and the ring still
-  works afterwards.
+  table (causal, GQA, windows, softcap, both layouts, packed sequences; fp32 and bf16) against test_torch's fp64
+  reference of the whole sequence by CONVENTIONS.md's rule (plus the 16-bit partial results' roundings, see
+  ring_worker.py); a second run gives the same bits; uneven shards, an odd zig-zag shard, ALiBi, an unknown argument,
+  a bad layout, a packed sequence that does not split evenly and cu_seqlens that differ between ranks are refused on
+  every rank with a clear error, and the ring still works afterwards.
 """
 
 import json
@@ -120,8 +121,9 @@ def test_ring_matches_one_process(world, tmp_path, rng):
     assert not failures, "\n".join(failures)
     for r in records:
         # every case and dtype ran and every refusal was seen, on every rank
-        assert len(r["checked"]) == 14, r["checked"]
-        assert r["errors"] == ["uneven", "odd_zigzag", "alibi", "unknown", "layout", "ring_after_refusals"], r
+        assert len(r["checked"]) == 18, r["checked"]
+        assert r["errors"] == ["uneven", "odd_zigzag", "alibi", "unknown", "layout", "varlen_length", "varlen_differ",
+                               "ring_after_refusals"], r
 
 
 def test_needs_an_initialized_group():
