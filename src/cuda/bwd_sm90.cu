@@ -24,6 +24,9 @@
  * lse2 and D (2 x bm floats), each consumer's dQ staging (bm x 64 fp32, two 128-byte-swizzled boxes of 32
  * columns), then the mbarriers.
  *
+ * Code: the kernel computes the block's work (fc90b_block) and the shared-memory addresses, then the producer
+ * warpgroup runs fc90b_produce and each consumer warpgroup the step loop (in the kernel) and fc90b_store_dkdv.
+ *
  * Barrier protocol (phases as in fwd_sm90.cu):
  *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
  *   full[s]    1 arrival (expect_tx) + the Q and dO bytes of the step in slot s, and 32 arrivals of the
@@ -79,6 +82,8 @@ __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b
  * dS^T in shared memory (two of each, by step parity), and dQ is staged over the step's Q / dO ring slot: a
  * staging of its own would not fit. */
 __host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
+/* The columns of dK, dV a consumer keeps: all d, or half at d 256 (fc90b_split). */
+__host__ __device__ constexpr int fc90b_dw(int d) { return fc90b_split(fc90_btile_for(d)) ? d / 2 : d; }
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
     return fc90b_off_ds(t) + (fc90b_split(t) ? 4 : 2) * fc90b_ds_bytes(t);
 }
@@ -164,6 +169,143 @@ static __device__ __forceinline__ void fc90b_step(const flashc_bwd_args &a, int 
     }
 }
 
+/* A block's work: key tile kt (first key n0) of kv head hk of sequence b (its first rows sq0, sk0 in the packed
+ * tensors, batch coordinate qb in the tensor maps, lengths nq, nk), and its steps: items (head of the group, query
+ * tile) pairs over the query tiles [mb_lo, mb_hi], per_head of them per head without a block mask (fc90b_step). */
+struct fc90b_block {
+    int kt, hk, b;
+    bool packed;
+    int sq0, sk0, qb, nq, nk, n0, group, mb_lo, mb_hi, per_head, items;
+};
+
+/* The producer warpgroup: warp 0's thread 0 loads K and V once, then Q and dO of each step into the ring; warp 1
+ * writes each step's rows' lse2 and D_i. */
+template <int D, bool VARLEN, bool BMASK, typename Ring>
+static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, const fc90b_block &blk,
+                                                     const CUtensorMap &tm_q, const CUtensorMap &tm_k,
+                                                     const CUtensorMap &tm_v, const CUtensorMap &tm_g,
+                                                     const Ring &ring, uint32_t bar_kv, uint32_t sK, uint32_t sV,
+                                                     uint32_t sQ, uint32_t sG, float *sLD) {
+    const int b = blk.b, hk = blk.hk, kt = blk.kt, group = blk.group, mb_lo = blk.mb_lo, mb_hi = blk.mb_hi,
+              per_head = blk.per_head, items = blk.items, sq0 = blk.sq0, sk0 = blk.sk0, qb = blk.qb, nq = blk.nq,
+              n0 = blk.n0;
+    const bool packed = blk.packed;
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64;
+    constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0 && items > 0) {
+        /* Warp 0, one thread: K and V once, then Q and dO of each step into the ring. */
+        fc90_tma_prefetch(&tm_q);
+        fc90_tma_prefetch(&tm_g);
+        fc90_bar_expect(bar_kv, 2 * KVB);
+        /* (The fixed-length kernels keep their own expressions: their machine code stays as it was.) */
+        if constexpr (VARLEN) {
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, qb);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, qb);
+        } else {
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+        }
+        int gi = 0, mt = mb_lo - 1;
+        for (int it = 0; it < items; ++it) {
+            fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, gi, mt);
+            const int s = ring.slot(it), h = hk * group + gi, m0 = mt * BM;
+            ring.wait_empty(it);
+            ring.expect(it, 2 * QB);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS,
+                              sq0 + m0, h, qb);
+            for (int c = 0; c < NCH; ++c)
+                fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS,
+                              sq0 + m0, h, qb);
+        }
+    } else if (warp == 1) {
+        /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
+        int gi = 0, mt = mb_lo - 1;
+        for (int it = 0; it < items; ++it) {
+            fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, gi, mt);
+            const int s = ring.slot(it), h = hk * group + gi, m0 = mt * BM;
+            ring.wait_empty(it);
+            /* lse and D_i: (B, H, Nq), or (H, total_q) with varlen */
+            const int64_t r0 = packed ? (int64_t)h * a.total_q + sq0 : ((int64_t)b * a.H + h) * nq;
+            float *ld = sLD + s * 2 * BM;
+            for (int r = lane; r < BM; r += 32) {
+                const int i = m0 + r;
+                ld[r] = i < nq ? a.lse[r0 + i] * FC_LOG2E : INFINITY;
+                ld[BM + r] = i < nq ? a.dvec[r0 + i] : 0.f;
+            }
+            ring.arrive_full(it);
+        }
+    }
+}
+
+/* The epilogue of a consumer warpgroup: dK = scale dS^T Q and dV of this thread's two key rows (key0, key0 + 8),
+ * its DW columns from col0, into global memory; over the ring's shared memory when rows allow 16-byte stores. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90b_store_dkdv(const flashc_bwd_args &a, const float (&dk)[fc90b_dw(D) / 2],
+                                                        const float (&dv)[fc90b_dw(D) / 2], const fc90b_block &blk,
+                                                        uint8_t *gbase, int cw, int t, int warp, int g, int tig,
+                                                        int krow, int key0, int col0) {
+    const int n0 = blk.n0, nk = blk.nk, sk0 = blk.sk0, qb = blk.qb, hk = blk.hk;
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int ST = TL.st, DW = fc90b_dw(D);
+    constexpr uint32_t QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
+    /* dK = scale dS^T Q, dV: this thread's two key rows, columns col0 + 8 j + 2 tig + {0, 1}. */
+    const bool vec_out = a.out_dtype != FLASHC_DTYPE_F32 && a.dk_sd == 1 && a.dv_sd == 1 &&
+                         (((uintptr_t)a.dk | (uintptr_t)a.dv) & 15) == 0 &&
+                         ((a.dk_sb | a.dk_sn | a.dk_sh | a.dv_sb | a.dv_sn | a.dv_sh) & 7) == 0;
+    if (vec_out) {
+        /* Staged through shared memory (over the Q, dO ring and the dS^T tiles, which nothing reads once both
+         * consumers are past their last step; rows padded by 16 bytes against bank conflicts), then written as
+         * 16-byte pieces, consecutive threads on consecutive pieces of a row. */
+        constexpr int OROW = DW + 8;
+        static_assert(2 * 2 * 64 * OROW * 2 <= 2 * ST * QB + 2 * DSB, "epilogue staging within the ring and dS^T");
+        fc90_nbar_sync(FC90B_BAR_DS, 256);
+        uint16_t *st = (uint16_t *)(gbase + fc90b_off_q(TL)) + cw * 2 * 64 * OROW;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = 16 * warp + g + 8 * hf;
+#pragma unroll
+            for (int j = 0; j < DW / 8; ++j) {
+                *(uint32_t *)(st + r * OROW + 8 * j + 2 * tig) =
+                    fc_pack2<BF>(a.scale * dk[4 * j + 2 * hf], a.scale * dk[4 * j + 2 * hf + 1]);
+                *(uint32_t *)(st + (64 + r) * OROW + 8 * j + 2 * tig) =
+                    fc_pack2<BF>(dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1]);
+            }
+        }
+        fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
+        for (int c = t; c < 2 * 64 * (DW / 8); c += FC90_WG_THREADS) {
+            const int r = c / (DW / 8), piece = c % (DW / 8), which = r / 64, key = n0 + krow + r % 64;
+            if (key >= nk) continue;
+            const int64_t off = which ? (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh
+                                      : (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
+            *(uint4 *)((uint16_t *)(which ? a.dv : a.dk) + off + col0 + 8 * piece) =
+                *(const uint4 *)(st + r * OROW + 8 * piece);
+        }
+    } else {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int key = key0 + 8 * hf;
+            if (key >= nk) continue;
+            const int64_t ok = (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
+            const int64_t ov = (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh;
+#pragma unroll
+            for (int j = 0; j < DW / 8; ++j) {
+                const int col = col0 + 8 * j + 2 * tig;
+                fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
+                              a.scale * dk[4 * j + 2 * hf + 1], true);
+                fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf],
+                              dv[4 * j + 2 * hf + 1], true);
+            }
+        }
+    }
+}
+
 template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false, bool DROP = false>
 __global__ void __launch_bounds__(FC90B_THREADS, 1)
     fc90_bwd_kernel(const __grid_constant__ flashc_bwd_args a, const __grid_constant__ CUtensorMap tm_q,
@@ -176,7 +318,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
      * (S^T, dP^T of 64 keys x 32 queries), the halves of P^T and dS^T meet in shared memory, and each keeps dK, dV
      * and dQ for its DW = d / 2 columns (dK and dV of whole rows would need 256 registers). SN: the N of S^T. */
     constexpr bool SPLIT = fc90b_split(TL);
-    constexpr int DW = SPLIT ? D / 2 : D, SN = SPLIT ? BM / 2 : BM;
+    constexpr int DW = fc90b_dw(D), SN = SPLIT ? BM / 2 : BM;
     constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
     static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && BM == 64 && ST >= 2, "tile table");
     static_assert(FC90_WG_THREADS * (168 - 32) >= 2 * FC90_WG_THREADS * (FC90B_CONS_REGS - 168),
@@ -222,6 +364,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 items += fc_bits_count(fc_bm_tile_bits(a, b, hk * group + gi, kt, a.n_kblk), mb_lo, mb_hi + 1);
         }
 
+    const fc90b_block blk = {kt, hk, b, packed, sq0, sk0, qb, nq, nk, n0, group, mb_lo, mb_hi, per_head, items};
+
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_kv, 1);
         ring.init(1 + 32, 2 * FC90_WG_THREADS); /* full: expect_tx + producer warp 1; empty: every consumer thread */
@@ -232,55 +376,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int wg = threadIdx.x / FC90_WG_THREADS;
     if (wg == 0) {
         fc90_regs_dec<32>();
-        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-        if (threadIdx.x == 0 && items > 0) {
-            /* Warp 0, one thread: K and V once, then Q and dO of each step into the ring. */
-            fc90_tma_prefetch(&tm_q);
-            fc90_tma_prefetch(&tm_g);
-            fc90_bar_expect(bar_kv, 2 * KVB);
-            /* (The fixed-length kernels keep their own expressions: their machine code stays as it was.) */
-            if constexpr (VARLEN) {
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, qb);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, sk0 + n0, hk, qb);
-            } else {
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
-            }
-            int gi = 0, mt = mb_lo - 1;
-            for (int it = 0; it < items; ++it) {
-                fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, gi, mt);
-                const int s = ring.slot(it), h = hk * group + gi, m0 = mt * BM;
-                ring.wait_empty(it);
-                ring.expect(it, 2 * QB);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sQ + s * QB + c * BM * FC90_SW_ROW, &tm_q, ring.full_bar(it), c * FC90_SW_COLS,
-                                  sq0 + m0, h, qb);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS,
-                                  sq0 + m0, h, qb);
-            }
-        } else if (warp == 1) {
-            /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
-            int gi = 0, mt = mb_lo - 1;
-            for (int it = 0; it < items; ++it) {
-                fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, gi, mt);
-                const int s = ring.slot(it), h = hk * group + gi, m0 = mt * BM;
-                ring.wait_empty(it);
-                /* lse and D_i: (B, H, Nq), or (H, total_q) with varlen */
-                const int64_t r0 = packed ? (int64_t)h * a.total_q + sq0 : ((int64_t)b * a.H + h) * nq;
-                float *ld = sLD + s * 2 * BM;
-                for (int r = lane; r < BM; r += 32) {
-                    const int i = m0 + r;
-                    ld[r] = i < nq ? a.lse[r0 + i] * FC_LOG2E : INFINITY;
-                    ld[BM + r] = i < nq ? a.dvec[r0 + i] : 0.f;
-                }
-                ring.arrive_full(it);
-            }
-        }
+        fc90b_produce<D, VARLEN, BMASK>(a, blk, tm_q, tm_k, tm_v, tm_g, ring, bar_kv, sK, sV, sQ, sG, sLD);
         return;
     }
 
@@ -591,55 +687,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
      * goes away. */
     if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
 
-    /* dK = scale dS^T Q, dV: this thread's two key rows, columns col0 + 8 j + 2 tig + {0, 1}. */
-    const bool vec_out = a.out_dtype != FLASHC_DTYPE_F32 && a.dk_sd == 1 && a.dv_sd == 1 &&
-                         (((uintptr_t)a.dk | (uintptr_t)a.dv) & 15) == 0 &&
-                         ((a.dk_sb | a.dk_sn | a.dk_sh | a.dv_sb | a.dv_sn | a.dv_sh) & 7) == 0;
-    if (vec_out) {
-        /* Staged through shared memory (over the Q, dO ring and the dS^T tiles, which nothing reads once both
-         * consumers are past their last step; rows padded by 16 bytes against bank conflicts), then written as
-         * 16-byte pieces, consecutive threads on consecutive pieces of a row. */
-        constexpr int OROW = DW + 8;
-        static_assert(2 * 2 * 64 * OROW * 2 <= 2 * ST * QB + 2 * DSB, "epilogue staging within the ring and dS^T");
-        fc90_nbar_sync(FC90B_BAR_DS, 256);
-        uint16_t *st = (uint16_t *)(gbase + fc90b_off_q(TL)) + cw * 2 * 64 * OROW;
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = 16 * warp + g + 8 * hf;
-#pragma unroll
-            for (int j = 0; j < DW / 8; ++j) {
-                *(uint32_t *)(st + r * OROW + 8 * j + 2 * tig) =
-                    fc_pack2<BF>(a.scale * dk[4 * j + 2 * hf], a.scale * dk[4 * j + 2 * hf + 1]);
-                *(uint32_t *)(st + (64 + r) * OROW + 8 * j + 2 * tig) =
-                    fc_pack2<BF>(dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1]);
-            }
-        }
-        fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
-        for (int c = t; c < 2 * 64 * (DW / 8); c += FC90_WG_THREADS) {
-            const int r = c / (DW / 8), piece = c % (DW / 8), which = r / 64, key = n0 + krow + r % 64;
-            if (key >= nk) continue;
-            const int64_t off = which ? (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh
-                                      : (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
-            *(uint4 *)((uint16_t *)(which ? a.dv : a.dk) + off + col0 + 8 * piece) =
-                *(const uint4 *)(st + r * OROW + 8 * piece);
-        }
-    } else {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int key = key0 + 8 * hf;
-            if (key >= nk) continue;
-            const int64_t ok = (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
-            const int64_t ov = (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh;
-#pragma unroll
-            for (int j = 0; j < DW / 8; ++j) {
-                const int col = col0 + 8 * j + 2 * tig;
-                fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
-                              a.scale * dk[4 * j + 2 * hf + 1], true);
-                fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf],
-                              dv[4 * j + 2 * hf + 1], true);
-            }
-        }
-    }
+    fc90b_store_dkdv<D, BF>(a, dk, dv, blk, gbase, cw, t, warp, g, tig, krow, key0, col0);
 #endif /* FC90_DEVICE */
 }
 
