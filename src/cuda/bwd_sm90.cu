@@ -178,6 +178,7 @@ struct fc90b_block {
     int sq0, sk0, qb, nq, nk, n0, group, mb_lo, mb_hi, per_head, items;
 };
 
+#if FC90_DEVICE /* the kernel's pieces; the kernel is empty where the device is not sm_90a */
 /* The producer warpgroup: warp 0's thread 0 loads K and V once, then Q and dO of each step into the ring; warp 1
  * writes each step's rows' lse2 and D_i. */
 template <int D, bool VARLEN, bool BMASK, typename Ring>
@@ -305,6 +306,7 @@ static __device__ __forceinline__ void fc90b_store_dkdv(const flashc_bwd_args &a
         }
     }
 }
+#endif /* FC90_DEVICE */
 
 template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false, bool DROP = false>
 __global__ void __launch_bounds__(FC90B_THREADS, 1)
