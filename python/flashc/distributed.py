@@ -386,6 +386,9 @@ def _ring_backward(s, dout, q, k, v, out, lse):
         _wait(dkv_reqs)  # the accumulator of these keys, from the rank before (sent while this step computed)
         if dkv_in is not None:
             part += dkv_in
+        if s.world == 1:  # no ring: the keys never left
+            dkv_in = part
+            continue
         dkv_in = torch.empty_like(part)
         dkv_reqs, keep = ring.exchange(part, dkv_in), part  # keep: the send buffer lives until its request is done
         _wait(reqs)

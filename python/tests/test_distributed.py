@@ -3,7 +3,7 @@
 - The step planner: for every rank, step, layout and band (causal, windows on either side, none), the calls it makes
   keep exactly the global band's (query, key) pairs, each once: checked exhaustively against the band on global
   positions, with each call's flashc window evaluated by CONVENTIONS.md's bottom-right rule.
-- 2 and 4 processes (ring_worker.py, one per rank, a gloo group through a file store): forward and backward of a case
+- 1, 2 and 4 processes (ring_worker.py, one per rank, a gloo group through a file store): forward and backward of a case
   table (causal, GQA, windows, softcap, both layouts, packed sequences; fp32 and bf16) against test_torch's fp64
   reference of the whole sequence by CONVENTIONS.md's rule (plus the 16-bit partial results' roundings, see
   ring_worker.py); a second run gives the same bits; uneven shards, an odd zig-zag shard, ALiBi, an unknown argument,
@@ -114,7 +114,7 @@ def run_ranks(world, tmp_path, seed):
     return records
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_matches_one_process(world, tmp_path, rng):
     records = run_ranks(world, tmp_path, int(rng.integers(2**31)))
     failures = [f for r in records for f in r["failures"]]
@@ -122,8 +122,9 @@ def test_ring_matches_one_process(world, tmp_path, rng):
     for r in records:
         # every case and dtype ran and every refusal was seen, on every rank
         assert len(r["checked"]) == 18, r["checked"]
-        assert r["errors"] == ["uneven", "odd_zigzag", "alibi", "unknown", "layout", "varlen_length", "varlen_differ",
-                               "ring_after_refusals"], r
+        both = ["uneven", "odd_zigzag", "alibi", "unknown", "layout", "varlen_length", "varlen_differ",
+                "ring_after_refusals"]
+        assert r["errors"] == [e for e in both if world > 1 or e not in ("uneven", "varlen_differ")], r
 
 
 def test_needs_an_initialized_group():
