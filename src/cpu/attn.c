@@ -13,15 +13,19 @@
  * a GQA group's rows into one tile.
  *
  * Backward: P is recomputed from q, k and the saved lse, never stored. D_i = rowsum(dO o O) is computed first.
- * When there are at least as many (sequence, head) pairs as threads, one task per pair walks the key blocks; for
- * each it accumulates dK_j, dV_j in a tile over all query blocks and adds dS K_j into a per-thread fp32 dQ of the
- * whole sequence (five products per tile). With GQA, each head's dK, dV go to a per-head fp32 buffer that a last
- * pass sums over the group in head order. With fewer pairs than threads (long sequences, few heads), two passes
- * share the work finer: one per (sequence, kv head, key block) for dK, dV, one per (sequence, head, query block)
- * for dQ, at the cost of computing S and dP twice. Either way every gradient element has one writer and a fixed
- * summation order, so results are race-free and bitwise reproducible from run to run at any thread count. The
- * two modes group a GQA head group's dK, dV sums differently, so with GQA a thread count that switches the mode
- * can change their last bits.
+ * When there are at least as many (sequence, head) pairs as threads, one task per pair walks the key blocks in
+ * groups (sized from L3, tiles.c); for each group it passes once over the query blocks, accumulating dK_j, dV_j of
+ * every key block of the group in tiles and adding dS K_j into a per-thread fp32 dQ of the whole sequence (five
+ * products per tile), so the query side streams from memory once per group rather than once per key block. With
+ * GQA, each head's dK, dV go to a per-head fp32 buffer that a last pass sums over the group in head order. With
+ * fewer pairs than threads (long sequences, few heads), two passes share the work finer: one per (sequence, kv
+ * head, key block) for dK, dV, one per (sequence, head, query block) for dQ, at the cost of computing S and dP
+ * twice. Either way every gradient element has one writer and a fixed summation order, so results are race-free and
+ * bitwise reproducible from run to run at any thread count (and any key group). The two modes group a GQA head
+ * group's dK, dV sums differently, so with GQA a thread count that switches the mode can change their last bits.
+ *
+ * Tiles that a causal or window mask cuts run their products in strips over the pairs the mask leaves (tile_edge),
+ * in the forward and the backward.
  *
  * Dropout (src/dropout.h): each (sequence, head) is a Philox stream and the keep bit of (i, j) depends on nothing
  * else, so tiles, split-KV pieces, the backward's modes and thread counts all drop the same elements. The forward
@@ -49,9 +53,9 @@ typedef struct tile_bufs {
     float *qt, *dot;    /* (scale Q)^T, dO^T: dp x ld (forward: one per block of the query group) */
     float *o, *dq;      /* br x dp (o: one per block of the query group, as are m and l) */
     float *st, *dpt, *t; /* bc x ld: scores / P, dP / dS, tanh for softcap */
-    float *kbuf, *vbuf; /* bc x dp: converted K, V rows */
+    float *kbuf, *vbuf; /* bc x dp: converted K, V rows (backward: one per key block of the group) */
     float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
-    float *dk, *dv;     /* bc x dp */
+    float *dk, *dv;     /* bc x dp, one per key block of the backward's group */
     float *z;           /* bc x ld: the backward's dropout factors (0 or 1 / (1 - p)); NULL without dropout */
     float *m, *l, *alpha, *lse2, *di; /* br */
 } tile_bufs;
@@ -62,9 +66,13 @@ typedef struct layout {
     int64_t nqb, nkb;
     int gq;      /* forward: query blocks per task (tiles.c, flashc_cpu_query_group); 1 in backward */
     int64_t ngq; /* forward: query groups per (sequence, head), ceil(nqb / gq) */
+    int gk;      /* backward, one task per head: key blocks per pass over the queries (flashc_cpu_key_group); else 1 */
     int dropout;       /* the backward keeps a tile of dropout factors */
     size_t per_thread; /* floats */
 } layout;
+
+/* The backward's single pass per (sequence, head) when that alone fills the threads. */
+static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p->H >= nthreads; }
 
 /* Tiles of the forward (backward = 0) or backward run on nthreads threads. */
 static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
@@ -84,11 +92,15 @@ static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
     if (L.gq > L.nqb) L.gq = (int)L.nqb;
     if (L.gq < 1) L.gq = 1;
     L.ngq = (L.nqb + L.gq - 1) / L.gq;
+    L.gk = backward && single_pass(p, nthreads) ? flashc_cpu_key_group(p->D, t, nthreads) : 1;
+    if (L.gk > L.nkb) L.gk = (int)L.nkb;
+    if (L.gk < 1) L.gk = 1;
     size_t br = (size_t)L.br, bc = (size_t)L.bc, dp = (size_t)L.dp, ld = (size_t)L.ld, gq = (size_t)L.gq;
+    const size_t gk = (size_t)L.gk;
     if (!backward)
         L.per_thread = gq * (dp * ld + br * dp + 2 * br) + bc * ld + 2 * bc * dp + br;
     else
-        L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * bc * dp + 2 * br * dp + 2 * br;
+        L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * gk * bc * dp + 2 * br * dp + 2 * br;
     L.dropout = backward && p->dropout_p > 0.0f;
     if (L.dropout) L.per_thread += bc * ld;
     return L;
@@ -98,11 +110,12 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
     tile_bufs b;
     memset(&b, 0, sizeof b);
     size_t br = (size_t)L->br, bc = (size_t)L->bc, dp = (size_t)L->dp, ld = (size_t)L->ld, gq = (size_t)L->gq;
+    const size_t gk = (size_t)L->gk;
 #define TAKE(ptr, n) (ptr = x, x += (n))
     TAKE(b.qt, gq * dp * ld);
     TAKE(b.st, bc * ld);
-    TAKE(b.kbuf, bc * dp);
-    TAKE(b.vbuf, bc * dp);
+    TAKE(b.kbuf, gk * bc * dp);
+    TAKE(b.vbuf, gk * bc * dp);
     if (!backward) {
         TAKE(b.o, gq * br * dp);
         TAKE(b.m, gq * br);
@@ -113,8 +126,8 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
         TAKE(b.dq, br * dp);
         TAKE(b.dpt, bc * ld);
         TAKE(b.t, bc * ld);
-        TAKE(b.dk, bc * dp);
-        TAKE(b.dv, bc * dp);
+        TAKE(b.dk, gk * bc * dp);
+        TAKE(b.dv, gk * bc * dp);
         TAKE(b.qbuf, br * dp);
         TAKE(b.dobuf, br * dp);
         TAKE(b.lse2, br);
@@ -198,10 +211,13 @@ static int tile_row_ranges(const flashc_problem *p, int64_t nq, int64_t nk, int6
  * computes all of it. Scores left out are masked ones, which the epilogue overwrites with -inf; P is exactly 0
  * there, so the P V strips leave out only zero terms (and no NaN of a masked key's V reaches O). Padding rows
  * (rows .. br) get their scores as in a whole tile.
+ * edge_scores: st[c][r] = sum_d k[c][d] qt[d][r] for the (key, row) pairs the strips cover; the backward's dP^T
+ * (v and dO^T in place of k and Q^T) takes the same strips.
  */
-static void edge_scores(const flashc_cpu_kernels *kern, const layout *L, int D, const query_block *q, const int *lo,
-                        const int *hi, const float *k, int64_t ldk, int cols, float *st, int ch) {
-    const int br = L->br, ld = L->ld, rows = q->rows, nr = kern->nr;
+static void edge_scores(const flashc_cpu_kernels *kern, int br, int rows, int D, const int *lo, const int *hi,
+                        const float *k, int64_t ldk, const float *qt, int64_t ldq, int cols, float *st, int64_t ld,
+                        int ch) {
+    const int nr = kern->nr;
     for (int c0 = 0; c0 < cols; c0 += ch) {
         const int c1 = c0 + ch < cols ? c0 + ch : cols;
         int rs = 0, re = rows; /* rows meeting keys [c0, c1): hi > c0 from rs on, lo < c1 before re */
@@ -212,7 +228,7 @@ static void edge_scores(const flashc_cpu_kernels *kern, const layout *L, int D, 
         re = (re + nr - 1) / nr * nr;
         if (re > br) re = br;
         if (re > rs)
-            kern->gemm(c1 - c0, re - rs, D, k + (int64_t)c0 * ldk, ldk, 1, q->qt + rs, ld, st + (size_t)c0 * ld + rs,
+            kern->gemm(c1 - c0, re - rs, D, k + (int64_t)c0 * ldk, ldk, 1, qt + rs, ldq, st + (size_t)c0 * ld + rs,
                        ld, 0);
     }
 }
@@ -242,7 +258,7 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
     const int ch = (16 + kern->mr - 1) / kern->mr * kern->mr;
     int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
     const int edge = tile_row_ranges(p, nq, nk, q->i0, rows, j0, cols, lo, hi);
-    if (edge) edge_scores(kern, L, D, q, lo, hi, k, ldk, cols, t->st, ch);
+    if (edge) edge_scores(kern, br, rows, D, lo, hi, k, ldk, q->qt, ld, cols, t->st, ld, ch);
     else kern->gemm(cols, br, D, k, ldk, 1, q->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
     if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
@@ -389,6 +405,7 @@ static int task_rows(const flashc_problem *p, const layout *L, int64_t task, int
 }
 
 int flashc_cpu_forward_group(const flashc_problem *p, int nthreads) { return make_layout(p, 0, nthreads).gq; }
+int flashc_cpu_backward_group(const flashc_problem *p, int nthreads) { return make_layout(p, 1, nthreads).gk; }
 
 /* Query group task of (b, h): its first row *i0 and its blocks *n; 0 when it lies past the sequence. Groups in
  * decreasing order within each head, as task_rows orders blocks. */
@@ -476,9 +493,6 @@ static size_t di_floats(const flashc_problem *p) { /* the front checked B * H * 
     return (size_t)round_up(p->varlen ? p->H * p->total_q : p->B * p->H * p->Nq, 16);
 }
 
-/* Single pass per (sequence, head) when that alone fills the threads. */
-static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p->H >= nthreads; }
-
 /* Per thread in the single-pass mode: dQ, (scale Q)^T and dO^T of one sequence, its lse and D. */
 static size_t dq_seq_floats(const flashc_problem *p, const layout *L) {
     const size_t npad = flashc_size_of_i64(L->nqb * L->br);
@@ -540,40 +554,67 @@ static query_side block_query_side(const flashc_problem *p, const flashc_cpu_ker
 }
 
 /*
+ * Where a backward tile is cut by a causal or window mask: each row's visible columns [lo[r], hi[r]) (tile_row_ranges)
+ * when on, and the strip height of the edge products. On such a tile the five products run in strips over the
+ * (key, row) pairs some element of the strip sees, as the forward's edge tiles do: S^T and dP^T in strips of ch keys
+ * (edge_scores), dV and dK in strips of ch keys over the rows that see them, dQ in strips of ch rows over the keys
+ * they see. Every element they leave out has P = 0 and dS = 0 (set so below, not left to 0 * dP of an uncomputed
+ * dP), so the strips drop only zero terms, and the gradients are those of the whole tile.
+ */
+typedef struct tile_edge {
+    int on, ch;
+    int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
+} tile_edge;
+
+/*
  * One (query block, key block) tile of the backward: P (into st) and dS (into dpt), key-major. k and v are the
  * key-side rows, qs the query side. With dropout, Z = keep / (1 - p) comes from the same Philox bits as the forward's:
- * O = (P o Z) V, so dS = P o (Z o dP - D) and st leaves as P o Z, what dV = (P o Z)^T dO needs.
+ * O = (P o Z) V, so dS = P o (Z o dP - D) and st leaves as P o Z, what dV = (P o Z)^T dO needs. Fills e.
  */
 static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
                     const query_side *qs, const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b,
-                    int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0, int cols) {
+                    int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0, int cols, tile_edge *e) {
     const int br = L->br, ld = L->ld, D = (int)p->D;
-    kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, ld, 0);   /* S^T = K (scale Q)^T */
-    if (flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
+    e->ch = (16 + kern->mr - 1) / kern->mr * kern->mr; /* whole register tiles of the microkernel, about 16 rows */
+    e->on = tile_row_ranges(p, nq, nk, i0, rows, j0, cols, e->lo, e->hi);
+    if (e->on) edge_scores(kern, br, rows, D, e->lo, e->hi, k, ldk, qs->qt, qs->ld, cols, t->st, ld, e->ch);
+    else kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
+    if (e->on || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
-    kern->exp2_sub(cols, br, t->st, ld, qs->lse2);                      /* P = 2^(S - lse) */
-    kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, ld, 0); /* dP^T = V dO^T */
+    kern->exp2_sub(cols, br, t->st, ld, qs->lse2); /* P = 2^(S - lse) */
+    if (e->on) edge_scores(kern, br, rows, D, e->lo, e->hi, v, ldv, qs->dot, qs->ld, cols, t->dpt, ld, e->ch);
+    else kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, ld, 0); /* dP^T = V dO^T */
     flashc_cpu_dropout drop;
     if (flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop)) {
         for (int c = 0; c < cols; c++)
             for (int r = 0; r < br; r++) t->z[(size_t)c * ld + r] = 1.0f;
         kern->dropout(cols, br, t->z, ld, &drop, i0, j0);
     }
+    int ra = 0, rb = 0; /* edge tile: the rows [ra, rb) that see key c, both growing with c */
     for (int c = 0; c < cols; c++) {
         float *pc = t->st + (size_t)c * ld;
         float *dsc = t->dpt + (size_t)c * ld;
+        int r0 = 0, r1 = br;
+        if (e->on) {
+            while (ra < rows && e->hi[ra] <= c) ra++;
+            if (rb < ra) rb = ra;
+            while (rb < rows && e->lo[rb] <= c) rb++;
+            r0 = ra, r1 = rb;
+            for (int r = 0; r < r0; r++) dsc[r] = pc[r] = 0.0f;
+            for (int r = r1; r < br; r++) dsc[r] = pc[r] = 0.0f;
+        }
         if (t->z) { /* dS = P (Z dP - D), then P o Z */
             const float *zc = t->z + (size_t)c * ld;
-            for (int r = 0; r < br; r++) {
+            for (int r = r0; r < r1; r++) {
                 dsc[r] = pc[r] * (zc[r] * dsc[r] - qs->di[r]);
                 pc[r] *= zc[r];
             }
         } else {
-            for (int r = 0; r < br; r++) dsc[r] = pc[r] * (dsc[r] - qs->di[r]); /* dS = P (dP - D) */
+            for (int r = r0; r < r1; r++) dsc[r] = pc[r] * (dsc[r] - qs->di[r]); /* dS = P (dP - D) */
         }
         if (p->softcap > 0.0f) { /* d(c tanh(x / c)) / dx = 1 - tanh^2 */
             const float *tc = t->t + (size_t)c * ld;
-            for (int r = 0; r < rows; r++) dsc[r] *= 1.0f - tc[r] * tc[r];
+            for (int r = r0; r < (r1 < rows ? r1 : rows); r++) dsc[r] *= 1.0f - tc[r] * tc[r];
         }
     }
 }
@@ -604,15 +645,79 @@ static int tile_meets(const flashc_problem *p, int64_t b, int64_t h, int64_t nq,
     return flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols);
 }
 
-/* dV += P^T dO and dK += dS^T Q for one tile whose P (st) and dS (dpt) tile_ds has just computed. */
-static void accumulate_dkdv(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                            int64_t tb, int64_t h, int64_t row0, int rows, int cols) {
-    const int D = (int)p->D, dp = L->dp, ld = L->ld;
+/*
+ * rows x D fp32 rows at src (leading dim *ld) as contiguous rows (leading dim dp): copied into buf unless they are
+ * there already (converted from 16 bits) or contiguous in place. In place, the rows of one head lie H * D floats
+ * apart, 4 KiB at H 8, D 128, each on its own page: a key group's 2 * gk * bc K and V rows and a query block's q and
+ * dO rows take more pages than the TLB holds, the packed copies a few. On the 2-core EPYC (f32, D 128, Nq 32768
+ * against Nk 2048, CPU time) packing alone took the one-block loop from 110 to 129 GFLOP/s, and key groups of 8-16
+ * from 118-119 unpacked to 150-151 packed.
+ */
+static const float *pack_rows(const float *src, int64_t *ld, int rows, int D, float *buf, int dp) {
+    if (src == buf || *ld == dp) return src; /* converted, or already contiguous */
+    for (int r = 0; r < rows; r++) memcpy(buf + (size_t)r * dp, src + r * *ld, sizeof(float) * (size_t)D);
+    *ld = dp;
+    return buf;
+}
+
+/* The fp32 rows of q and dO of one query block: in place, or converted into the thread's buffers; with pack always
+ * there. */
+typedef struct query_rows {
+    const float *q, *dout;
     int64_t ldq, ldo;
-    const float *q = flashc_cpu_rows(kern, &p->q, tb, row0, rows, h, D, t->qbuf, dp, &ldq);
-    const float *dout = flashc_cpu_rows(kern, &p->dout, tb, row0, rows, h, D, t->dobuf, dp, &ldo);
-    kern->gemm(cols, D, rows, t->st, ld, 1, dout, ldo, t->dv, dp, 1); /* dV += P^T dO */
-    kern->gemm(cols, D, rows, t->dpt, ld, 1, q, ldq, t->dk, dp, 1);   /* dK += dS^T Q */
+} query_rows;
+
+static query_rows load_query_rows(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
+                                  tile_bufs *t, int64_t tb, int64_t h, int64_t row0, int rows, int pack) {
+    query_rows qr;
+    qr.q = flashc_cpu_rows(kern, &p->q, tb, row0, rows, h, p->D, t->qbuf, L->dp, &qr.ldq);
+    qr.dout = flashc_cpu_rows(kern, &p->dout, tb, row0, rows, h, p->D, t->dobuf, L->dp, &qr.ldo);
+    if (pack) {
+        qr.q = pack_rows(qr.q, &qr.ldq, rows, (int)p->D, t->qbuf, L->dp);
+        qr.dout = pack_rows(qr.dout, &qr.ldo, rows, (int)p->D, t->dobuf, L->dp);
+    }
+    return qr;
+}
+
+/* dV += P^T dO and dK += dS^T Q (dk, dv: cols x dp) for one tile whose P (st) and dS (dpt) tile_ds has just
+ * computed. */
+static void accumulate_dkdv(const flashc_cpu_kernels *kern, const layout *L, const tile_bufs *t, const tile_edge *e,
+                            const query_rows *qr, int D, int rows, int cols, float *dk, float *dv) {
+    const int dp = L->dp, ld = L->ld;
+    const float *q = qr->q, *dout = qr->dout;
+    const int64_t ldq = qr->ldq, ldo = qr->ldo;
+    if (!e->on) {
+        kern->gemm(cols, D, rows, t->st, ld, 1, dout, ldo, dv, dp, 1); /* dV += P^T dO */
+        kern->gemm(cols, D, rows, t->dpt, ld, 1, q, ldq, dk, dp, 1);   /* dK += dS^T Q */
+        return;
+    }
+    for (int c0 = 0; c0 < cols; c0 += e->ch) { /* keys [c0, c1) over the rows [rs, re) that see one of them */
+        const int c1 = c0 + e->ch < cols ? c0 + e->ch : cols;
+        int rs = 0, re = rows;
+        while (rs < rows && e->hi[rs] <= c0) rs++;
+        while (re > rs && e->lo[re - 1] >= c1) re--;
+        if (re <= rs) continue;
+        const size_t off = (size_t)c0 * ld + rs;
+        kern->gemm(c1 - c0, D, re - rs, t->st + off, ld, 1, dout + rs * ldo, ldo, dv + (size_t)c0 * dp, dp, 1);
+        kern->gemm(c1 - c0, D, re - rs, t->dpt + off, ld, 1, q + rs * ldq, ldq, dk + (size_t)c0 * dp, dp, 1);
+    }
+}
+
+/* dQ += dS K for one tile (dq: its rows, leading dim dp). */
+static void accumulate_dq(const flashc_cpu_kernels *kern, const layout *L, const tile_edge *e, const float *dpt,
+                          const float *k, int64_t ldk, int D, int rows, int cols, float *dq) {
+    const int dp = L->dp, ld = L->ld;
+    if (!e->on) {
+        kern->gemm(rows, D, cols, dpt, 1, ld, k, ldk, dq, dp, 1);
+        return;
+    }
+    for (int r0 = 0; r0 < rows; r0 += e->ch) { /* rows [r0, r1) over the keys [k0, k1) one of them sees */
+        const int r1 = r0 + e->ch < rows ? r0 + e->ch : rows;
+        const int k0 = e->lo[r0], k1 = e->hi[r1 - 1];
+        if (k1 > k0)
+            kern->gemm(r1 - r0, D, k1 - k0, dpt + (size_t)k0 * ld + r0, 1, ld, k + (int64_t)k0 * ldk, ldk,
+                       dq + (size_t)r0 * dp, dp, 1);
+    }
 }
 
 static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
@@ -633,8 +738,10 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             const int rows = imin(br, nq - i0);
             if (!tile_meets(p, b, h, nq, nk, i0, rows, j0, cols)) continue;
             const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
-            tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
-            accumulate_dkdv(p, kern, L, t, tb, h, q0 + i0, rows, cols);
+            tile_edge e;
+            tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols, &e);
+            const query_rows qr = load_query_rows(p, kern, L, t, tb, h, q0 + i0, rows, 0);
+            accumulate_dkdv(kern, L, t, &e, &qr, (int)p->D, rows, cols, t->dk, t->dv);
         }
     }
     flashc_cpu_kv_store_rows(p, &p->dk, b, k0 + j0, cols, hk, t->dk, dp, p->scale);
@@ -648,7 +755,7 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     if (!task_rows(p, L, task, &b, &h, &i0, &rows, &lo, &hi)) return;
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-    const int D = (int)p->D, dp = L->dp, bc = L->bc, ld = L->ld;
+    const int D = (int)p->D, dp = L->dp, bc = L->bc;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), hk = h / (p->H / p->Hkv);
     const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
     memset(t->dq, 0, sizeof(float) * (size_t)rows * dp);
@@ -658,15 +765,22 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
         int64_t ldk, ldv;
         const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
         const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
-        tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
-        kern->gemm(rows, D, cols, t->dpt, 1, ld, k, ldk, t->dq, dp, 1); /* dQ += dS K */
+        tile_edge e;
+        tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols, &e);
+        accumulate_dq(kern, L, &e, t->dpt, k, ldk, D, rows, cols, t->dq); /* dQ += dS K */
     }
     flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp, p->scale);
 }
 
 /*
  * Single-pass backward of one (sequence, head): dK, dV per key block, dQ of the whole sequence in dq_seq.
- * dk_out/dv_out: where this head's dK, dV rows go (the gradients themselves, or per-head fp32 rows with GQA).
+ * dkv_heads: with GQA, where this head's dK, dV rows go (per-head fp32 rows), else NULL (the gradients themselves).
+ * The key blocks go in groups of gk: each pass over the query blocks serves a group, every query block meeting the
+ * group's key blocks in turn while its Q^T, dO^T, q, dO and dQ rows are in L2. One key block per pass would stream
+ * the whole sequence's query side (5 Nq D floats with dQ read and written) from memory again for every 64 keys once
+ * it outgrows the last-level cache; a group reads it once per gk blocks, and its K, V, dK, dV tiles wait in L3.
+ * Sums keep their order (dQ over key blocks, dK and dV over query blocks, both ascending), so the results are
+ * those of one block per pass, bit for bit.
  */
 static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
                       const float *dvec, float *seq, float *dkv_heads, int64_t b, int64_t h) {
@@ -681,29 +795,54 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     const int padded = (int)((nq + br - 1) / br * br);
     const query_side whole = load_query_side(p, kern, qt, dot, lse2, di, ldq, dvec, b, h, q0, 0, (int)nq, padded);
     memset(dq_seq, 0, sizeof(float) * (size_t)nq * dp);
-    for (int64_t j0 = 0; j0 < nk; j0 += bc) {
-        const int cols = imin(bc, nk - j0);
-        int64_t ldk, ldv;
-        const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
-        const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
-        memset(t->dk, 0, sizeof(float) * (size_t)cols * dp);
-        memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
+    const size_t tile = (size_t)bc * dp; /* one key block's K, V, dK or dV slot */
+    for (int64_t jg = 0; jg < nk; jg += (int64_t)L->gk * bc) {
+        const int n = imin(L->gk, (nk - jg + bc - 1) / bc); /* key blocks in this group */
+        const float *k[FLASHC_CPU_MAX_GK], *v[FLASHC_CPU_MAX_GK];
+        int64_t ldk[FLASHC_CPU_MAX_GK], ldv[FLASHC_CPU_MAX_GK];
+        for (int g = 0; g < n; g++) {
+            const int64_t j0 = jg + (int64_t)g * bc;
+            const int cols = imin(bc, nk - j0);
+            k[g] = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf + g * tile, dp, &ldk[g]);
+            v[g] = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf + g * tile, dp, &ldv[g]);
+            k[g] = pack_rows(k[g], &ldk[g], cols, D, t->kbuf + g * tile, dp);
+            v[g] = pack_rows(v[g], &ldv[g], cols, D, t->vbuf + g * tile, dp);
+        }
+        memset(t->dk, 0, sizeof(float) * n * tile);
+        memset(t->dv, 0, sizeof(float) * n * tile);
         for (int64_t i0 = 0; i0 < nq; i0 += br) {
             const int rows = imin(br, nq - i0);
-            if (!tile_meets(p, b, h, nq, nk, i0, rows, j0, cols)) continue;
             const query_side qs = {whole.qt + i0, whole.dot + i0, whole.lse2 + i0, whole.di + i0, whole.ld};
-            tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols);
-            accumulate_dkdv(p, kern, L, t, tb, h, q0 + i0, rows, cols);
-            kern->gemm(rows, D, cols, t->dpt, 1, L->ld, k, ldk, dq_seq + (size_t)i0 * dp, dp, 1); /* dQ += dS K */
+            query_rows qr;
+            int loaded = 0;
+            for (int g = 0; g < n; g++) {
+                const int64_t j0 = jg + (int64_t)g * bc;
+                const int cols = imin(bc, nk - j0);
+                if (!tile_meets(p, b, h, nq, nk, i0, rows, j0, cols)) continue;
+                if (!loaded) { /* the first key block that meets this query block loads (converts) its rows */
+                    qr = load_query_rows(p, kern, L, t, tb, h, q0 + i0, rows, 1);
+                    loaded = 1;
+                }
+                tile_edge e;
+                tile_ds(p, kern, L, t, &qs, k[g], ldk[g], v[g], ldv[g], b, h, nq, nk, i0, rows, j0, cols, &e);
+                accumulate_dkdv(kern, L, t, &e, &qr, D, rows, cols, t->dk + g * tile, t->dv + g * tile);
+                /* dQ += dS K */
+                accumulate_dq(kern, L, &e, t->dpt, k[g], ldk[g], D, rows, cols, dq_seq + (size_t)i0 * dp);
+            }
         }
-        if (!dkv_heads) {
-            flashc_cpu_kv_store_rows(p, &p->dk, b, k0 + j0, cols, hk, t->dk, dp, p->scale);
-            flashc_cpu_kv_store_rows(p, &p->dv, b, k0 + j0, cols, hk, t->dv, dp, 1.0f);
-        } else { /* this head's share; summed over the group afterwards */
-            const size_t hf = dkv_head_floats(p, L);
-            float *dkh = dkv_heads + ((size_t)dkv_batch(p, b) * p->H + h) * 2 * hf + (size_t)(k0 + j0) * dp;
-            memcpy(dkh, t->dk, sizeof(float) * (size_t)cols * dp);
-            memcpy(dkh + hf, t->dv, sizeof(float) * (size_t)cols * dp);
+        for (int g = 0; g < n; g++) {
+            const int64_t j0 = jg + (int64_t)g * bc;
+            const int cols = imin(bc, nk - j0);
+            const float *dk = t->dk + g * tile, *dv = t->dv + g * tile;
+            if (!dkv_heads) {
+                flashc_cpu_kv_store_rows(p, &p->dk, b, k0 + j0, cols, hk, dk, dp, p->scale);
+                flashc_cpu_kv_store_rows(p, &p->dv, b, k0 + j0, cols, hk, dv, dp, 1.0f);
+            } else { /* this head's share; summed over the group afterwards */
+                const size_t hf = dkv_head_floats(p, L);
+                float *dkh = dkv_heads + ((size_t)dkv_batch(p, b) * p->H + h) * 2 * hf + (size_t)(k0 + j0) * dp;
+                memcpy(dkh, dk, sizeof(float) * (size_t)cols * dp);
+                memcpy(dkh + hf, dv, sizeof(float) * (size_t)cols * dp);
+            }
         }
     }
     flashc_cpu_store_rows(&p->dq, tb, q0, (int)nq, h, D, dq_seq, dp, p->scale);

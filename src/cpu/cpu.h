@@ -131,6 +131,13 @@ flashc_cpu_caches flashc_cpu_cache_sizes(void);
 #define FLASHC_CPU_MAX_GQ 16
 int flashc_cpu_query_group(int64_t D, flashc_cpu_tiles t, int nthreads);
 /*
+ * The backward's key group: how many key blocks of bc rows one pass over a (sequence, head)'s query blocks serves, so
+ * that each query block meets all of them while it is in L2, from L3's size and the thread count (tiles.c). From 1
+ * to FLASHC_CPU_MAX_GK.
+ */
+#define FLASHC_CPU_MAX_GK 16
+int flashc_cpu_key_group(int64_t D, flashc_cpu_tiles t, int nthreads);
+/*
  * The query-major tiles (Q^T, dO^T, S^T, dP^T) have leading dim br + FLASHC_CPU_LD_PAD, one cache line past a
  * multiple of 16 floats: with ld = br = 128 (512 bytes) the rows of a 32-column stripe of Q^T fall into a quarter
  * of the L1 sets and evict each other, and with the whole sequence's Q^T in the backward (ld = Nq) into one set.
@@ -219,6 +226,9 @@ size_t flashc_cpu_backward_workspace(const flashc_problem *p, int threads);
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 /* Query blocks per task that flashc_cpu_forward groups for p on threads threads (tests check a case groups). */
 int flashc_cpu_forward_group(const flashc_problem *p, int threads);
+/* Key blocks per pass over the queries that flashc_cpu_backward groups for p on threads threads (1 in its two-pass
+ * mode; tests check a case groups). */
+int flashc_cpu_backward_group(const flashc_problem *p, int threads);
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int threads, void *workspace);
 
 /*
