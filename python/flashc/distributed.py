@@ -121,12 +121,8 @@ def unshard(x: torch.Tensor, group=None, *, dim: Optional[int] = None, layout: s
     if cu is not None and cu[-1] != total:
         raise ValueError("flashc.distributed.unshard: cu_seqlens ends at %d but the ranks' parts make %d tokens"
                          % (cu[-1], total))
-    pieces = []  # (global start, tensor)
-    for r, p in enumerate(parts):
-        local = 0
-        for a, n in _runs(total, cu, world, r, layout):
-            pieces.append((a, p.narrow(dim, local, n)))
-            local += n
+    pieces = [(pc.pos, p.narrow(dim, pc.local, pc.n))  # (global start, tensor)
+              for r, p in enumerate(parts) for pc in _local_runs(total, cu, world, r, layout)]
     return torch.cat([t for _, t in sorted(pieces, key=lambda e: e[0])], dim)
 
 
@@ -137,11 +133,18 @@ class _Piece(NamedTuple):
     n: int
 
 
+def _local_runs(dim_len, cu, world, rank, layout):
+    """_runs with each run's offset in the rank's own (packed) tensor: its _Pieces."""
+    pieces, local = [], 0
+    for pos, n in _runs(dim_len, cu, world, rank, layout):
+        pieces.append(_Piece(local, pos, n))
+        local += n
+    return tuple(pieces)
+
+
 def _pieces(layout, rank, world, n):
-    if layout == "contiguous":
-        return (_Piece(0, rank * n, n),)
-    c = n // 2
-    return (_Piece(0, rank * c, c), _Piece(c, (2 * world - 1 - rank) * c, c))
+    """The pieces of a rank holding n tokens of one sequence."""
+    return _local_runs(n * world, None, world, rank, layout)
 
 
 # ---- which calls a step makes ---------------------------------------------------------------------------------------
@@ -336,17 +339,26 @@ def _calls(s, step):
     return out
 
 
+def _travel(ring, world, kv):
+    """Yields (step, the K/V held at that step) for W steps: the next step's K/V is sent on and received while the
+    caller works on the current one (its work for a step is done when it asks for the next)."""
+    for step in range(world):
+        nxt, reqs = None, []
+        if step + 1 < world:
+            nxt = torch.empty_like(kv)
+            reqs = ring.exchange(kv, nxt)
+        yield step, kv
+        _wait(reqs)
+        if nxt is not None:
+            kv = nxt
+
+
 def _ring_forward(s, q, k, v):
-    b, n, h, d = q.shape
+    b, n, h, _ = q.shape
     ring = _Ring(s.group, s.world, s.rank)
     acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, n), float("inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
-    for step in range(s.world):
-        nxt, reqs = None, []
-        if step + 1 < s.world:
-            nxt = torch.empty_like(kv)
-            reqs = ring.exchange(kv, nxt)
+    for step, kv in _travel(ring, s.world, torch.stack((k, v))):
         for c in _calls(s, step):
             q4, k4, v4 = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
             o, l = _torch._forward(q4, k4, v4, _options(s, q4, k4, c))
@@ -356,23 +368,14 @@ def _ring_forward(s, q, k, v):
             _torch._merge(rows, lr, o.float(), l, out=rows, lse=lr)
             if not whole:
                 lse[:, :, c.q0:c.q1] = lr
-        _wait(reqs)
-        if nxt is not None:
-            kv = nxt
     return acc.to(q.dtype), lse
 
 
 def _ring_backward(s, dout, q, k, v, out, lse):
-    b, n, h, d = q.shape
     ring = _Ring(s.group, s.world, s.rank)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
     dkv_in, dkv_reqs, keep = None, [], None  # the travelling dk, dv accumulator of the keys held now
-    for step in range(s.world):
-        nxt, reqs = None, []
-        if step + 1 < s.world:
-            nxt = torch.empty_like(kv)
-            reqs = ring.exchange(kv, nxt)
+    for step, kv in _travel(ring, s.world, torch.stack((k, v))):
         part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for c in _calls(s, step):
             q4, k4, v4 = q[:, c.q0:c.q1], kv[0, :, c.k0:c.k1], kv[1, :, c.k0:c.k1]
@@ -391,9 +394,6 @@ def _ring_backward(s, dout, q, k, v, out, lse):
             continue
         dkv_in = torch.empty_like(part)
         dkv_reqs, keep = ring.exchange(part, dkv_in), part  # keep: the send buffer lives until its request is done
-        _wait(reqs)
-        if nxt is not None:
-            kv = nxt
     _wait(dkv_reqs)  # after W hops every accumulator is back with its keys' owner
     del keep
     return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
