@@ -191,17 +191,7 @@ static int tile_row_ranges(const flashc_problem *p, int64_t nq, int64_t nk, int6
     flashc_row_key_range(p, i0 + rows - 1, nq, nk, &lo_last, &hi_last);
     flashc_row_key_range(p, i0, nq, nk, &lo_first, &hi_first);
     if (lo_last <= j0 && hi_first >= j0 + cols) return 0;
-    int partial = 0;
-    for (int r = 0; r < rows; r++) {
-        int64_t l, h;
-        flashc_row_key_range(p, i0 + r, nq, nk, &l, &h);
-        l -= j0;
-        h -= j0;
-        lo[r] = l < 0 ? 0 : l > cols ? cols : (int)l;
-        hi[r] = h < 0 ? 0 : h > cols ? cols : (int)h;
-        partial |= lo[r] > 0 || hi[r] < cols;
-    }
-    return partial;
+    return flashc_cpu_row_ranges(p, nq, nk, i0, rows, j0, cols, lo, hi);
 }
 
 /*

@@ -207,6 +207,10 @@ static inline float flashc_cpu_qscale(const flashc_problem *p) {
  */
 void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
                                int64_t i0, int rows, int64_t j0, int cols, float *st, int64_t ld, float *tanh_out);
+/* Each row's visible columns [lo[r], hi[r]) of the tile (queries i0 .. i0 + rows, keys j0 .. j0 + cols) under the
+ * causal / window band, clipped to [0, cols); returns 1 when some row sees only part of the tile. */
+int flashc_cpu_row_ranges(const flashc_problem *p, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0,
+                          int cols, int *lo, int *hi);
 /* Whether the epilogue has work on this tile (softcap, ALiBi, or some element masked). */
 int flashc_cpu_tile_needs_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
                                    int64_t i0, int rows, int64_t j0, int cols);

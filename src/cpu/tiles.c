@@ -262,6 +262,21 @@ void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, i
     *hi = h1 > nk ? nk : h1;
 }
 
+int flashc_cpu_row_ranges(const flashc_problem *p, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0,
+                          int cols, int *lo, int *hi) {
+    int partial = 0;
+    for (int r = 0; r < rows; r++) {
+        int64_t l, h;
+        flashc_row_key_range(p, i0 + r, nq, nk, &l, &h);
+        l -= j0;
+        h -= j0;
+        lo[r] = l < 0 ? 0 : l > cols ? cols : (int)l;
+        hi[r] = h < 0 ? 0 : h > cols ? cols : (int)h;
+        partial |= lo[r] > 0 || hi[r] < cols;
+    }
+    return partial;
+}
+
 int flashc_cpu_tile_needs_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
                                    int64_t i0, int rows, int64_t j0, int cols) {
     if (p->softcap > 0.0f || flashc_alibi_slope(p, b, h) != 0.0f) return 1;
@@ -291,14 +306,7 @@ void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, in
     /* Each row's visible columns [lo, hi) of this tile, once per tile rather than once per element, as ints so the
      * column loop below vectorizes. */
     int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
-    for (int r = 0; r < rows; r++) {
-        int64_t jlo, jhi;
-        flashc_row_key_range(p, i0 + r, nq, nk, &jlo, &jhi);
-        jlo -= j0;
-        jhi -= j0;
-        lo[r] = jlo < 0 ? 0 : jlo > cols ? cols : (int)jlo;
-        hi[r] = jhi < 0 ? 0 : jhi > cols ? cols : (int)jhi;
-    }
+    flashc_cpu_row_ranges(p, nq, nk, i0, rows, j0, cols, lo, hi);
     for (int c = 0; c < cols; c++) {
         const int64_t j = j0 + c;
         float *col = st + (size_t)c * ld;
