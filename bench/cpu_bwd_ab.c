@@ -17,6 +17,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include "flashc.h"
+#include "benchkit.h"
 
 #include <dlfcn.h>
 #include <stdint.h>
@@ -50,37 +51,6 @@ static double now(void) {
     struct timespec t;
     clock_gettime(cpu_clock ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &t);
     return ((double)t.tv_sec + 1e-9 * (double)t.tv_nsec) / (cpu_clock ? nthreads : 1);
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static float frand(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-}
-
-static uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static int parse_list(const char *s, int *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        out[n++] = atoi(s);
-        const char *c = strchr(s, ',');
-        if (!c) break;
-        s = c + 1;
-    }
-    return n;
 }
 
 #define SYM(field, name)                                                                                              \

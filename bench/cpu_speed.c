@@ -17,6 +17,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime: clang's -fopenmp does not turn it on as gcc's does */
 #include "flashc.h"
+#include "benchkit.h"
 #include "cpu/cpu.h"
 
 #include <math.h>
@@ -43,11 +44,6 @@ static double now(void) {
     return ((double)t.tv_sec + 1e-9 * (double)t.tv_nsec) / (cpu_clock ? cpu_clock_threads : 1);
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 #define MAX_REPS 9
 typedef int (*bench_fn)(void *arg);
 
@@ -68,21 +64,6 @@ static int reps_forced; /* --reps */
 static int reps_for(double flops) {
     if (reps_forced > 0) return reps_forced < MAX_REPS ? reps_forced : MAX_REPS;
     return flops > 2e11 ? 3 : flops > 2e10 ? 5 : MAX_REPS;
-}
-
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static float frand(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (float)((rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-}
-
-static uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 typedef struct attn_case {
@@ -172,17 +153,6 @@ static void set_threads(flashc_context_t ctx, int t) {
 #ifdef FLASHC_BENCH_CBLAS
     if (openblas_set_num_threads) openblas_set_num_threads(t);
 #endif
-}
-
-static int parse_list(const char *s, int *out, int max) {
-    int n = 0;
-    while (*s && n < max) {
-        out[n++] = atoi(s);
-        const char *c = strchr(s, ',');
-        if (!c) break;
-        s = c + 1;
-    }
-    return n;
 }
 
 typedef struct kernel_case {
