@@ -17,6 +17,7 @@
  *   s = s - slope * |i + Nk - Nq - j|   with ALiBi
  *   causal is bottom-right aligned:     query i sees key j iff j <= i + Nk - Nq
  *   window (left, right), -1 unbounded: key j is kept iff i+Nk-Nq-left <= j <= i+Nk-Nq+right
+ *   with positions (flashc_params 0.6), i + Nk - Nq above is i + q_position - k_position instead
  *   a row that sees no key has output 0, lse +inf and zero gradients (lse = the sink with attention sinks).
  *
  * Memory: every pointer (tensor data, lse, slopes, block mask, cu_seqlens, workspace) lives where the
@@ -38,8 +39,8 @@
  *
  * Limits: D <= 256; Nq, Nk and varlen totals at most 2^31 - 1024 rows; B * H * max(Nq, Nk) * 256 within int64; every view's byte
  * span within half the address space. Larger problems are refused with NOT_SUPPORTED or INVALID_ARGUMENT, never
- * wrapped. Window sides >= Nk (left) or >= Nq (right) are unbounded; block-mask block sizes longer than the
- * sequence are one block.
+ * wrapped. Window sides >= Nk (left) or >= Nq (right) are unbounded (with positions: >= Nq + q_position - k_position
+ * (left) or >= Nk - q_position + k_position (right)); block-mask block sizes longer than the sequence are one block.
  */
 #ifndef FLASHC_H
 #define FLASHC_H
@@ -218,6 +219,25 @@ typedef struct flashc_params {
      * and a CUDA graph replays whatever the pair holds at replay time) or host memory (CPU backend and
      * flashc_dropout_mask: read when the call is made). NULL: dropout_seed and dropout_offset. */
     const uint64_t *dropout_rng;
+
+    /* ---- 0.6 ---- */
+
+    /* Positions: where this call's rows and keys sit in a longer attention (context / ring parallelism, where each
+     * call is one (query chunk, key chunk) pair of one long sequence). When positions is nonzero, query row i of
+     * every sequence (every batch entry, every varlen sequence) sits at position q_position + i and key j at
+     * k_position + j, and the band and ALiBi are measured between those positions: row i keeps the keys whose
+     * position lies in [q_position + i - window_left, q_position + i + window_right] (each side -1: unbounded;
+     * causal is window_right 0), and ALiBi adds -slope * |(q_position + i) - (k_position + j)|. In the terms of the
+     * formulas at the top, i + Nk - Nq becomes i + q_position - k_position. seqused_k still limits which keys
+     * exist, but no longer moves the alignment. The block mask still counts blocks from each sequence's first row
+     * and key in this call, not from the positions.
+     * |q_position| and |k_position| must be below 2^40 (INVALID_ARGUMENT otherwise); the CUDA backend, whose
+     * kernels count rows in int32, takes |q_position - k_position| up to 2^29 and refuses more (NOT_SUPPORTED).
+     * Dropout together with positions is refused (NOT_SUPPORTED): its (i, j) do not move with the positions yet.
+     * positions 0: off, bottom-right alignment as before (q_position and k_position are not read). */
+    int positions;
+    int64_t q_position;
+    int64_t k_position;
 } flashc_params;
 
 typedef struct flashc_context *flashc_context_t;

@@ -221,7 +221,8 @@ static const struct params_field {
     PARAMS_FIELD(deterministic, 'i'),     PARAMS_FIELD(seqused_k, 'p'),        PARAMS_FIELD(sinks, 'p'),
     PARAMS_FIELD(dsinks, 'p'),            PARAMS_FIELD(block_table, 'p'),      PARAMS_FIELD(block_table_max_pages, 'q'),
     PARAMS_FIELD(block_table_stride, 'q'), PARAMS_FIELD(page_size, 'q'),
-    PARAMS_FIELD(dropout_rng, 'p'),
+    PARAMS_FIELD(dropout_rng, 'p'),       PARAMS_FIELD(positions, 'i'),        PARAMS_FIELD(q_position, 'q'),
+    PARAMS_FIELD(k_position, 'q'),
 };
 
 int flashc_params_field(int index, const char **name, size_t *offset, size_t *size, char *type) {
@@ -242,8 +243,10 @@ int flashc_params_field(int index, const char **name, size_t *offset, size_t *si
 #define PARAMS_END_0_3 (offsetof(flashc_params, dsinks) + sizeof(float *))
 #define PARAMS_END_0_4 (offsetof(flashc_params, page_size) + sizeof(int64_t))
 #define PARAMS_END_0_5 (offsetof(flashc_params, dropout_rng) + sizeof(const uint64_t *))
-#define PARAMS_END_NOW PARAMS_END_0_5
-static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3, PARAMS_END_0_4, PARAMS_END_0_5};
+#define PARAMS_END_0_6 (offsetof(flashc_params, k_position) + sizeof(int64_t))
+#define PARAMS_END_NOW PARAMS_END_0_6
+static const size_t params_layout_ends[] = {PARAMS_END_0_2, PARAMS_END_0_3, PARAMS_END_0_4, PARAMS_END_0_5,
+                                            PARAMS_END_0_6};
 #define PARAMS_ALIGN _Alignof(flashc_params)
 #define PARAMS_LAYOUT_SIZE(end) (((end) + PARAMS_ALIGN - 1) / PARAMS_ALIGN * PARAMS_ALIGN)
 _Static_assert(sizeof(flashc_params) == PARAMS_LAYOUT_SIZE(PARAMS_END_NOW),
@@ -323,6 +326,10 @@ flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_
                           "1024)",
                           (long long)B, (long long)H, (long long)Nq, (long long)Nk);
     if (!mask) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "mask is NULL");
+    if (prm.positions && prm.dropout_p > 0.0f) /* as the attention calls refuse them */
+        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED,
+                          "positions with dropout are not supported: dropout's (row, key) do not move with "
+                          "q_position and k_position yet");
     if (prm.dropout_rng) { /* host memory here */
         prm.dropout_seed = prm.dropout_rng[0];
         prm.dropout_offset = prm.dropout_rng[1];
@@ -650,6 +657,25 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     }
     p->deterministic = params->deterministic != 0;
 
+    /* positions (0.6) */
+    if (params->positions) {
+        const int64_t qp = params->q_position, kp = params->k_position;
+        if (!(qp > -FLASHC_MAX_POSITION && qp < FLASHC_MAX_POSITION && kp > -FLASHC_MAX_POSITION &&
+              kp < FLASHC_MAX_POSITION))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "positions (q_position %lld, k_position %lld): each must lie strictly between -2^40 "
+                              "and 2^40",
+                              (long long)qp, (long long)kp);
+        if (p->dropout_p > 0.0f)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                              "positions with dropout (dropout_p %g) are not supported: dropout's (row, key) do not "
+                              "move with q_position and k_position yet",
+                              (double)p->dropout_p);
+        p->positions = 1;
+        p->q_position = qp;
+        p->k_position = kp;
+    }
+
     /* varlen */
     if ((params->cu_seqlens_q == NULL) != (params->cu_seqlens_k == NULL))
         return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "varlen needs both cu_seqlens_q and cu_seqlens_k");
@@ -697,10 +723,19 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
                           "B * H * max(Nq, Nk) * %d = %lld * %lld * %lld * %d does not fit in int64",
                           FLASHC_MAX_HEAD_DIM, (long long)p->B, (long long)p->H, (long long)nmax,
                           FLASHC_MAX_HEAD_DIM);
-    /* A window side at least as long as the keys (left) or queries (right) hides nothing: it is unbounded, and
-     * says so, which also keeps i + Nk - Nq -/+ window within int64 in every kernel. */
-    if (p->win_left >= p->Nk) p->win_left = -1;
-    if (p->win_right >= p->Nq) p->win_right = -1;
+    /* A window side that hides no key of any row is unbounded, and says so, which also keeps i + diag -/+ window
+     * within int64 in every kernel (and what is left within Nq + |diag| and Nk + |diag|). Row i keeps keys from
+     * i + diag - left, which is <= 0 for every row when left >= Nq - 1 + diag, up to i + diag + right, >= nk - 1
+     * for every row when right >= nk - 1 - diag. Bottom-right aligned, diag = nk - nq: left >= Nk and right >= Nq
+     * (for every sequence). With positions diag is q_position - k_position for every sequence. */
+    if (p->positions) {
+        const int64_t diag = p->q_position - p->k_position;
+        if (p->win_left >= p->Nq + diag) p->win_left = -1;
+        if (p->win_right >= p->Nk - diag) p->win_right = -1;
+    } else {
+        if (p->win_left >= p->Nk) p->win_left = -1;
+        if (p->win_right >= p->Nq) p->win_right = -1;
+    }
 
     /* used keys per sequence, sinks */
     p->seqused_k = params->seqused_k;

@@ -29,6 +29,9 @@ extern "C" {
 #define FLASHC_MAX_THREADS 1024
 /* The most rows of q or k (packed totals with varlen): 2^31 - 1024, so that rounding up to tiles stays in int32. */
 #define FLASHC_MAX_ROWS (INT32_MAX - 1023)
+/* Positions (flashc_params 0.6) lie strictly between -2^40 and 2^40: a row's or key's position, their difference
+ * and a window side added to it all stay far inside int64 (and inside fp64's exact integers, for the oracle). */
+#define FLASHC_MAX_POSITION (INT64_C(1) << 40)
 
 /*
  * Checked arithmetic on sizes that come from the user. One rule everywhere: signed products and sums of
@@ -70,6 +73,10 @@ typedef struct flashc_problem {
     float softcap;    /* 0: off */
     int64_t win_left;  /* -1 unbounded; causal folded in as win_right = 0 */
     int64_t win_right; /* -1 unbounded */
+    /* Positions: row i of every sequence sits at q_position + i, key j at k_position + j (flashc_seq_diag); 0: off,
+     * bottom-right alignment (the two are then 0) */
+    int positions;
+    int64_t q_position, k_position;
     const float *alibi;
     int64_t alibi_batch_stride;
     const uint8_t *block_mask;
@@ -294,11 +301,18 @@ static inline FLASHC_HOST_DEVICE float flashc_merge_value(float wa, float a, flo
     return wa == 0.0f ? (wb == 0.0f ? 0.0f : wb * b) : wb == 0.0f ? wa * a : wa * a + wb * b;
 }
 
+/* The alignment of a sequence of nq queries and nk (used) keys: row i's diagonal key is i + diag, where the band is
+ * centred and from which ALiBi measures distances. With positions q_position - k_position, the same for every
+ * sequence; else nk - nq (bottom-right aligned). The one place it is decided on the CPU. */
+static inline int64_t flashc_seq_diag(const flashc_problem *p, int64_t nq, int64_t nk) {
+    return p->positions ? p->q_position - p->k_position : nk - nq;
+}
+
 /* Visible key range [lo, hi) of query row i (0-based within a sequence of nq queries and nk keys) from the
  * causal/window masks alone; empty when lo >= hi. */
 static inline void flashc_row_key_range(const flashc_problem *p, int64_t i, int64_t nq, int64_t nk, int64_t *lo,
                                         int64_t *hi) {
-    int64_t diag = i + nk - nq;
+    int64_t diag = i + flashc_seq_diag(p, nq, nk);
     int64_t l = 0, h = nk;
     if (p->win_left >= 0 && diag - p->win_left > l) l = diag - p->win_left;
     if (p->win_right >= 0 && diag + p->win_right + 1 < h) h = diag + p->win_right + 1;

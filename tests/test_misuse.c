@@ -369,6 +369,46 @@ int main(void) {
     f.prm.dropout_p = -0.5f;
     expect_fwd("forward: dropout_p = -0.5", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
 
+    /* positions (0.6): each strictly inside (-2^40, 2^40); not with dropout yet */
+    const int64_t two40 = INT64_C(1) << 40;
+    f = base;
+    f.prm.positions = 1;
+    f.prm.q_position = two40 - 1;
+    f.prm.k_position = -(two40 - 1);
+    f.prm.causal = 1;
+    expect("forward: positions at +-(2^40 - 1)", fwd(ctx, &f), FLASHC_STATUS_OK, ctx);
+    f.prm.q_position = two40;
+    expect_fwd("forward: q_position = 2^40", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
+    check_true("  ... the message names the bound", strstr(flashc_context_last_error(ctx), "2^40") != NULL);
+    expect("backward: q_position = 2^40", bwd(ctx, &f), FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+    f.prm.q_position = 0;
+    f.prm.k_position = -two40;
+    expect_fwd("forward: k_position = -2^40", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
+    f.prm.k_position = INT64_MIN;
+    expect_fwd("forward: k_position = INT64_MIN", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
+    f.prm.k_position = INT64_MAX;
+    expect("supported: k_position = INT64_MAX",
+           flashc_supported(ctx, FLASHC_OP_FORWARD, &f.q, &f.k, &f.v, &f.prm), FLASHC_STATUS_INVALID_ARGUMENT, ctx);
+    f.prm.positions = 0; /* off: the two are not read */
+    expect("forward: positions 0 with k_position = INT64_MAX", fwd(ctx, &f), FLASHC_STATUS_OK, ctx);
+    f = base;
+    f.prm.positions = 1;
+    f.prm.q_position = 100;
+    f.prm.k_position = 40;
+    f.prm.dropout_p = 0.1f;
+    expect_fwd("forward: positions with dropout", ctx, &f, FLASHC_STATUS_NOT_SUPPORTED);
+    check_true("  ... the message says why", strstr(flashc_context_last_error(ctx), "dropout") != NULL &&
+                                                  strstr(flashc_context_last_error(ctx), "positions") != NULL);
+    expect("backward: positions with dropout", bwd(ctx, &f), FLASHC_STATUS_NOT_SUPPORTED, ctx);
+    {
+        uint8_t bits[4] = {7, 7, 7, 7};
+        expect("dropout_mask: positions with dropout", flashc_dropout_mask(&f.prm, 1, 1, 2, 2, bits),
+               FLASHC_STATUS_NOT_SUPPORTED, NULL);
+        check_true("  ... nothing written", bits[0] == 7 && bits[3] == 7);
+    }
+    f.prm.dropout_p = NAN; /* an invalid dropout_p is still INVALID_ARGUMENT */
+    expect_fwd("forward: positions with dropout_p = NaN", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
+
     /* block-sparse mask */
     static uint8_t mask[B * H * 8 * 8];
     memset(mask, 1, sizeof mask);

@@ -35,6 +35,7 @@ static const struct {
     FIELD(deterministic, 'i'),    FIELD(seqused_k, 'p'),        FIELD(sinks, 'p'),
     FIELD(dsinks, 'p'),           FIELD(block_table, 'p'),      FIELD(block_table_max_pages, 'q'),
     FIELD(block_table_stride, 'q'), FIELD(page_size, 'q'),     FIELD(dropout_rng, 'p'),
+    FIELD(positions, 'i'),        FIELD(q_position, 'q'),       FIELD(k_position, 'q'),
 };
 #define NFIELDS (sizeof expected / sizeof expected[0])
 
@@ -140,6 +141,17 @@ static void test_growth(void) {
               (memcpy(want4_out, out, EL * sizeof(float)), memset(out, 0, EL * sizeof(float)),
                flashc_forward(ctx, &tq, &tq, &tq, &old4, &to, lse, NULL, 0) == FLASHC_STATUS_OK) &&
               !memcmp(out, want4_out, EL * sizeof(float)));
+
+    /* A caller built against 0.5's flashc.h: its struct ends after dropout_rng (8-aligned: no padding). */
+    flashc_params old5 = prm;
+    old5.struct_size = (uint32_t)(offsetof(flashc_params, dropout_rng) + sizeof(const uint64_t *));
+    old5.positions = 1; /* garbage a 0.5 caller never wrote: must not be read */
+    old5.q_position = INT64_MAX;
+    old5.k_position = -3;
+    memset(out, 0, EL * sizeof(float));
+    check("the 0.5 layout: forward runs, the 0.6 fields (positions) at their defaults",
+          flashc_forward(ctx, &tq, &tq, &tq, &old5, &to, lse, NULL, 0) == FLASHC_STATUS_OK &&
+              !memcmp(out, want, EL * sizeof(float)));
 
     /* dropout_rng given: the pair it points at replaces dropout_seed and dropout_offset. */
     const uint64_t rng[2] = {0x1234567890abcdefull, 77};

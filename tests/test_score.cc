@@ -4,7 +4,8 @@
  * modifier or mask is tested here first, against plain definitions:
  *   - fc_score / fc_bwd_elem (fc_exact_math) against the formulas in double: scale, softcap and its derivative,
  *     ALiBi, P and dS;
- *   - fc_keeps and fc_row_keys (the same band, two forms) against the band's definition, element by element;
+ *   - fc_keeps and fc_row_keys (the same band, two forms) against the band's definition, element by element, at
+ *     fc_diag's alignments (bottom-right, and positions before, inside and past the keys);
  *   - fc_key_tiles, fc_query_rows and fc_band_cuts against brute force over every element of the tiles;
  *   - fc_bm_scan and the block-mask addressing against the bytes, over every thread split.
  * Exhaustive over small sizes and every window pair, so no case is drawn at random. Plain C++17, no CUDA.
@@ -90,75 +91,91 @@ static void test_scores(void) {
                 }
 }
 
+/* The band of one (nq, nk, window) at a's alignment (fc_diag): fc_keeps, fc_row_keys, fc_key_tiles, fc_band_cuts
+ * and fc_query_rows against the definition, element by element. */
+static void check_band(const args &a, int nq, int nk, int wl, int wr) {
+    const int diag = fc_diag(a, nq, nk);
+    for (int i = 0; i < nq; i++) {
+        int jlo, jhi;
+        fc_row_keys(a, i, diag, nk, jlo, jhi);
+        for (int j = 0; j < nk + 2; j++) {
+            const bool want = band_keeps(wl, wr, i, j, diag, nk);
+            CHECK(fc_keeps(a, i, j, diag, nk) == want, "fc_keeps i %d j %d nq %d nk %d wl %d wr %d", i, j, nq,
+                  nk, wl, wr);
+            CHECK((j >= jlo && j <= jhi) == want, "fc_row_keys i %d j %d nq %d nk %d wl %d wr %d", i, j,
+                  nq, nk, wl, wr);
+        }
+    }
+    /* Tiles: every (row tile, key tile) pair of sizes 1..4 x 1..4. */
+    for (int br = 1; br <= 4; br++)
+        for (int bc = 1; bc <= 4; bc++)
+            for (int i0 = 0; i0 < nq; i0 += br) {
+                const int i1 = (i0 + br < nq ? i0 + br : nq) - 1;
+                int tb, te;
+                fc_key_tiles(a, i0, i1, diag, nk, bc, &tb, &te);
+                int first = -1, last = -1; /* the key tiles with some kept element */
+                for (int t = 0; t * bc < nk; t++) {
+                    const int j0 = t * bc, j1 = j0 + bc - 1;
+                    bool any = false, all = true;
+                    for (int i = i0; i <= i1; i++)
+                        for (int j = j0; j <= j1; j++) {
+                            const bool k = band_keeps(wl, wr, i, j, diag, nk);
+                            any |= k;
+                            all &= k;
+                        }
+                    if (any && first < 0) first = t;
+                    if (any) last = t;
+                    /* a tile the band or the end cuts must be masked element by element */
+                    if (any && !all)
+                        CHECK(fc_band_cuts(a, i0, i1, j0, j1, diag, nk), "fc_band_cuts misses a cut tile");
+                    if (all) CHECK(!fc_band_cuts(a, i0, i1, j0, j1, diag, nk), "fc_band_cuts: uncut tile");
+                }
+                if (first < 0) {
+                    CHECK(tb >= te, "fc_key_tiles: rows %d..%d see no key, got [%d, %d)", i0, i1, tb, te);
+                } else {
+                    /* the range covers every tile with a kept key; those between are kept too
+                     * (the band is an interval per row that moves by one key per row) */
+                    CHECK(tb == first && te == last + 1, "fc_key_tiles rows %d..%d: [%d, %d) vs [%d, %d]",
+                          i0, i1, tb, te, first, last);
+                }
+            }
+    /* The reverse: query rows that a key range meets. */
+    for (int j0 = 0; j0 < nk; j0++)
+        for (int j1 = j0; j1 < nk; j1++) {
+            int lo, hi, blo = -1, bhi = -2;
+            fc_query_rows(a, j0, j1, diag, nq, &lo, &hi);
+            for (int i = 0; i < nq; i++)
+                for (int j = j0; j <= j1; j++)
+                    if (band_keeps(wl, wr, i, j, diag, nk)) {
+                        if (blo < 0) blo = i;
+                        bhi = i;
+                    }
+            if (blo < 0)
+                CHECK(lo > hi, "fc_query_rows keys %d..%d: rows %d..%d, none see them", j0, j1, lo, hi);
+            else
+                CHECK(lo == blo && hi == bhi, "fc_query_rows keys %d..%d: %d..%d vs %d..%d", j0, j1, lo,
+                      hi, blo, bhi);
+        }
+}
+
+/* With positions every sequence's diag is pos_diag (q_position - k_position): before the keys, inside them and past
+ * them; without, nk - nq. */
+static const int pos_diags[] = {-12, -5, -1, 0, 3, 8, 13};
+
 static void test_band(void) {
+    const int npos = (int)(sizeof pos_diags / sizeof pos_diags[0]);
     for (int nq = 1; nq <= 9; nq++)
         for (int nk = 0; nk <= 9; nk++)
             for (int wl = -1; wl <= 10; wl++)
-                for (int wr = -1; wr <= 10; wr++) {
-                    const args a = make_args(1, 0, wl, wr);
-                    const int diag = nk - nq;
-                    for (int i = 0; i < nq; i++) {
-                        int jlo, jhi;
-                        fc_row_keys(a, i, diag, nk, jlo, jhi);
-                        for (int j = 0; j < nk + 2; j++) {
-                            const bool want = band_keeps(wl, wr, i, j, diag, nk);
-                            CHECK(fc_keeps(a, i, j, diag, nk) == want, "fc_keeps i %d j %d nq %d nk %d wl %d wr %d", i, j, nq,
-                                  nk, wl, wr);
-                            CHECK((j >= jlo && j <= jhi) == want, "fc_row_keys i %d j %d nq %d nk %d wl %d wr %d", i, j,
-                                  nq, nk, wl, wr);
-                        }
+                for (int wr = -1; wr <= 10; wr++)
+                    for (int pos = -1; pos < npos; pos++) { /* -1: no positions */
+                        args a = make_args(1, 0, wl, wr);
+                        a.positions = pos >= 0;
+                        a.pos_diag = pos >= 0 ? pos_diags[pos] : 0;
+                        CHECK(fc_diag(a, nq, nk) == (pos >= 0 ? pos_diags[pos] : nk - nq), "fc_diag nq %d nk %d pos %d",
+                              nq, nk, pos);
+                        check_band(a, nq, nk, wl, wr);
                     }
-                    /* Tiles: every (row tile, key tile) pair of sizes 1..4 x 1..4. */
-                    for (int br = 1; br <= 4; br++)
-                        for (int bc = 1; bc <= 4; bc++)
-                            for (int i0 = 0; i0 < nq; i0 += br) {
-                                const int i1 = (i0 + br < nq ? i0 + br : nq) - 1;
-                                int tb, te;
-                                fc_key_tiles(a, i0, i1, diag, nk, bc, &tb, &te);
-                                int first = -1, last = -1; /* the key tiles with some kept element */
-                                for (int t = 0; t * bc < nk; t++) {
-                                    const int j0 = t * bc, j1 = j0 + bc - 1;
-                                    bool any = false, all = true;
-                                    for (int i = i0; i <= i1; i++)
-                                        for (int j = j0; j <= j1; j++) {
-                                            const bool k = band_keeps(wl, wr, i, j, diag, nk);
-                                            any |= k;
-                                            all &= k;
-                                        }
-                                    if (any && first < 0) first = t;
-                                    if (any) last = t;
-                                    /* a tile the band or the end cuts must be masked element by element */
-                                    if (any && !all)
-                                        CHECK(fc_band_cuts(a, i0, i1, j0, j1, diag, nk), "fc_band_cuts misses a cut tile");
-                                    if (all) CHECK(!fc_band_cuts(a, i0, i1, j0, j1, diag, nk), "fc_band_cuts: uncut tile");
-                                }
-                                if (first < 0) {
-                                    CHECK(tb >= te, "fc_key_tiles: rows %d..%d see no key, got [%d, %d)", i0, i1, tb, te);
-                                } else {
-                                    /* the range covers every tile with a kept key; those between are kept too
-                                     * (the band is an interval per row that moves by one key per row) */
-                                    CHECK(tb == first && te == last + 1, "fc_key_tiles rows %d..%d: [%d, %d) vs [%d, %d]",
-                                          i0, i1, tb, te, first, last);
-                                }
-                            }
-                    /* The reverse: query rows that a key range meets. */
-                    for (int j0 = 0; j0 < nk; j0++)
-                        for (int j1 = j0; j1 < nk; j1++) {
-                            int lo, hi, blo = -1, bhi = -2;
-                            fc_query_rows(a, j0, j1, diag, nq, &lo, &hi);
-                            for (int i = 0; i < nq; i++)
-                                for (int j = j0; j <= j1; j++)
-                                    if (band_keeps(wl, wr, i, j, diag, nk)) {
-                                        if (blo < 0) blo = i;
-                                        bhi = i;
-                                    }
-                            if (blo < 0)
-                                CHECK(lo > hi, "fc_query_rows keys %d..%d: rows %d..%d, none see them", j0, j1, lo, hi);
-                            else
-                                CHECK(lo == blo && hi == bhi, "fc_query_rows keys %d..%d: %d..%d vs %d..%d", j0, j1, lo,
-                                      hi, blo, bhi);
-                        }
-                }
 }
 
 static void test_block_mask(void) {

@@ -186,13 +186,14 @@ static int step_needs_epilogue(const flashc_problem *p, const dec_row *rows, int
 static void step_epilogue(const flashc_problem *p, const dec_row *rows, int n, int64_t nq, int64_t nk, int64_t j0,
                           int cols, float *s) {
     const float cap = p->softcap;
+    const int64_t diag = flashc_seq_diag(p, nq, nk); /* ALiBi distances |i + diag - j| */
     for (int r = 0; r < n; r++) {
         const dec_row *x = &rows[r];
         float *row = s + (size_t)r * DEC_BC;
         if (cap > 0.0f)
             for (int c = 0; c < cols; c++) row[c] = cap * tanhf(row[c] / cap) * FLASHC_LOG2E;
         if (x->slope2 != 0.0f)
-            for (int c = 0; c < cols; c++) row[c] -= x->slope2 * (float)llabs(x->i + nk - nq - (j0 + c));
+            for (int c = 0; c < cols; c++) row[c] -= x->slope2 * (float)llabs(x->i + diag - (j0 + c));
         const int64_t lo = x->lo - j0, hi = x->hi - j0;
         for (int c = 0; c < cols; c++)
             if (c < lo || c >= hi) row[c] = -INFINITY;

@@ -297,6 +297,7 @@ int flashc_cpu_tile_needs_epilogue(const flashc_problem *p, int64_t b, int64_t h
 void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, int64_t nq, int64_t nk,
                                int64_t i0, int rows, int64_t j0, int cols, float *st, int64_t ld, float *tanh_out) {
     const float cap = p->softcap, slope2 = flashc_alibi_slope(p, b, h) * FLASHC_LOG2E;
+    const int64_t diag = flashc_seq_diag(p, nq, nk); /* row i's ALiBi distance to key j: |i + diag - j| */
     const float neg_inf = -INFINITY;
     const uint8_t *mbase = NULL;
     if (p->block_mask) {
@@ -319,7 +320,7 @@ void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, in
             }
         }
         if (slope2 != 0.0f)
-            for (int r = 0; r < rows; r++) col[r] -= slope2 * (float)llabs(i0 + r + nk - nq - j);
+            for (int r = 0; r < rows; r++) col[r] -= slope2 * (float)llabs(i0 + r + diag - j);
         for (int r = 0; r < rows; r++) col[r] = c < lo[r] || c >= hi[r] ? neg_inf : col[r];
         if (mbase)
             for (int r = 0; r < rows; r++)

@@ -212,7 +212,7 @@ FC_BWD_FN void fc_bwd_tile(const fc_bwd_args &a, fc_bwd_smem &sm, const fc_seq &
      * fp32's relative accuracy. A row that saw no key in the forward has lse = +inf and gets P = 0. Visible: the
      * row is in the tile, the band keeps key j (fc_keeps, which also ends at the sequence's keys) and so does the
      * block mask. */
-    const int64_t i = i0 + r, diag = s.nk - s.nq;
+    const int64_t i = i0 + r, diag = fc_diag(a, s.nq, s.nk);
     const float lse2 = sm.lse[r] * FC_LOG2E, di = sm.di[r];
     const float slope2 = fc_alibi_slope2(a, b, h);
     const uint8_t *bmrow = mask && r < nrows ? fc_bm_row(a, mask, i) : NULL;
@@ -385,7 +385,7 @@ FC_BWD_FN void fc_bwd_dq_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t bid
 
     /* Key tiles [tb, te) the band lets rows i0 .. i1 see (none, e.g. a sequence without keys: tb == te). */
     int64_t tb, te;
-    fc_key_tiles(a, i0, i1, s.nk - s.nq, s.nk, (int64_t)FC_BWD_BC, &tb, &te);
+    fc_key_tiles(a, i0, i1, fc_diag(a, s.nq, s.nk), s.nk, (int64_t)FC_BWD_BC, &tb, &te);
     for (int64_t j0 = tb * FC_BWD_BC; j0 < te * FC_BWD_BC; j0 += FC_BWD_BC) {
         const int64_t j1 = fc_min64(j0 + FC_BWD_BC, s.nk) - 1;
         if (!fc_bm_meets(a, mask, i0, i1, j0, j1, tid)) continue;

@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).nw * 32, fc_btile_for(D).minb)
     bid /= a.n_kblk;
     const int hk = (int)(bid % a.Hkv), b = (int)(bid / a.Hkv);
     const fc_bseq sq = fc_bwd_seq(a, b);
-    const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
+    const int nq = sq.nq, nk = sq.nk, diag = fc_diag(a, nq, nk);
     const int j0 = kt * BK;
     if (j0 >= nk) return; /* varlen: this sequence has fewer keys than max_seqlen_k */
     const int jlast = min(j0 + BK, nk) - 1;
@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(fc_btile_for(D).qnw * 32, fc_btile_for(D).qmin
     bid /= a.n_qblk;
     const int h = (int)(bid % a.H), b = (int)(bid / a.H);
     const fc_bseq sq = fc_bwd_seq(a, b);
-    const int nq = sq.nq, nk = sq.nk, diag = nk - nq;
+    const int nq = sq.nq, nk = sq.nk, diag = fc_diag(a, nq, nk);
     const int i0 = mblk * BR;
     if (i0 >= nq) return;
     const int ilast = min(i0 + BR, nq) - 1;

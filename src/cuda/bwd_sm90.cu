@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const bool packed = VARLEN && a.varlen; /* VARLEN kernels also run fixed-length problems with seqused_k */
     const int sq0 = packed ? a.cu_q[b] : 0, sk0 = packed ? a.cu_k[b] : 0, qb = packed ? 0 : b;
     const int nq = packed ? a.cu_q[b + 1] - sq0 : a.Nq,
-              nk = VARLEN ? fc_used_keys(a, b, packed ? a.cu_k[b + 1] - sk0 : a.Nk) : a.Nk, diag = nk - nq,
+              nk = VARLEN ? fc_used_keys(a, b, packed ? a.cu_k[b + 1] - sk0 : a.Nk) : a.Nk, diag = fc_diag(a, nq, nk),
               wr = a.win_right, wl = a.win_left, group = a.H / a.Hkv;
     const int n0 = kt * BN;
     /* Query tiles whose last row reaches this block's first key under the band's right edge. */

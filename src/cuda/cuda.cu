@@ -374,16 +374,20 @@ static const char *const fwd_path_names[] = {
  * (and the grid has G times fewer blocks to split the keys over). q and out (B, 1, H, D) are the same memory seen
  * as (B, G, Hkv, D) (row stride: the head stride; head stride: G of them), and lse (B, H, 1) is (B, Hkv, G) as it
  * lies. Only where no score or mask depends on a row's position or head: the one row's causal or right window
- * keeps every key (so none is set), and no left window, ALiBi, sinks, block mask or varlen.
+ * keeps every key (so none is set), and no left window, ALiBi, sinks, block mask or varlen. With positions a right
+ * window keeps every key only where the front made it unbounded (-1): one that is still set cuts the row's keys, and
+ * would move by one key per packed row, so it stays off this path.
  */
 static int fwd_gqa_rows(const flashc_problem *p, flashc_problem *out) {
     if (p->Nq != 1 || p->Hkv < 1 || p->H <= p->Hkv || p->H % p->Hkv || p->varlen || p->win_left >= 0 || p->alibi ||
-        p->sinks || p->block_mask || p->dropout_p > 0) /* dropout's bits follow (head, row) */
+        p->sinks || p->block_mask || p->dropout_p > 0 /* dropout's bits follow (head, row) */ ||
+        (p->positions && p->win_right >= 0))
         return 0;
     const int64_t G = p->H / p->Hkv;
     *out = *p;
     out->Nq = G, out->H = p->Hkv, out->total_q = G;
     out->win_right = -1;
+    out->positions = 0, out->q_position = out->k_position = 0; /* no band and no ALiBi left to align */
     flashc_tensor *const ts[2] = {&out->q, &out->out};
     for (int i = 0; i < 2; i++) {
         const int64_t sh = ts[i]->stride[2];
@@ -430,6 +434,14 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
 }
 
 static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem *p, flashc_plan *plan) {
+    /* Positions: every kernel takes diag = q_position - k_position in int32 (score.h's fc_diag). With |diag| and the
+     * lengths up to 2^29, and the window sides the front left bounded (left < Nq + diag, right < Nk - diag; the
+     * others are -1), every band and ALiBi sum of the kernels stays within int32. */
+    if (p->positions && (p->q_position - p->k_position > CUDA_MAX_LEN || p->k_position - p->q_position > CUDA_MAX_LEN))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "positions q_position %lld and k_position %lld lie more than 2^29 apart: the CUDA kernels "
+                          "do not take that (the CPU backend does)",
+                          (long long)p->q_position, (long long)p->k_position);
     /* Paged K/V: the mma.sync forward follows a block table (fc_load_tile_paged); no backward kernel does yet. */
     if (p->block_table && p->op != FLASHC_OP_FORWARD)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,

@@ -329,7 +329,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
     const int mlast = min(m0 + BR, nq) - 1;
     const int hk = h / (a.H / a.Hkv);
     const int bb = a.varlen ? 0 : b;
-    const int diag = nk - nq; /* query row i's diagonal key is i + diag (bottom-right alignment) */
+    const int diag = fc_diag(a, nq, nk); /* query row i's diagonal key is i + diag (score.h) */
 
     /* Key tiles any row of this tile may see under the causal / window band; then this split's share of them. */
     int tb, te;

@@ -297,7 +297,7 @@ static __device__ __forceinline__ void fc90_key_tiles(const flashc_fwd_args &a, 
     *tb = *te = 0;
     if (VARLEN && mblk * BR >= sq.nq) return;
     const int mlast = min(mblk * BR + BR, sq.nq) - 1;
-    fc_key_tiles(a, mblk * BR, mlast, sq.nk - sq.nq, sq.nk, BC, tb, te);
+    fc_key_tiles(a, mblk * BR, mlast, fc_diag(a, sq.nq, sq.nk), sq.nk, BC, tb, te);
 }
 
 
@@ -411,7 +411,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     constexpr int BC = TL.bc, NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
-    const int diag = nk - nq, w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
+    const int diag = fc_diag(a, nq, nk), w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
     const int t = threadIdx.x % FC90_WG_THREADS;
     /* Varlen: before the P V of the key tile from key n0, clear V's rows past the sequence's end. */
     auto clear_v = [&](int n0, uint32_t use) {

@@ -35,8 +35,15 @@ static inline void fc_set_scores_and_masks(const flashc_problem *p, Args *a) {
         a->score_mul = p->scale * FC_LOG2E;
         a->softcap2 = 0.f;
     }
-    a->win_left = fc_clamp_window(p->win_left, p->Nq + p->Nk);
-    a->win_right = fc_clamp_window(p->win_right, p->Nq + p->Nk);
+    /* With positions the band moves by diag = q_position - k_position: a side is unbounded in effect only past
+     * Nq + Nk + |diag| (the front has already made those that hide nothing -1; cuda.cu refuses |diag| > 2^29, so
+     * this stays in int32). */
+    const int64_t diag = p->positions ? p->q_position - p->k_position : 0;
+    const int64_t reach = p->Nq + p->Nk + (diag < 0 ? -diag : diag);
+    a->win_left = fc_clamp_window(p->win_left, reach);
+    a->win_right = fc_clamp_window(p->win_right, reach);
+    a->positions = p->positions;
+    a->pos_diag = (int)diag;
     a->alibi = p->alibi, a->alibi_bs = p->alibi_batch_stride;
     if (p->block_mask) {
         a->bm = p->block_mask;

@@ -55,7 +55,9 @@ FC_HD I fc_imin(I x, I y) {
  *   score_mul   the raw product's factor in base 2: scale log2(e), or scale / softcap before the tanh
  *   softcap2    softcap log2(e); 0: no softcap
  *   win_left, win_right   the band: row i keeps keys [i + diag - win_left, i + diag + win_right], -1: unbounded
- *               side (causal is win_right 0), diag = nk - nq of the sequence (bottom-right aligned)
+ *               side (causal is win_right 0), diag of the sequence from fc_diag
+ *   positions, pos_diag   positions (flashc_params 0.6) on: every sequence's diag is pos_diag (q_position -
+ *               k_position, |pos_diag| <= 2^29: cuda.cu refuses more); 0: diag = nk - nq (bottom-right aligned)
  *   alibi, alibi_bs       ALiBi slopes (natural log) of (sequence, head), NULL: none
  *   bm ...      the block mask: bm_nqb x bm_nkb bytes per (sequence, head) of bm_q x bm_k blocks, NULL: none
  */
@@ -63,6 +65,7 @@ FC_HD I fc_imin(I x, I y) {
     float score_mul;                                                                                         \
     float softcap2;                                                                                          \
     int win_left, win_right;                                                                                 \
+    int positions, pos_diag;                                                                                 \
     const float *alibi;                                                                                      \
     int64_t alibi_bs;                                                                                        \
     const uint8_t *bm;                                                                                       \
@@ -163,8 +166,17 @@ FC_HD I fc_used_keys(const Args &a, I b, I nk) {
     return a.seqused_k ? fc_imin(nk, fc_imax((I)a.seqused_k[b], (I)0)) : nk;
 }
 
+/* The alignment of a sequence of nq queries and nk keys (nk after fc_used_keys): row i's diagonal key is i + diag,
+ * where the band is centred and from which ALiBi measures its distances. With positions a.pos_diag (q_position -
+ * k_position, the same for every sequence, not moved by seqused_k), else nk - nq (bottom-right aligned). Every
+ * kernel takes its diag from here. */
+template <typename Args, typename I>
+FC_HD I fc_diag(const Args &a, I nq, I nk) {
+    return a.positions ? (I)a.pos_diag : nk - nq;
+}
+
 /* Keys [jlo, jhi] that row i keeps among the sequence's nk: the band's, row i's diagonal key being i + diag
- * (diag = nk - nq, bottom-right aligned), each side -1 for unbounded. Computed once per row. LEFT false: the
+ * (fc_diag), each side -1 for unbounded. Computed once per row. LEFT false: the
  * kernel takes no left window. */
 template <bool LEFT = true, typename Args, typename I>
 FC_HD void fc_row_keys(const Args &a, I i, I diag, I nk, I &jlo, I &jhi) {
@@ -202,8 +214,8 @@ FC_HD void fc_query_rows(const Args &a, I j0, I j1, I diag, I nq, I *lo, I *hi) 
 
 /*
  * Key tiles [*tb, *te) of bc keys that query rows [i0, i1] of a sequence of nk keys visit under the band of a
- * (win_left, win_right; -1: unbounded side): row i keeps keys [i + diag - win_left, i + diag + win_right], diag =
- * nk - nq of the sequence. Those intervals move by one key per row, so the rows' union is [i0 + diag - win_left,
+ * (win_left, win_right; -1: unbounded side): row i keeps keys [i + diag - win_left, i + diag + win_right], diag
+ * of the sequence from fc_diag. Those intervals move by one key per row, so the rows' union is [i0 + diag - win_left,
  * i1 + diag + win_right]. No key (a band that misses the keys, or nk 0): tb == te == 0. I: int, or int64_t for
  * the CUDA-core kernel. LEFT false: a kernel that takes no left window does not test its edge.
  * The fields are read where they are used, as the kernels did before they shared this: the same code.

@@ -2,7 +2,8 @@
  * oracle.c - the naive attention every test is measured against.
  *
  * For each (sequence, head) it materializes the whole score matrix S = scale * Q K^T (softcap, ALiBi and the
- * causal / window / block-sparse masks applied), P = softmax(S) row by row, O = P V, and for the backward
+ * causal / window / block-sparse masks applied; the band and ALiBi measured between the positions of query_pos and
+ * key_pos), P = softmax(S) row by row, O = P V, and for the backward
  * dV = P^T dO, dP = dO V^T, dS = P o (dP - rowsum(P o dP)), dQ = scale * dS K, dK = scale * dS^T Q, with the
  * softcap's chain rule (d/dx c*tanh(x/c) = 1 - tanh^2(x/c)) folded into dS. A sequence's keys are its first
  * seqused_k[b] when that is set (flashc_seq_bounds); an attention sink is one more term of each row's softmax
@@ -189,26 +190,38 @@ static int oracle_init(oracle *o, const flashc_problem *p, flashc_dtype round) {
  * S and P of sequence b, head h from o->q, o->k (already gathered): fills o->s, o->g (softcap), o->pm and
  * o->lse (+inf for a row that sees no key, whose P row is then all zero).
  */
+/* Positions of query row i and key j of a sequence of nq queries and nk (used) keys, as flashc.h defines them: with
+ * positions q_position + i and k_position + j; else bottom-right aligned, row i at i + nk - nq, key j at j. Read here
+ * from the definition, not through the library's helpers (flashc_row_key_range, flashc_seq_diag). */
+static int64_t query_pos(const flashc_problem *p, int64_t i, int64_t nq, int64_t nk) {
+    return p->positions ? p->q_position + i : i + nk - nq;
+}
+static int64_t key_pos(const flashc_problem *p, int64_t j) { return p->positions ? p->k_position + j : j; }
+
+/* Whether the causal / window band lets query position qp see key position kp: kp in [qp - left, qp + right]. */
+static int band_keeps(const flashc_problem *p, int64_t qp, int64_t kp) {
+    return (p->win_left < 0 || kp >= qp - p->win_left) && (p->win_right < 0 || kp <= qp + p->win_right);
+}
+
 static void scores_and_probs(oracle *o, int64_t b, int64_t h, int64_t nq, int64_t nk) {
     const flashc_problem *p = o->p;
     const int64_t D = o->D;
     const double scale = p->scale, cap = p->softcap, slope = flashc_alibi_slope(p, b, h);
     for (int64_t i = 0; i < nq; i++) {
         double *s = o->s + i * nk, *g = o->g + i * nk, *pr = o->pm + i * nk;
-        int64_t lo, hi;
-        flashc_row_key_range(p, i, nq, nk, &lo, &hi);
+        const int64_t qp = query_pos(p, i, nq, nk);
         double m = -INFINITY;
         for (int64_t j = 0; j < nk; j++) {
             s[j] = -INFINITY;
             g[j] = 0.0;
-            if (j < lo || j >= hi || !flashc_block_visible(p, b, h, i, j)) continue;
+            if (!band_keeps(p, qp, key_pos(p, j)) || !flashc_block_visible(p, b, h, i, j)) continue;
             double x = store(o, scale * dot(o, o->q + i * D, o->k + j * D, D));
             if (cap > 0) {
                 double t = store(o, tanh(store(o, x / cap)));
                 x = store(o, cap * t);
                 g[j] = store(o, 1.0 - t * t);
             }
-            if (p->alibi) x = store(o, x - accum(o, slope * (double)llabs(i + nk - nq - j)));
+            if (p->alibi) x = store(o, x - accum(o, slope * (double)llabs(qp - key_pos(p, j))));
             s[j] = x;
             if (x > m) m = x;
         }
