@@ -15,7 +15,8 @@
  * causal diagonal at both backward tile shapes (D 64: 128 query rows x 64 keys, so the diagonal crosses half the
  * key blocks mid-tile; D 128: 64 x 64), bottom-right alignment with Nq > Nk and Nq < Nk, windows narrower than a
  * strip and bands that cross a tile on both sides, last blocks of few rows, rows that see no key, block masks,
- * softcap, ALiBi, dropout and varlen on edge tiles, GQA; at 2 threads both backward modes (B * H >= 2: one task per
+ * softcap, ALiBi, dropout and varlen on edge tiles, GQA, positions (the diagonal and the window moved by q_position -
+ * k_position, in a key group too); at 2 threads both backward modes (B * H >= 2: one task per
  * head; B * H = 1: dK/dV and dQ passes). Each kernel set this CPU runs is tested in its own process (the strip height
  * follows the microkernel's register tile: 16 rows generic, 18 AVX2, 24 AVX-512).
  *
@@ -39,36 +40,42 @@
 #define BNHD FLASHC_LAYOUT_BNHD
 
 /* name, dtype, B, Nq, Nk, H, Hkv, D, causal, window (left, right), softcap, alibi, block (q, k), varlen, layout,
- * backward, seqused_k, sinks, page size, dropout */
+ * backward, seqused_k, sinks, page size, dropout, positions (on, q_position, k_position) */
 static const flashc_case cases[] = {
     /* the diagonal at both tile shapes, one head per task and the two-pass mode (B * H = 1) */
-    {"causal_d64", F32, 1, 300, 300, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_d128_bf16", BF16, 1, 300, 300, 2, 1, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_d64_two_pass", F32, 1, 333, 333, 1, 1, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_d128_two_pass_f16", F16, 1, 200, 200, 1, 1, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
+    {"causal_d64", F32, 1, 300, 300, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_d128_bf16", BF16, 1, 300, 300, 2, 1, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_d64_two_pass", F32, 1, 333, 333, 1, 1, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_d128_two_pass_f16", F16, 1, 200, 200, 1, 1, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
     /* bottom-right alignment: rows that see no key (Nq > Nk), the diagonal off the tile corners (Nq < Nk) */
-    {"causal_nq_gt_nk", F32, 1, 400, 150, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_nq_lt_nk_d96", F32, 1, 150, 437, 2, 2, 96, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
+    {"causal_nq_gt_nk", F32, 1, 400, 150, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_nq_lt_nk_d96", F32, 1, 150, 437, 2, 2, 96, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
     /* windows: a band narrower than a strip, and one wider than a tile with both edges in it */
-    {"window_5_2", F32, 1, 260, 260, 2, 2, 64, 0, 5, 2, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"window_70_40_bf16_d128", BF16, 1, 300, 280, 2, 2, 128, 0, 70, 40, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_window_30_two_pass", F32, 1, 300, 300, 1, 1, 32, 1, 30, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
+    {"window_5_2", F32, 1, 260, 260, 2, 2, 64, 0, 5, 2, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"window_70_40_bf16_d128", BF16, 1, 300, 280, 2, 2, 128, 0, 70, 40, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_window_30_two_pass", F32, 1, 300, 300, 1, 1, 32, 1, 30, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
     /* edge tiles with score options, masks, dropout, varlen, GQA */
-    {"causal_softcap_alibi", F32, 2, 200, 200, 2, 1, 64, 1, -1, -1, 15.0f, 1, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_blockmask_d128", F32, 1, 260, 260, 2, 2, 128, 1, -1, -1, 0, 0, 40, 24, 0, BNHD, 1, 0, 0, 0, 0},
-    {"causal_dropout_sinks", F32, 1, 270, 270, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1, 0, 0.2f},
-    {"window_dropout_two_pass", F32, 1, 250, 250, 1, 1, 64, 0, 33, 17, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0.1f},
-    {"varlen_causal_gqa_bf16", BF16, 3, 300, 300, 4, 2, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0, 0},
-    {"paged_used_k_causal", F32, 2, 200, 260, 2, 1, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 32, 0},
+    {"causal_softcap_alibi", F32, 2, 200, 200, 2, 1, 64, 1, -1, -1, 15.0f, 1, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_blockmask_d128", F32, 1, 260, 260, 2, 2, 128, 1, -1, -1, 0, 0, 40, 24, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"causal_dropout_sinks", F32, 1, 270, 270, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1, 0, 0.2f, 0, 0, 0},
+    {"window_dropout_two_pass", F32, 1, 250, 250, 1, 1, 64, 0, 33, 17, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0.1f, 0, 0, 0},
+    {"varlen_causal_gqa_bf16", BF16, 3, 300, 300, 4, 2, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"paged_used_k_causal", F32, 2, 200, 260, 2, 1, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 32, 0, 0, 0, 0},
     /* key groups: 17 to 21 key blocks per head */
-    {"grp_f32_d64", F32, 1, 200, 1200, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"grp_bf16_causal_d128", BF16, 1, 1100, 1100, 2, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"grp_f16_window_gqa", F16, 1, 300, 1300, 4, 2, 64, 0, 200, 100, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
-    {"grp_varlen_causal", F32, 3, 1200, 1200, 2, 1, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0, 0},
-    {"grp_paged_used_k", F32, 2, 100, 1300, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 64, 0},
-    {"grp_dropout_softcap_bf16", BF16, 1, 150, 1150, 2, 2, 64, 1, -1, -1, 10.0f, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0.1f},
+    {"grp_f32_d64", F32, 1, 200, 1200, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_bf16_causal_d128", BF16, 1, 1100, 1100, 2, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_f16_window_gqa", F16, 1, 300, 1300, 4, 2, 64, 0, 200, 100, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_varlen_causal", F32, 3, 1200, 1200, 2, 1, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_paged_used_k", F32, 2, 100, 1300, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 64, 0, 0, 0, 0},
+    {"grp_dropout_softcap_bf16", BF16, 1, 150, 1150, 2, 2, 64, 1, -1, -1, 10.0f, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0.1f, 0,
+     0, 0},
     {"grp_bhnd_d128_blockmask", F32, 1, 100, 1100, 2, 2, 128, 0, -1, -1, 0, 0, 50, 70, 0, FLASHC_LAYOUT_BHND, 1, 0,
-     0, 0, 0},
+     0, 0, 0, 0, 0, 0},
+    /* positions: the diagonal where q_position - k_position puts it, rows before the keys seeing none, windows */
+    {"pos_causal_keys_later", F32, 1, 300, 280, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 1, 0, 90},
+    {"pos_window_alibi_two_pass", F32, 1, 260, 300, 1, 1, 64, 0, 40, 25, 0, 1, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 1, 1000,
+     930},
+    {"grp_pos_causal_bf16", BF16, 1, 400, 1200, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 1, 700, 0},
 };
 
 /* Key blocks per group of c's backward on threads threads (the choice depends on B, H, Nq, Nk, D), and the key

@@ -23,21 +23,23 @@
 #define BNHD FLASHC_LAYOUT_BNHD
 
 /* name, dtype, B, Nq, Nk, H, Hkv, D, causal, window (left, right), softcap, alibi, block (q, k), varlen, layout,
- * backward, seqused_k, sinks, page size, dropout */
+ * backward, seqused_k, sinks, page size, dropout, positions (on, q_position, k_position) */
 static const flashc_case cases[] = {
     /* 2 x 18 blocks: groups of 4, the last of each head 2 */
-    {"grp_f32_d64", F32, 1, 1100, 900, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0},
-    {"grp_bf16_causal_gqa_d128", BF16, 1, 700, 700, 4, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0},
+    {"grp_f32_d64", F32, 1, 1100, 900, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_bf16_causal_gqa_d128", BF16, 1, 700, 700, 4, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
     /* the blocks of a group see different, partly disjoint key ranges */
-    {"grp_f16_window", F16, 1, 1000, 1000, 2, 2, 64, 0, 100, 30, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0},
-    {"grp_mask_softcap_alibi", F32, 1, 900, 1000, 2, 2, 64, 0, -1, -1, 20.0f, 1, 48, 80, 0, BNHD, 0, 0, 0, 0, 0},
+    {"grp_f16_window", F16, 1, 1000, 1000, 2, 2, 64, 0, 100, 30, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_mask_softcap_alibi", F32, 1, 900, 1000, 2, 2, 64, 0, -1, -1, 20.0f, 1, 48, 80, 0, BNHD, 0, 0, 0, 0, 0, 0, 0,
+     0},
     /* groups of up to 12 blocks cut by the sequences' random lengths */
-    {"grp_varlen_bf16_causal", BF16, 3, 1000, 1000, 2, 1, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0, 0},
-    {"grp_paged_used_k", F32, 2, 600, 800, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 1, 0, 64, 0},
-    {"grp_dropout_sinks_causal", F32, 1, 800, 800, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1, 0, 0.15f},
+    {"grp_varlen_bf16_causal", BF16, 3, 1000, 1000, 2, 1, 64, 1, -1, -1, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_paged_used_k", F32, 2, 600, 800, 2, 2, 64, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 1, 0, 64, 0, 0, 0, 0},
+    {"grp_dropout_sinks_causal", F32, 1, 800, 800, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 1, 0, 0.15f, 0, 0,
+     0},
     /* bottom-right causal: rows 0..699 see no key, so whole groups and parts of groups have nothing to do */
-    {"grp_causal_nq_gt_nk", F32, 1, 1000, 300, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0},
-    {"grp_bf16_d256", BF16, 1, 600, 600, 2, 2, 256, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0},
+    {"grp_causal_nq_gt_nk", F32, 1, 1000, 300, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"grp_bf16_d256", BF16, 1, 600, 600, 2, 2, 256, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 0, 0, 0},
 };
 
 /* What the forward groups for c's shape on threads threads (the choice depends on B, H, Nq, D only). */

@@ -358,7 +358,8 @@ static void test_reveal(flashc_context_t ctx, uint64_t seed) {
 
 #define DCASE(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, used, sinks, page, \
               p)                                                                                                   \
-    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, 1, used, sinks, page, p}
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, 1, used, sinks, page, p, 0, 0, \
+     0}
 #define F32 FLASHC_DTYPE_F32
 #define F16 FLASHC_DTYPE_F16
 #define BF16 FLASHC_DTYPE_BF16

@@ -64,6 +64,8 @@ typedef struct flashc_case {
     int64_t page_size;                 /* > 0: paged K/V, pages of this many rows allocated in a shuffled order from a
                                           pool with unused pages holding NaN (0: k, v are (B, Nk, Hkv, D)) */
     float dropout;                     /* > 0: dropout_p, with a seed and offset drawn from the case's seed */
+    int positions;                     /* 1: flashc_params positions on, at q_position and k_position below */
+    int64_t q_position, k_position;
 } flashc_case;
 
 /* Result of running one case against the fp64 oracle: relative Frobenius errors for fp32 (an identically zero
@@ -80,8 +82,9 @@ typedef struct flashc_case_result {
     char message[256];        /* why it failed, if it did */
     const char *kernel_fwd;   /* flashc_kernel_name of the forward (and backward) the case ran; NULL if not run */
     const char *kernel_bwd;
-    int skipped;              /* 1: a case the CUDA backend refused with NOT_SUPPORTED (the paged backward; pass 1,
-                                 message "skipped (not supported): ..."); nothing was checked */
+    int skipped;              /* 1: a case refused with NOT_SUPPORTED as expected (the paged backward on the CUDA
+                                 backend; positions with dropout on any backend; pass 1, message "skipped (not
+                                 supported): ..."); nothing was checked */
 } flashc_case_result;
 
 /* The shared case table: full = every row; otherwise a reduced table for quick runs (sanitizers, racecheck). */
@@ -94,9 +97,9 @@ const flashc_case *flashc_case_table(int full, size_t *count);
  *   fp32:     relative error ||ours - ref|| / ||ref|| <= 1e-5 (gradients 1e-4)
  *   f16/bf16: max|ours - ref| <= 2 * max|naive_lowp - ref| + 1e-5 (gradients 3x);
  *   fp32 on the CUDA backend: the bf16 rule, with the naive algorithm's inputs rounded to bf16 too.
- * A paged case's backward (page_size > 0) on a CUDA context, which does not run that yet, is
- * reported as skipped when flashc_supported refuses it with NOT_SUPPORTED (res->skipped; pass 1, nothing checked);
- * any other backend or status counts as a failure.
+ * A paged case's backward (page_size > 0) on a CUDA context, which does not run that yet, and a case with positions
+ * and dropout (refused on every backend for now) are reported as skipped when flashc_supported refuses them with
+ * NOT_SUPPORTED (res->skipped; pass 1, nothing checked); any other backend or status counts as a failure.
  * Returns 0 when the case ran (pass or fail is in res), -1 when it could not be set up.
  */
 int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, flashc_case_result *res);
