@@ -1,6 +1,8 @@
 """What the numpy and torch front ends share: argument checks that do not depend on the array type, the
 flashc_params builder, and the calls into the library with their error handling."""
 
+import operator
+
 from . import _lib
 
 
@@ -109,11 +111,15 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
                 alibi_batch_stride=0, block_mask_ptr=None, block_size=(0, 0), block_mask_dims=(1, 1),
                 cu_q_ptr=None, cu_k_ptr=None, num_seqs=0, max_seqlen_q=0, max_seqlen_k=0, deterministic=False,
                 seqused_k_ptr=None, sinks_ptr=None, dsinks_ptr=None, block_table_ptr=None, block_table_max_pages=0,
-                block_table_stride=0, dropout_p=0.0, dropout_seed=0, dropout_offset=0, dropout_rng_ptr=None):
+                block_table_stride=0, dropout_p=0.0, dropout_seed=0, dropout_offset=0, dropout_rng_ptr=None,
+                positions=None):
     """flashc_params for these options. Dropout's (seed, offset) goes either as values (dropout_seed, dropout_offset,
     taken mod 2**64) or, with dropout_rng_ptr, as the address of two uint64 { seed, offset } that the library reads
     itself (flashc_params.dropout_rng, 0.5): device memory for a CUDA call, read by the kernels when they run, host
-    memory otherwise, read at the call. The torch front end always passes the pointer."""
+    memory otherwise, read at the call. The torch front end always passes the pointer.
+    positions: None (bottom-right alignment), or (q_position, k_position), two ints: query row i of every sequence
+    sits at q_position + i and key j at k_position + j, and causal, windows and ALiBi are measured between those
+    positions (flashc_params.positions, 0.6; each must lie strictly between -2**40 and 2**40)."""
     p = _lib.lib.flashc_params_default()
     # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
     # softmax_scale=None means everywhere in this package.
@@ -151,7 +157,26 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
         _set_field(p, "block_table", block_table_ptr, "the paged KV cache (block_table)", "0.4")
         p.block_table_max_pages = block_table_max_pages
         p.block_table_stride = block_table_stride
+    if positions is not None:
+        qp, kp = check_positions(positions)
+        _set_field(p, "positions", 1, "positions (q_position, k_position)", "0.6")
+        p.q_position, p.k_position = qp, kp
     return p
+
+
+def check_positions(positions):
+    """(q_position, k_position) as two Python ints, or ValueError. The range (strictly inside +-2**40) is the
+    library's to check; this refuses what would not fit the int64 fields (ctypes would wrap it silently)."""
+    try:
+        qp, kp = positions
+        qp, kp = operator.index(qp), operator.index(kp)
+    except (TypeError, ValueError):
+        raise ValueError("flashc: positions must be None or a pair of ints (q_position, k_position), got %r"
+                         % (positions,)) from None
+    if not (-2**63 <= qp < 2**63 and -2**63 <= kp < 2**63):
+        raise ValueError("flashc: positions (%d, %d) do not fit in int64 (the library takes |position| < 2**40)"
+                         % (qp, kp))
+    return qp, kp
 
 
 def forward_status(ctx, q, k, v, params, out, lse_ptr, ws_ptr=None, ws_bytes=0):

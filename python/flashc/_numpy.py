@@ -44,7 +44,7 @@ class _Options:
 
     def __init__(self, q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic=False,
-                 seqused_k=None, sinks=None, dsinks=None):
+                 seqused_k=None, sinks=None, dsinks=None, positions=None):
         if _core.check_dropout(dropout_p):
             # no generator to draw a seed from (torch's is what controls flashc's dropout) and no autograd to carry it
             # to the backward: dropout runs on torch tensors
@@ -54,7 +54,7 @@ class _Options:
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.keep = []
         kw = dict(softmax_scale=softmax_scale, causal=causal, window=_core.window_pair(window_size),
-                  softcap=softcap, deterministic=deterministic)
+                  softcap=softcap, deterministic=deterministic, positions=positions)
         if self.varlen:
             if cu_seqlens_q is None or cu_seqlens_k is None:
                 raise ValueError("flashc: varlen needs both cu_seqlens_q and cu_seqlens_k")
@@ -127,8 +127,10 @@ def _empty_problem(q4, k4):
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-              max_seqlen_k=None, dropout_p=0.0, seqused_k=None, sinks=None):
-    """out, softmax_lse = attention(q, k, v, ...) on numpy arrays (see flashc.attention)."""
+              max_seqlen_k=None, dropout_p=0.0, seqused_k=None, sinks=None, positions=None):
+    """out, softmax_lse = attention(q, k, v, ...) on numpy arrays (see flashc.attention). positions: None, or
+    (q_position, k_position) (flashc_params.positions: query row i at q_position + i, key j at k_position + j, causal,
+    windows and ALiBi measured between them)."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     nd = 3 if varlen else 4
     q, k, v = (_array(n, a, nd) for n, a in (("q", q), ("k", k), ("v", v)))
@@ -137,7 +139,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     q4, k4, v4 = _as4(q, varlen), _as4(k, varlen), _as4(v, varlen)
     opts = _Options(q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, seqused_k=seqused_k,
-                    sinks=sinks)
+                    sinks=sinks, positions=positions)
     out4 = np.empty(q4.shape, dtype=q.dtype)
     lse = np.empty(opts.lse_shape(q4), dtype=np.float32)
     if _empty_problem(q4, k4):
@@ -157,7 +159,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None,
                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                       deterministic=False, seqused_k=None, sinks=None):
+                       deterministic=False, seqused_k=None, sinks=None, positions=None):
     """dq, dk, dv = attention_backward(dout, q, k, v, out, softmax_lse, ...): the gradients of attention() for
     the upstream gradient dout, given attention()'s out and softmax_lse and the same options. With sinks it
     returns dq, dk, dv, dsinks (fp32, (H,))."""
@@ -170,7 +172,7 @@ def attention_backward(dout, q, k, v, out, softmax_lse, *, softmax_scale=None, c
     dsinks = None if sinks is None else np.zeros(q4.shape[2], dtype=np.float32)
     opts = _Options(q4, k4, softmax_scale, causal, window_size, softcap, alibi_slopes, block_mask, block_size,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, deterministic,
-                    seqused_k=seqused_k, sinks=sinks, dsinks=dsinks)
+                    seqused_k=seqused_k, sinks=sinks, dsinks=dsinks, positions=positions)
     lse = np.ascontiguousarray(softmax_lse, dtype=np.float32)
     if lse.shape != opts.lse_shape(q4):
         raise ValueError("flashc: softmax_lse must have shape %s (from the forward), got %s"

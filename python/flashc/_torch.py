@@ -95,13 +95,22 @@ class _Options:
     def __init__(self, q4, k4, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, deterministic=False, seqused_k=None, sinks=None,
-                 block_table=None, dropout_p=0.0, dropout_rng=None):
-        """dropout_p > 0 needs dropout_rng, the (seed, offset) int64 tensor (2,) of dropout_rng()."""
+                 block_table=None, dropout_p=0.0, dropout_rng=None, positions=None):
+        """dropout_p > 0 needs dropout_rng, the (seed, offset) int64 tensor (2,) of dropout_rng().
+        positions: None (bottom-right alignment), or (q_position, k_position): query row i of every sequence sits at
+        q_position + i and key j at k_position + j, and causal, windows and ALiBi are measured between those
+        positions (flashc_params.positions: a chunk pair of a longer sequence, as context parallelism calls it).
+        Not with dropout yet."""
         device = q4.device
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.kw = dict(softmax_scale=softmax_scale, causal=bool(causal), window=_core.window_pair(window_size),
                        softcap=float(softcap or 0.0), deterministic=bool(deterministic))
         self.dropout_p = float(dropout_p or 0.0)
+        if positions is not None:
+            self.kw["positions"] = _core.check_positions(positions)
+            if self.dropout_p:
+                raise NotImplementedError("flashc: positions with dropout_p > 0 are not supported yet (dropout's "
+                                          "row and key indices do not move with the positions)")
         self.rng = None
         if self.dropout_p:
             if not (isinstance(dropout_rng, torch.Tensor) and dropout_rng.dtype == torch.int64

@@ -1,8 +1,9 @@
 """Materialized attention in numpy (fp64, or rounding each stage to a low precision) for the tests.
 
 Semantics follow CONVENTIONS.md: bottom-right aligned causal and window, softcap before masks and ALiBi, ALiBi
-distance |i + Nk - Nq - j|, block mask bytes per (query block, key block), rows with no visible key give out 0,
-lse +inf and zero gradients. The backward is written out by hand (dV = P^T dO, dS = P * (dP - rowsum(dO * O)),
+distance |i + Nk - Nq - j| (with positions (q_position, k_position): row i at q_position + i, key j at k_position + j,
+the band and the ALiBi distance measured between those, flashc_params.positions), block mask bytes per (query block,
+key block), rows with no visible key give out 0, lse +inf and zero gradients. The backward is written out by hand (dV = P^T dO, dS = P * (dP - rowsum(dO * O)),
 softcap's chain rule, GQA sums), independently of the library's code.
 
 An attention sink is one more term of each row's softmax denominator, exp(sink_h), without a value: lse includes it,
@@ -16,23 +17,32 @@ def _identity(x):
     return x
 
 
-def visible(nq, nk, causal=False, window=(-1, -1)):
-    """Boolean (nq, nk): key j is kept for query i."""
+def token_positions(nq, nk, positions=None):
+    """Positions of the queries (nq, 1) and keys (1, nk): (q_position + i, k_position + j), or bottom-right aligned
+    (i + nk - nq, j) when positions is None."""
     i = np.arange(nq)[:, None]
     j = np.arange(nk)[None, :]
-    diag = i + nk - nq
+    if positions is None:
+        return i + nk - nq, j
+    return i + positions[0], j + positions[1]
+
+
+def visible(nq, nk, causal=False, window=(-1, -1), positions=None):
+    """Boolean (nq, nk): key j is kept for query i."""
+    qp, kp = token_positions(nq, nk, positions)
     left, right = window
     if causal:
         right = 0 if right < 0 else min(right, 0)
     keep = np.ones((nq, nk), dtype=bool)
     if left >= 0:
-        keep &= j >= diag - left
+        keep &= kp >= qp - left
     if right >= 0:
-        keep &= j <= diag + right
+        keep &= kp <= qp + right
     return keep
 
 
-def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask, block_size, rnd, sinks=None):
+def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask, block_size, rnd, sinks=None,
+              positions=None):
     """One sequence: q (Nq, H, D), k/v (Nk, Hkv, D), do like q or None -> out, lse (H, Nq), grads (with sinks:
     dq, dk, dv and this sequence's dsinks (H,))."""
     nq, h, d = q.shape
@@ -47,9 +57,9 @@ def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask,
         s = softcap * t
     if alibi is not None:
         slopes = alibi if alibi.ndim == 1 else alibi[b]
-        dist = np.abs(np.arange(nq)[:, None] + nk - nq - np.arange(nk)[None, :])
-        s = s - slopes[:, None, None] * dist[None]
-    keep = np.broadcast_to(visible(nq, nk, causal, window)[None], (h, nq, nk)).copy()
+        qp, kp = token_positions(nq, nk, positions)
+        s = s - slopes[:, None, None] * np.abs(qp - kp)[None]
+    keep = np.broadcast_to(visible(nq, nk, causal, window, positions)[None], (h, nq, nk)).copy()
     if block_mask is not None:
         bq, bk = block_size
         m = block_mask
@@ -92,10 +102,10 @@ def _sequence(q, k, v, do, b, scale, causal, window, softcap, alibi, block_mask,
 
 def attention(q, k, v, dout=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, block_mask=None, block_size=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              rnd=_identity, sinks=None):
+              rnd=_identity, sinks=None, positions=None):
     """(out, lse, grads or None) in fp64 for the layouts of flashc.attention: (B, N, H, D), or (total, H, D)
     with cu_seqlens. rnd rounds after each materialized stage (identity: the fp64 oracle). With sinks, grads is
-    (dq, dk, dv, dsinks)."""
+    (dq, dk, dv, dsinks). positions: None, or (q_position, k_position) for every sequence."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     do = None if dout is None else np.asarray(dout, dtype=np.float64)
     d = q.shape[-1]
@@ -128,7 +138,7 @@ def attention(q, k, v, dout=None, softmax_scale=None, causal=False, window_size=
             o, g = np.zeros(qb.shape), None
         else:
             o, lse_b, g = _sequence(qb, kb, vb, None if do is None else do[sq], b, scale, causal, window_size,
-                                    softcap, alibi, block_mask, block_size, rnd, sinks)
+                                    softcap, alibi, block_mask, block_size, rnd, sinks, positions)
         out[sq] = o
         if varlen:
             lse[:, sq] = lse_b

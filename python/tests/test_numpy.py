@@ -640,3 +640,84 @@ def test_reference_sinks_gradient_by_finite_differences(rng):
 
             num[idx] = (loss(plus) - loss(minus)) / (2 * eps)
         assert np.abs(num - g).max() <= 1e-6 * max(1.0, np.abs(g).max()), "q k v sinks".split()[which]
+
+
+# ---- positions (flashc_params 0.6) ----------------------------------------------------------------------------------
+POSITION_CASES = [
+    # (name, B, Nq, Nk, H, Hkv, options, (q_position, k_position))
+    ("alibi_keys_after", 2, 30, 45, 4, 2, dict(alibi_slopes=np.array([0.5, 0.25, 0.1, 0.05], np.float32)), (0, 50)),
+    ("alibi_bh_keys_before", 2, 40, 25, 2, 2, dict(alibi_slopes=np.array([[0.3, 0.1], [0.7, 0.05]], np.float32)),
+     (400, 350)),
+    ("causal_rows_without_keys", 1, 40, 30, 2, 1, dict(causal=True), (5, 20)),
+    ("window_negative", 2, 33, 47, 2, 2, dict(window_size=(10, 3), softcap=3.0), (-30, -60)),
+    ("causal_window_gqa", 2, 48, 48, 6, 2, dict(causal=True, window_size=(12, -1)), (100, 70)),
+]
+
+
+@pytest.mark.parametrize("case", POSITION_CASES, ids=[c[0] for c in POSITION_CASES])
+def test_positions_forward_backward(case, rng):
+    """positions=(q_position, k_position): the band and ALiBi measured between q_position + i and k_position + j,
+    against refattn with the same positions (rows that see no key included); bottom-right alignment written as
+    positions (q_position - k_position = Nk - Nq) is the call without them, bit for bit."""
+    from flashc import _numpy
+
+    _, b, nq, nk, h, hkv, opts, positions = case
+    q, k, v, do = make_inputs(rng, (b, nq, h, 32), (b, nk, hkv, 32), np.float32)
+    out, lse = _numpy.attention(q, k, v, positions=positions, **opts)
+    ref_out, ref_lse, ref_g = refattn.attention(q, k, v, do, positions=positions, **opts)
+    plain, _, _ = refattn.attention(q, k, v, do, **opts)
+    assert refattn.rel_err(out, ref_out) <= 1e-5
+    assert refattn.rel_err(ref_out, plain) > 1e-2, "the positions change the result: the comparison is not vacuous"
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
+    grads = _numpy.attention_backward(do, q, k, v, out, lse, positions=positions, **opts)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert refattn.rel_err(got, want) <= 1e-5, name
+    base_out, base_lse = _numpy.attention(q, k, v, **opts)
+    same_out, same_lse = _numpy.attention(q, k, v, positions=(7 + nk - nq, 7), **opts)
+    assert np.array_equal(base_out, same_out) and np.array_equal(base_lse, same_lse)
+
+
+def test_positions_varlen_seqused_k(rng):
+    """Every varlen sequence sits at the same positions; seqused_k limits the keys but does not move them."""
+    from flashc import _numpy
+
+    lens_q, lens_k = [7, 0, 20, 13], [15, 9, 25, 30]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, k, v, do = make_inputs(rng, (cq[-1], 4, 32), (ck[-1], 2, 32), np.float32)
+    slopes = np.array([0.4, 0.2, 0.1, 0.05], np.float32)
+    kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, causal=True, alibi_slopes=slopes, positions=(12, 0))
+    out, lse = _numpy.attention(q, k, v, **kw)
+    ref_out, ref_lse, ref_g = refattn.attention(q, k, v, do, **kw)
+    assert refattn.rel_err(out, ref_out) <= 1e-5
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
+    grads = _numpy.attention_backward(do, q, k, v, out, lse, **kw)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_g):
+        assert refattn.rel_err(got, want) <= 1e-5, name
+    # seqused_k: batch b's first used[b] keys, at the same positions (the reference slices the keys)
+    qb, kb, vb, dob = make_inputs(rng, (3, 16, 2, 32), (3, 24, 2, 32), np.float32)
+    used = np.array([10, 0, 24], np.int32)
+    out, lse = _numpy.attention(qb, kb, vb, seqused_k=used, causal=True, positions=(20, 8))
+    for i, u in enumerate(used):
+        if u == 0:
+            assert np.all(out[i] == 0) and np.all(np.isinf(lse[i]))
+            continue
+        ref_out, ref_lse, _ = refattn.attention(qb[i:i + 1], kb[i:i + 1, :u], vb[i:i + 1, :u], causal=True,
+                                                positions=(20, 8))
+        assert refattn.rel_err(out[i:i + 1], ref_out) <= 1e-5, i
+
+
+def test_positions_errors_and_older_library(monkeypatch):
+    from flashc import _numpy
+
+    q, k, v = _qkv()
+    with pytest.raises(flashc.FlashcError, match="2\\^40") as e:
+        _numpy.attention(q, k, v, positions=(0, -2**40))
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+    with pytest.raises(ValueError, match="pair of ints"):
+        _numpy.attention(q, k, v, positions=(1, 2, 3))
+    monkeypatch.setattr(_core, "_FIELDS", _core._FIELDS - {"positions", "q_position", "k_position"})
+    with pytest.raises(NotImplementedError, match="needs libflashc 0.6"):
+        _numpy.attention(q, k, v, positions=(3, 0))

@@ -38,33 +38,42 @@ needs_cuda = pytest.mark.skipif(not cuda_ready(), reason=CUDA_REASON)
 
 
 # ---- reference ---------------------------------------------------------------------------------------------------
-def keep_mask(nq, nk, causal, window, device):
+def token_positions(nq, nk, positions, device):
+    """(Nq, 1) query and (1, Nk) key positions: q_position + i, k_position + j, or bottom-right aligned (i + Nk - Nq,
+    j) without positions."""
     i = torch.arange(nq, device=device)[:, None]
     j = torch.arange(nk, device=device)[None, :]
-    diag = i + nk - nq
+    if positions is None:
+        return i + nk - nq, j
+    return i + positions[0], j + positions[1]
+
+
+def keep_mask(nq, nk, causal, window, device, positions=None):
+    qp, kp = token_positions(nq, nk, positions, device)
     left, right = window
     if causal:
         right = 0
     keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
     if left >= 0:
-        keep &= j >= diag - left
+        keep &= kp >= qp - left
     if right >= 0:
-        keep &= j <= diag + right
+        keep &= kp <= qp + right
     return keep
 
 
 def attn_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-             upcast=True, keep=None, sinks=None, seqused_k=None):
+             upcast=True, keep=None, sinks=None, seqused_k=None, positions=None):
     """(B, Nq, H, D) attention materialized in fp64 (upcast) or in the inputs' dtype (the naive low-precision
     algorithm); differentiable. keep: an explicit (Nq, Nk) boolean mask instead of causal/window. sinks (H,): one
     more column of every row's scores, without a value (lse = logsumexp over [scores..., sink]). seqused_k (B,):
-    batch b is run on its first seqused_k[b] keys alone (sliced). Returns out, lse (B, H, Nq)."""
+    batch b is run on its first seqused_k[b] keys alone (sliced). positions (q_position, k_position): row i at
+    q_position + i, key j at k_position + j for the band and ALiBi. Returns out, lse (B, H, Nq)."""
     if seqused_k is not None:
         outs, lses = [], []
         for b, u in enumerate(seqused_k.tolist()):
             al = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
             o, lse = attn_ref(q[b:b + 1], k[b:b + 1, :u], v[b:b + 1, :u], softmax_scale, causal, window_size,
-                              softcap, al, upcast, keep, sinks)
+                              softcap, al, upcast, keep, sinks, positions=positions)
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses)
@@ -81,10 +90,10 @@ def attn_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), so
     if alibi_slopes is not None:
         sl = alibi_slopes.to(dt)
         sl = sl[None, :, None, None] if sl.dim() == 1 else sl[:, :, None, None]
-        dist = (torch.arange(nq, device=q.device)[:, None] + nk - nq - torch.arange(nk, device=q.device)[None]).abs()
-        s = s - sl * dist.to(dt)
+        qp, kp = token_positions(nq, nk, positions, q.device)
+        s = s - sl * (qp - kp).abs().to(dt)
     if keep is None:
-        keep = keep_mask(nq, nk, causal, window_size, q.device)
+        keep = keep_mask(nq, nk, causal, window_size, q.device, positions)
     s = s.masked_fill(~keep, float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.to(dt)[None, :, None, None].expand(b, h, nq, 1)], dim=-1)
@@ -728,6 +737,80 @@ def test_errors_torch(gen):
         flashc.flash_attn_func(q.double(), q.double(), q.double())
     with pytest.raises(ValueError, match="4-d"):
         flashc.flash_attn_func(q[0], q[0], q[0])
+
+
+# ---- positions ---------------------------------------------------------------------------------------------------
+POSITION_CASES = [
+    # (name, B, Nq, Nk, H, Hkv, options): keys after the queries and before them, causal rows that see no key
+    ("alibi_keys_after", 2, 40, 56, 4, 2, dict(alibi="h"), (0, 70)),
+    ("alibi_bh_keys_before", 2, 48, 32, 4, 4, dict(alibi="bh", softcap=5.0), (500, 300)),
+    ("causal_keys_later_gqa", 2, 64, 48, 4, 1, dict(causal=True), (10, 30)),
+    ("window_alibi", 1, 50, 80, 2, 2, dict(window_size=(12, 4), alibi="h"), (-20, -45)),
+    ("seqused_causal", 2, 30, 45, 2, 2, dict(causal=True, alibi="h", seqused_k=[20, 45]), (60, 40)),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("case", POSITION_CASES, ids=[c[0] for c in POSITION_CASES])
+def test_positions(case, device, gen):
+    """_Options(positions=(q_position, k_position)) through _torch.apply and attention_backward (what the ring
+    attention of flashc.distributed calls), forward and autograd backward, against the reference measured between
+    the same positions; positions equal to the bottom-right alignment change nothing, bit for bit."""
+    from flashc import _torch as ft
+
+    _, b, nq, nk, h, hkv, opts, positions = case
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, do = inputs((b, nq, h, 32), (b, nk, hkv, 32), dtype, device)
+    opts = dict(opts)
+    if opts.get("alibi") == "h":
+        opts["alibi_slopes"] = torch.rand(h, device=device) * 0.5
+    elif opts.get("alibi") == "bh":
+        opts["alibi_slopes"] = torch.rand(b, h, device=device) * 0.5
+    opts.pop("alibi", None)
+    if "seqused_k" in opts:
+        opts["seqused_k"] = torch.tensor(opts["seqused_k"], dtype=torch.int32, device=device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ft.apply("q,k,v", leaves, positions=positions, **opts)
+    out.backward(do)
+    ref_out, ref_lse, ref_g = ref_with_grads(q, k, v, do, positions=positions, **opts)
+    naive_out, _, naive_g = ref_with_grads(q, k, v, do, upcast=False, positions=positions, **opts)
+    check_close("out", out.detach(), ref_out, naive_out, dtype, 2)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key: lse +inf exactly there"
+    if seen.any():  # relative to |lse|: ALiBi over long distances gives large negative logits
+        tol = (1e-5 if dtype == torch.float32 else 2e-2) * (1 + ref_lse[seen].abs())
+        assert bool(((lse[seen].double() - ref_lse[seen]).abs() <= tol).all())
+    for name, got, want, naive in zip(("dq", "dk", "dv"), leaves, ref_g, naive_g):
+        check_close(name, got.grad, want, naive, dtype, 3)
+    # the explicit backward with the same positions gives autograd's gradients
+    grads = ft.attention_backward(do, q, k, v, out.detach(), lse, positions=positions, deterministic=True, **opts)
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-5)
+    # bottom-right alignment written as positions (q_position - k_position = Nk - Nq) is the call without them
+    if "seqused_k" not in opts:
+        plain, plain_lse = ft.apply("q,k,v", (q, k, v), **opts)
+        same, same_lse = ft.apply("q,k,v", (q, k, v), positions=(1000 + nk - nq, 1000), **opts)
+        assert torch.equal(plain, same) and torch.equal(plain_lse, same_lse)
+
+
+def test_positions_errors(gen):
+    from flashc import _core, _torch as ft
+
+    q = torch.randn(1, 8, 2, 32)
+    with pytest.raises(ValueError, match="positions must be None or a pair"):
+        ft.apply("q,k,v", (q, q, q), positions=5)
+    with pytest.raises(ValueError, match="positions must be None or a pair"):
+        ft.apply("q,k,v", (q, q, q), positions=(1.5, 0))
+    with pytest.raises(flashc.FlashcError, match="2\\^40") as e:
+        ft.apply("q,k,v", (q, q, q), positions=(2**40, 0))
+    assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
+    with pytest.raises(ValueError, match="int64"):
+        ft.apply("q,k,v", (q, q, q), positions=(0, 2**63))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ft.apply("q,k,v", (q, q, q), positions=(4, 0), dropout_p=0.1)
+    p = _core.make_params(causal=True, positions=(7, -3))
+    assert (p.positions, p.q_position, p.k_position) == (1, 7, -3)
+    assert _core.make_params().positions == 0
 
 
 # ---- seqused_k and attention sinks ---------------------------------------------------------------------------------
