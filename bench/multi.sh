@@ -4,17 +4,18 @@
 # bench/ring.py under torchrun on every GPU with the arguments given. Logs go to $OUT (or build-gpu/logs); the
 # worker's verdicts and the ring table come last.
 #
-#   bench/multi.sh [--no-check] [-- ring.py arguments]      e.g. bench/multi.sh -- --ns 524288 --causal 1 --runs 3
+#   bench/multi.sh [--no-check] [--no-ring] [-- ring.py arguments]   e.g. bench/multi.sh -- --ns 524288 --causal 1
 # Keep NCCL's NVLink multicast off (NCCL_NVLS_ENABLE=0, as the machine presets it).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-$PWD/build-gpu/logs}
 mkdir -p "$LOG"
-check=1
+check=1 ring=1
 ring_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-check) check=0 ;;
+    --no-ring) ring=0 ;;
     --) shift; ring_args=("$@"); break ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
@@ -53,5 +54,5 @@ sys.exit(1 if bad else 0)
 PY
   echo "worker: $((SECONDS - t0)) s"
 fi
-torchrun --standalone --nproc_per_node "$W" bench/ring.py "${ring_args[@]}" 2>&1 | tee "$LOG/ring.log" | grep -v "^\[" || status=1
+[ $ring = 1 ] && { torchrun --standalone --nproc_per_node "$W" bench/ring.py "${ring_args[@]}" 2>&1 | tee "$LOG/ring.log" | grep -v "^\[\|UserWarning\|return func" || status=1; }
 exit $status

@@ -32,11 +32,15 @@ dv of the same calls (flashc's backward with the global out and lse, which makes
 adds dq into its fp32 accumulator and dk, dv into the fp32 accumulator that travels with those keys. That
 accumulator is sent on while the next step computes, and after W steps one more hop brings every rank's dk, dv home.
 
-Takes what position-free or relative-to-the-diagonal options flashc's forward takes: causal, window_size (as
-flash-attn's), softcap, softmax_scale, GQA / MQA (k, v with fewer heads), float32, float16, bfloat16, and the
-deterministic backward. Not taken (ValueError / NotImplementedError, nothing sent): ALiBi and dropout, whose values
-depend on absolute positions (a rank's chunk would need the library to take a position offset), block masks and
-varlen.
+ALiBi. Its bias depends on the distance between a query's and a key's positions, which a chunk pair's bottom-right
+alignment does not give: with alibi_slopes every call passes its rows' and keys' global positions to the library
+(flashc_params.positions), and the window is the global one, measured between those positions. Calls are then
+made per pair of chunks (up to four per step with zig-zag) instead of merged.
+
+Takes causal, window_size (as flash-attn's), softcap, ALiBi, softmax_scale, GQA / MQA (k, v with fewer heads),
+packed sequences (cu_seqlens), float32, float16, bfloat16, and the deterministic backward. Not taken
+(ValueError / NotImplementedError, nothing sent): dropout (its mask is a function of absolute positions, which the
+library's dropout does not take yet), block masks, seqused_k and sinks.
 """
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -150,13 +154,18 @@ def _pieces(layout, rank, world, n):
 # ---- which calls a step makes ---------------------------------------------------------------------------------------
 class _Call(NamedTuple):
     """One flashc call: query rows [q0, q1) and keys [k0, k1) of the local tensors, window (left, right), -1 for
-    unbounded (flashc's bottom-right aligned window, which _pair chose to reproduce the global band)."""
+    unbounded: flashc's bottom-right aligned window, which _pair chose to reproduce the global band, or, when qpos is
+    set, the global window itself, measured between positions (flashc's positions option: row q0 sits at position
+    qpos, key k0 at kpos, positions counted from the sequence's start). seq: the packed sequence's index."""
     q0: int
     q1: int
     k0: int
     k1: int
     left: int
     right: int
+    qpos: Optional[int] = None
+    kpos: Optional[int] = None
+    seq: int = 0
 
 
 def _band(causal, window_size):
@@ -189,6 +198,20 @@ def _pair(qp, kp, lo, hi):
         ke = nq + hi  # keys j >= nq + hi are seen by no row i < nq
     d = ke - qe
     return _Call(qs, qe, ks, ke, -1 if lo is None else d - lo, -1 if hi is None else hi - d)
+
+
+def _plan_positions(qpieces, kpieces, lo, hi):
+    """The calls of one step when each call carries its global positions (ALiBi, whose bias depends on the distance
+    between positions, not only on the band): one call per (query piece, key piece) pair that sees anything, on the
+    rows and keys _pair keeps, with the global window."""
+    calls = []
+    for qp in qpieces:
+        for kp in kpieces:
+            c = _pair(qp, kp, lo, hi)
+            if c is not None:
+                calls.append(_Call(qp.local + c.q0, qp.local + c.q1, kp.local + c.k0, kp.local + c.k1,
+                                   -1 if lo is None else -lo, -1 if hi is None else hi, qp.pos + c.q0, kp.pos + c.k0))
+    return calls
 
 
 def _plan(qpieces, kpieces, lo, hi, same_rank):
@@ -232,7 +255,7 @@ def _plan(qpieces, kpieces, lo, hi, same_rank):
     return calls
 
 
-_REFUSED = ("alibi_slopes", "dropout_p", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")
+_REFUSED = ("dropout_p", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")
 _REFUSAL = {"cu_seqlens_q": "self-attention over packed sequences takes one cu_seqlens (the whole batch's offsets)",
             "cu_seqlens_k": "self-attention over packed sequences takes one cu_seqlens (the whole batch's offsets)"}
 
@@ -255,8 +278,8 @@ def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes, extra=())
         if value is not None and not (isinstance(value, (int, float)) and value == 0):
             raise NotImplementedError(
                 "flashc.distributed.ring_attention does not take %s: %s" % (
-                    name, "its values depend on absolute positions, which a rank's chunk does not carry"
-                    if name in ("alibi_slopes", "dropout_p") else _REFUSAL.get(name, "not built for the ring yet")))
+                    name, "its mask depends on absolute positions, which the library's dropout does not take yet"
+                    if name == "dropout_p" else _REFUSAL.get(name, "not built for the ring yet")))
     backend = dist.get_backend(group)
     if q.is_cuda and backend == "gloo":
         raise ValueError("flashc.distributed.ring_attention: the group's backend is gloo, which has no "
@@ -318,11 +341,18 @@ class _Setup(NamedTuple):
     softcap: float
     deterministic: bool
     segments: Tuple[Tuple[int, int], ...]  # (first local row, local rows) of each sequence; one without varlen
+    alibi: Optional[torch.Tensor] = None  # fp32 slopes on q's device: (H,), (B, H), or (num_seqs, H) with varlen
 
 
 def _options(s, q4, k4, call):
+    kw = {}
+    if call.qpos is not None:
+        kw["positions"] = (call.qpos, call.kpos)
+    if s.alibi is not None:
+        # per packed sequence: each call is one sequence's rows (a batch of one)
+        kw["alibi_slopes"] = s.alibi[call.seq] if s.alibi.dim() == 2 and len(s.segments) > 1 else s.alibi
     return _torch._Options(q4, k4, softmax_scale=s.softmax_scale, window_size=(call.left, call.right),
-                           softcap=s.softcap, deterministic=s.deterministic)
+                           softcap=s.softcap, deterministic=s.deterministic, **kw)
 
 
 def _calls(s, step):
@@ -330,12 +360,14 @@ def _calls(s, step):
     rows, which are the same on every rank)."""
     out = []
     src = (s.rank - step) % s.world
-    for off, n in s.segments:
+    for seq, (off, n) in enumerate(s.segments):
         if n == 0:
             continue
-        for c in _plan(_pieces(s.layout, s.rank, s.world, n), _pieces(s.layout, src, s.world, n), s.lo, s.hi,
-                       step == 0):
-            out.append(_Call(c.q0 + off, c.q1 + off, c.k0 + off, c.k1 + off, c.left, c.right))
+        qpieces, kpieces = _pieces(s.layout, s.rank, s.world, n), _pieces(s.layout, src, s.world, n)
+        plan = (_plan_positions(qpieces, kpieces, s.lo, s.hi) if s.alibi is not None
+                else _plan(qpieces, kpieces, s.lo, s.hi, step == 0))
+        for c in plan:
+            out.append(c._replace(q0=c.q0 + off, q1=c.q1 + off, k0=c.k0 + off, k1=c.k1 + off, seq=seq))
     return out
 
 
@@ -438,15 +470,18 @@ def _local_segments(cu, n_local, world, layout):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                   softcap: float = 0.0, cu_seqlens=None, layout: str = "zigzag", deterministic: bool = False,
+                   softcap: float = 0.0, alibi_slopes=None, cu_seqlens=None, layout: str = "zigzag",
+                   deterministic: bool = False,
                    return_lse: bool = False, check_shapes: bool = True, **unsupported):
     """Attention of this rank's queries over the whole sequence's keys: q (B, N_local, H, D), k and v
     (B, N_local, Hkv, D), this rank's part of the sequence in `layout` (see shard). Returns out (B, N_local, H, D)
     in q's dtype, and with return_lse=True also lse (B, H, N_local) fp32 (natural log; +inf for a row that sees no
     key), both in the local order. Differentiable w.r.t. q, k and v (the backward is a ring too).
 
-    causal and window_size apply to global positions, as flashc.attention / flash_attn_func do on the whole
-    sequence; softcap, softmax_scale and deterministic as there. Every rank of the group must call it with the same
+    causal, window_size and alibi_slopes apply to global positions, as flashc.attention / flash_attn_func do on
+    the whole sequence; softcap, softmax_scale and deterministic as there. alibi_slopes: fp32 (H,) or (B, H)
+    ((num_seqs, H) with cu_seqlens), bias -slope * |i - j| between global positions i and j; with it each call
+    passes its positions to the library (one call per pair of chunks instead of merged ones). Every rank of the group must call it with the same
     options and shapes. check_shapes: compare every rank's shapes first (one small all-gather, and on CUDA a wait for
     the GPU to reach it); False skips that for callers that guarantee equal shards (a mismatch then fails or hangs
     inside the point-to-point transfers).
@@ -473,8 +508,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     _check_inputs(q, k, v, group, world, "contiguous" if varlen else layout, unsupported, check_shapes, extra)
     segments = _local_segments(cu, q.shape[1], world, layout) if varlen else ((0, q.shape[1]),)
     lo, hi = _band(causal, window_size)
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = torch.as_tensor(alibi_slopes).to(device=q.device, dtype=torch.float32).contiguous()
+        batch = len(segments) if varlen else q.shape[0]
+        if tuple(alibi.shape) not in ((q.shape[2],), (batch, q.shape[2])):
+            raise ValueError("flashc.distributed.ring_attention: alibi_slopes must be (H,) = (%d,) or (%s, H) = "
+                             "(%d, %d), got %s" % (q.shape[2], "num_seqs" if varlen else "B", batch, q.shape[2],
+                                                   tuple(alibi.shape)))
     setup = _Setup(group, world, rank, layout, lo, hi, softmax_scale, float(softcap or 0.0), bool(deterministic),
-                   segments)
+                   segments, alibi)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _RingFunction.apply(setup, q, k, v)
     else:

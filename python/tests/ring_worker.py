@@ -34,17 +34,21 @@ import flashc.distributed as fcd  # noqa: E402
 from test_torch import attn_ref, check_close, keep_mask, rule_dtype  # noqa: E402
 
 # name, B, N (whole sequence), H, Hkv, D, causal, window, softcap, layout, cu_seqlens (varlen: B is 1, the packed
-# sequences' offsets; every length a multiple of 8 = 2W at 4 ranks)
+# sequences' offsets; every length a multiple of 8 = 2W at 4 ranks), ALiBi slopes ("h": (H,), "bh": one row per
+# batch entry or packed sequence; None: none)
 CASES = [
-    ("plain", 2, 48, 2, 2, 32, False, (-1, -1), 0.0, "zigzag", None),
-    ("causal_gqa", 2, 48, 4, 2, 64, True, (-1, -1), 0.0, "zigzag", None),
-    ("causal_contiguous", 1, 40, 2, 1, 32, True, (-1, -1), 0.0, "contiguous", None),
-    ("window", 2, 48, 2, 2, 32, False, (13, 5), 0.0, "zigzag", None),
-    ("window_left_causal_softcap", 1, 64, 2, 2, 64, True, (21, -1), 5.0, "zigzag", None),
-    ("window_right_only", 1, 48, 2, 2, 32, False, (-1, 7), 0.0, "contiguous", None),
-    ("window_tiny", 1, 48, 2, 2, 32, False, (1, 0), 0.0, "zigzag", None),
-    ("varlen_causal", 1, 72, 4, 2, 32, True, (-1, -1), 0.0, "zigzag", [0, 16, 16, 56, 64, 72]),
-    ("varlen_window_softcap", 1, 64, 2, 2, 32, False, (9, 2), 4.0, "contiguous", [0, 24, 32, 64]),
+    ("plain", 2, 48, 2, 2, 32, False, (-1, -1), 0.0, "zigzag", None, None),
+    ("causal_gqa", 2, 48, 4, 2, 64, True, (-1, -1), 0.0, "zigzag", None, None),
+    ("causal_contiguous", 1, 40, 2, 1, 32, True, (-1, -1), 0.0, "contiguous", None, None),
+    ("window", 2, 48, 2, 2, 32, False, (13, 5), 0.0, "zigzag", None, None),
+    ("window_left_causal_softcap", 1, 64, 2, 2, 64, True, (21, -1), 5.0, "zigzag", None, None),
+    ("window_right_only", 1, 48, 2, 2, 32, False, (-1, 7), 0.0, "contiguous", None, None),
+    ("window_tiny", 1, 48, 2, 2, 32, False, (1, 0), 0.0, "zigzag", None, None),
+    ("varlen_causal", 1, 72, 4, 2, 32, True, (-1, -1), 0.0, "zigzag", [0, 16, 16, 56, 64, 72], None),
+    ("varlen_window_softcap", 1, 64, 2, 2, 32, False, (9, 2), 4.0, "contiguous", [0, 24, 32, 64], None),
+    ("alibi_causal_gqa", 2, 48, 4, 2, 32, True, (-1, -1), 0.0, "zigzag", None, "h"),
+    ("alibi_window", 2, 48, 2, 2, 32, False, (11, 6), 0.0, "contiguous", None, "bh"),
+    ("alibi_varlen_softcap", 1, 64, 2, 2, 32, False, (-1, -1), 3.0, "zigzag", [0, 16, 48, 64], "bh"),
 ]
 
 
@@ -54,21 +58,27 @@ def case_tensors(case, dtype, device, seed):
     q, do = (torch.randn((b, n, h, d), generator=g) for _ in range(2))
     k, v = (torch.randn((b, n, hkv, d), generator=g) for _ in range(2))
     q[:, n // 3] *= 6.0  # a row with large logits
+    # ALiBi slopes in [0.05, 0.45]: biases of several units across these lengths
+    slopes = {"h": (h,), "bh": (b if case[10] is None else len(case[10]) - 1, h)}
+    alibi = None if case[11] is None else 0.05 + 0.4 * torch.rand(slopes[case[11]], generator=g)
     if case[10] is not None:  # packed: (total, H, D)
         q, k, v, do = (t[0] for t in (q, k, v, do))
-    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)] + [
+        None if alibi is None else alibi.to(device)]
 
 
-def per_sequence(fn, cu, *ts):
-    """fn on each packed sequence of ts (total, ...) as a batch of one; its outputs (..., L, ...) packed again:
-    tensors of rank 4 along dim 1 as (total, ...), lse (1, H, L) as (H, total)."""
+def per_sequence(fn, cu, alibi, *ts):
+    """fn(slopes, *ts) on each packed sequence of ts (total, ...) as a batch of one, with that sequence's ALiBi
+    slopes (a (num_seqs, H) alibi gives its row as (1, H)); its outputs (..., L, ...) packed again: tensors of rank 4
+    along dim 1 as (total, ...), lse (1, H, L) as (H, total)."""
     if cu is None:
-        return fn(*ts)
-    outs = [fn(*(t[a:b].unsqueeze(0) for t in ts)) for a, b in zip(cu, cu[1:])]
+        return fn(alibi, *ts)
+    outs = [fn(alibi[i:i + 1] if alibi is not None and alibi.dim() == 2 else alibi, *(t[a:b].unsqueeze(0) for t in ts))
+            for i, (a, b) in enumerate(zip(cu, cu[1:]))]
     return [torch.cat([o[i][0] for o in outs], dim=0 if outs[0][i].dim() == 4 else 1) for i in range(len(outs[0]))]
 
 
-def part_rounding(q, k, v, do, causal, window, softcap, rd):
+def part_rounding(alibi, q, k, v, do, causal, window, softcap, rd):
     """u * the absolute sums of the module docstring, in fp64, for out, dq, dk, dv (the inputs the kernels see)."""
     u = 2.0 ** -8 if rd == torch.bfloat16 else 2.0 ** -11
     q, k, v, do = (t.detach().cpu().to(rd).double() for t in (q, k, v, do))
@@ -81,6 +91,10 @@ def part_rounding(q, k, v, do, causal, window, softcap, rd):
     if softcap:
         t = torch.tanh(s / softcap)
         s = softcap * t
+    if alibi is not None:
+        sl = alibi.cpu().double()
+        sl = sl[None, :, None, None] if sl.dim() == 1 else sl[:, :, None, None]
+        s = s - sl * (torch.arange(n)[:, None] - torch.arange(n)[None]).abs().double()
     p = torch.softmax(s.masked_fill(~keep_mask(n, n, causal, window, "cpu"), float("-inf")), -1)
     o = torch.einsum("bhij,bjhd->bihd", p, vr)
     dp = torch.einsum("bihd,bjhd->bhij", do, vr)
@@ -99,31 +113,33 @@ def part_rounding(q, k, v, do, causal, window, softcap, rd):
 
 
 def run_case(case, dtype, device, seed, group, record):
-    name, b, n, h, hkv, d, causal, window, softcap, layout, cu = case
+    name, b, n, h, hkv, d, causal, window, softcap, layout, cu, _ = case
     tag = "%s/%s" % (name, str(dtype).replace("torch.", ""))
-    q, k, v, do = case_tensors(case, dtype, device, seed)
+    q, k, v, do, alibi = case_tensors(case, dtype, device, seed)
     opts = dict(causal=causal, window_size=window, softcap=softcap)
     sh = dict(layout=layout, cu_seqlens=cu)
     qs, ks, vs, dos = (fcd.shard(t, group, **sh).detach().requires_grad_(t is not do) for t in (q, k, v, do))
-    out, lse = fcd.ring_attention(qs, ks, vs, group, return_lse=True, **sh, **opts)
+    out, lse = fcd.ring_attention(qs, ks, vs, group, return_lse=True, alibi_slopes=alibi, **sh, **opts)
     out.backward(dos)
     rd = rule_dtype(dtype, device)
     # fp32 on CUDA runs on bf16 operands (rule_dtype): the reference then takes the operands the kernels see, so the
     # rule measures the attention's error, not the inputs' rounding (as the bf16 rows do)
     qr, kr, vr = (t.detach().to(rd).double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = per_sequence(lambda *t: attn_ref(*t, **opts), cu, qr, kr, vr)
+    ref, ref_lse = per_sequence(lambda al, *t: attn_ref(*t, alibi_slopes=al, **opts), cu, alibi, qr, kr, vr)
     ref.backward(do.to(rd).double())
     naive = [None] * 5
     if rd != torch.float32:
         ql, kl, vl = (t.detach().to(rd).requires_grad_() for t in (q, k, v))
-        no, nl = per_sequence(lambda *t: attn_ref(*t, upcast=False, **opts), cu, ql, kl, vl)
+        no, nl = per_sequence(lambda al, *t: attn_ref(*t, alibi_slopes=al, upcast=False, **opts), cu, alibi, ql, kl,
+                              vl)
         no.backward(do.to(rd))
         naive = [no, nl, ql.grad, kl.grad, vl.grad]
     pairs = [("out", out, ref, 2), ("lse", lse, ref_lse, 2), ("dq", qs.grad, qr.grad, 3), ("dk", ks.grad, kr.grad, 3),
              ("dv", vs.grad, vr.grad, 3)]
     parts = [None] * 5
     if rd != torch.float32:
-        po, pq, pk, pv = per_sequence(lambda *t: part_rounding(*t, causal, window, softcap, rd), cu, q, k, v, do)
+        po, pq, pk, pv = per_sequence(lambda al, *t: part_rounding(al, *t, causal, window, softcap, rd), cu, alibi,
+                                      q, k, v, do)
         parts = [po, None, pq, pk, pv]
     for (what, got, want, factor), nv, part in zip(pairs, naive, parts):
         # the rule's maxima are over the whole sequence, as for one process: the ranks' results gathered
@@ -148,7 +164,7 @@ def run_case(case, dtype, device, seed, group, record):
     record["checked"].append(tag)
     # the same call again gives the same bits (the merge order and the ring are fixed)
     with torch.no_grad():
-        again = fcd.ring_attention(qs, ks, vs, group, **sh, **opts)
+        again = fcd.ring_attention(qs, ks, vs, group, alibi_slopes=alibi, **sh, **opts)
     if not torch.equal(again, out.detach()):
         record["failures"].append("%s: a second run differs (max %.3g)" % (tag, (again - out).abs().max().item()))
 
@@ -177,8 +193,10 @@ def refusals(device, group, record):
     y = torch.randn((1, 7, 2, 16), device=device)
     expect_error(record, "odd_zigzag", ValueError, "must be even", lambda: fcd.ring_attention(y, y, y, group))
     z = torch.randn((1, 8, 2, 16), device=device)
-    expect_error(record, "alibi", NotImplementedError, "absolute positions",
-                 lambda: fcd.ring_attention(z, z, z, group, alibi_slopes=torch.ones(2)))
+    expect_error(record, "dropout", NotImplementedError, "absolute positions",
+                 lambda: fcd.ring_attention(z, z, z, group, dropout_p=0.1))
+    expect_error(record, "alibi_shape", ValueError, "alibi_slopes must be",
+                 lambda: fcd.ring_attention(z, z, z, group, alibi_slopes=torch.ones(3)))
     expect_error(record, "unknown", TypeError, "unexpected argument",
                  lambda: fcd.ring_attention(z, z, z, group, bogus=None))
     expect_error(record, "layout", ValueError, "layout must be", lambda: fcd.ring_attention(z, z, z, group, layout="x"))

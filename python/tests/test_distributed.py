@@ -2,11 +2,14 @@
 
 - The step planner: for every rank, step, layout and band (causal, windows on either side, none), the calls it makes
   keep exactly the global band's (query, key) pairs, each once: checked exhaustively against the band on global
-  positions, with each call's flashc window evaluated by CONVENTIONS.md's bottom-right rule.
+  positions, with each call's flashc window evaluated by CONVENTIONS.md's bottom-right rule; the planner for ALiBi,
+  whose calls carry their global positions (flashc's positions option), likewise with the window measured between
+  those positions, and each call's rows and keys on consecutive positions.
 - 1, 2 and 4 processes (ring_worker.py, one per rank, a gloo group through a file store): forward and backward of a case
-  table (causal, GQA, windows, softcap, both layouts, packed sequences; fp32 and bf16) against test_torch's fp64
+  table (causal, GQA, windows, softcap, ALiBi, both layouts, packed sequences; fp32 and bf16) against test_torch's fp64
   reference of the whole sequence by CONVENTIONS.md's rule (plus the 16-bit partial results' roundings, see
-  ring_worker.py); a second run gives the same bits; uneven shards, an odd zig-zag shard, ALiBi, an unknown argument,
+  ring_worker.py); a second run gives the same bits; uneven shards, an odd zig-zag shard, dropout, ALiBi slopes of
+  the wrong shape, an unknown argument,
   a bad layout, a packed sequence that does not split evenly and cu_seqlens that differ between ranks are refused on
   every rank with a clear error, and the ring still works afterwards.
 """
@@ -38,6 +41,17 @@ def kernel_keeps(nq, nk, left, right):
         keep &= j >= i + nk - nq - left
     if right >= 0:
         keep &= j <= i + nk - nq + right
+    return keep
+
+
+def position_keeps(nq, nk, qpos, kpos, left, right):
+    """flashc's window with positions: row i at qpos + i keeps key j at kpos + j within [-left, +right]."""
+    x = (kpos + np.arange(nk))[None, :] - (qpos + np.arange(nq))[:, None]
+    keep = np.ones((nq, nk), dtype=bool)
+    if left >= 0:
+        keep &= x >= -left
+    if right >= 0:
+        keep &= x <= right
     return keep
 
 
@@ -73,6 +87,40 @@ def test_plan_keeps_exactly_the_band(layout):
                             assert c.left >= -1 and c.right >= -1, c
                             cover[c.q0:c.q1, c.k0:c.k1] += kernel_keeps(c.q1 - c.q0, c.k1 - c.k0, c.left, c.right)
                         want = band[np.ix_(positions(layout, rank, world, n), positions(layout, src, world, n))]
+                        where = "layout %s world %d n %d band %s rank %d step %d: %s" % (
+                            layout, world, n, (causal, window), rank, step, calls)
+                        assert cover.max(initial=0) <= 1, "a pair computed twice; " + where
+                        assert np.array_equal(cover.astype(bool), want), where
+
+
+@pytest.mark.parametrize("layout", fcd.LAYOUTS)
+def test_position_plan_keeps_exactly_the_band(layout):
+    for world in (1, 2, 3, 4):
+        for n in (2, 4, 6, 10):
+            total = world * n
+            for causal, window in BANDS:
+                lo, hi = fcd._band(causal, window)
+                gi, gj = np.arange(total)[:, None], np.arange(total)[None, :]
+                band = np.ones((total, total), dtype=bool)
+                if lo is not None:
+                    band &= gj - gi >= lo
+                if hi is not None:
+                    band &= gj - gi <= hi
+                for rank in range(world):
+                    for step in range(world):
+                        src = (rank - step) % world
+                        qpos, kpos = positions(layout, rank, world, n), positions(layout, src, world, n)
+                        calls = fcd._plan_positions(fcd._pieces(layout, rank, world, n),
+                                                    fcd._pieces(layout, src, world, n), lo, hi)
+                        cover = np.zeros((n, n), dtype=int)
+                        for c in calls:
+                            assert 0 <= c.q0 < c.q1 <= n and 0 <= c.k0 < c.k1 <= n, c
+                            # the rows and keys of a call sit on consecutive positions from qpos, kpos
+                            assert np.array_equal(qpos[c.q0:c.q1], c.qpos + np.arange(c.q1 - c.q0)), c
+                            assert np.array_equal(kpos[c.k0:c.k1], c.kpos + np.arange(c.k1 - c.k0)), c
+                            cover[c.q0:c.q1, c.k0:c.k1] += position_keeps(c.q1 - c.q0, c.k1 - c.k0, c.qpos, c.kpos,
+                                                                          c.left, c.right)
+                        want = band[np.ix_(qpos, kpos)]
                         where = "layout %s world %d n %d band %s rank %d step %d: %s" % (
                             layout, world, n, (causal, window), rank, step, calls)
                         assert cover.max(initial=0) <= 1, "a pair computed twice; " + where
@@ -121,9 +169,9 @@ def test_ring_matches_one_process(world, tmp_path, rng):
     assert not failures, "\n".join(failures)
     for r in records:
         # every case and dtype ran and every refusal was seen, on every rank
-        assert len(r["checked"]) == 18, r["checked"]
-        both = ["uneven", "odd_zigzag", "alibi", "unknown", "layout", "varlen_length", "varlen_differ",
-                "ring_after_refusals"]
+        assert len(r["checked"]) == 24, r["checked"]
+        both = ["uneven", "odd_zigzag", "dropout", "alibi_shape", "unknown", "layout", "varlen_length",
+                "varlen_differ", "ring_after_refusals"]
         assert r["errors"] == [e for e in both if world > 1 or e not in ("uneven", "varlen_differ")], r
 
 
