@@ -28,9 +28,11 @@ static int failures = 0;
 
 /* The cases of the table with each score modifier or mask on 16-bit inputs, all of which the Hopper kernel takes,
  * and how many of them ran on it. */
-enum { FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_USED, FEAT_SINKS, FEAT_BLOCK, FEAT_N };
+enum {
+    FEAT_WINDOW, FEAT_SOFTCAP, FEAT_ALIBI, FEAT_VARLEN, FEAT_USED, FEAT_SINKS, FEAT_BLOCK, FEAT_POSITIONS, FEAT_N
+};
 static const char *const feat_name[FEAT_N] = {"window", "softcap", "alibi", "varlen", "seqused_k", "sinks",
-                                              "block-mask"};
+                                              "block-mask", "positions"};
 typedef struct feature_tally {
     int cases[FEAT_N], sm90[FEAT_N];
 } feature_tally;
@@ -43,7 +45,8 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
     if (kernel && strstr(kernel, "decode tile")) return; /* at most 16 query rows: the decode tile, by design */
     if (c->page_size > 0) return; /* paged K/V: the mma.sync kernel's per-row page loads (no Hopper paged kernel yet) */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
-                             c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0};
+                             c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0,
+                             c->positions != 0};
     for (int f = 0; f < FEAT_N; f++)
         if (has[f]) {
             ft->cases[f]++;
@@ -51,10 +54,18 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
         }
 }
 
+/* Whether a case keeps a right band (causal: right 0) after the front made the sides that hide no key unbounded: with
+ * positions a right side below Nk - (q_position - k_position); bottom-right aligned, never for one query row (its
+ * diagonal is the last key). Such a band keeps the CUDA forward off the GQA-rows path. */
+static int right_band_cuts(const flashc_case *c) {
+    const int64_t right = c->causal ? 0 : c->window_right;
+    return c->positions && right >= 0 && right < c->Nk - (c->q_position - c->k_position);
+}
 /* Decode rows the CUDA forward runs with the GQA heads of a kv head as its query rows (cuda.cu's fwd_gqa_rows):
  * one query, grouped heads, and nothing that depends on a row's position or head. */
 static int gqa_rows_expected(const flashc_case *c) {
-    return c->Nq == 1 && c->H > c->Hkv && !c->varlen && c->window_left < 0 && !c->alibi && !c->sinks && !c->block_q;
+    return c->Nq == 1 && c->H > c->Hkv && !c->varlen && c->window_left < 0 && !c->alibi && !c->sinks && !c->block_q &&
+           !right_band_cuts(c);
 }
 static int gqa_rows_cases = 0;
 /* Rows that run the decode tile (cuda.cu's fwd_dec): at most 16 query rows, after GQA heads become rows, and at

@@ -318,7 +318,7 @@ FC_BWD_FN void fc_bwd_dkdv_body(const fc_bwd_args &a, fc_bwd_smem &sm, int64_t b
     /* Query rows [qlo, qhi] the band lets see some key of the tile (none: qlo > qhi); their tiles, from the one
      * that holds qlo. */
     int64_t qlo, qhi;
-    fc_query_rows(a, j0, j1, s.nk - s.nq, s.nq, &qlo, &qhi);
+    fc_query_rows(a, j0, j1, fc_diag(a, s.nq, s.nk), s.nq, &qlo, &qhi);
     const int64_t qt0 = qlo <= qhi ? qlo / FC_BWD_BR : 0, qt1 = qlo <= qhi ? qhi / FC_BWD_BR + 1 : 0;
     const int64_t group = a.H / a.Hkv;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
