@@ -88,14 +88,17 @@ def tensors(n, dev, grad):
     return [t.requires_grad_(grad) for t in (q, k, v)] + [do]
 
 
+ALIBI = {}  # --alibi: the slopes passed to every flashc call (ring and one GPU)
+
+
 def ring_call(q, k, v, do, causal, mode):
     if mode == "fwd":
         def fn():
             with torch.no_grad():
-                fcd.ring_attention(q, k, v, causal=causal)
+                fcd.ring_attention(q, k, v, causal=causal, **ALIBI)
     else:
         def fn():
-            o = fcd.ring_attention(q, k, v, causal=causal)
+            o = fcd.ring_attention(q, k, v, causal=causal, **ALIBI)
             torch.autograd.grad(o, (q, k, v), do)
     return fn
 
@@ -107,11 +110,11 @@ def one_gpu_call(q, k, v, do, causal, mode, times):
         def fn():
             with torch.no_grad():
                 for _ in range(times):
-                    flashc.flash_attn_func(q, k, v, causal=causal)
+                    flashc.flash_attn_func(q, k, v, causal=causal, **ALIBI)
     else:
         def fn():
             for _ in range(times):
-                o = flashc.flash_attn_func(q, k, v, causal=causal)
+                o = flashc.flash_attn_func(q, k, v, causal=causal, **ALIBI)
                 torch.autograd.grad(o, (q, k, v), do)
     return fn
 
@@ -121,10 +124,10 @@ def check(n, world, dev):
     res = {}
     for causal in (False, True):
         q, k, v, do = tensors(n, dev, True)
-        ref = flashc.flash_attn_func(q, k, v, causal=causal)
+        ref = flashc.flash_attn_func(q, k, v, causal=causal, **ALIBI)
         rq, rk, rv = torch.autograd.grad(ref, (q, k, v), do)
         qs, ks, vs, dos = (fcd.shard(t.detach(), None).requires_grad_() for t in (q, k, v, do))
-        out = fcd.ring_attention(qs, ks, vs, causal=causal)
+        out = fcd.ring_attention(qs, ks, vs, causal=causal, **ALIBI)
         gq, gk, gv = torch.autograd.grad(out, (qs, ks, vs), dos)
         for name, got, want in (("out", out, ref), ("dq", gq, rq), ("dk", gk, rk), ("dv", gv, rv)):
             full = fcd.unshard(got.detach().contiguous(), None)
@@ -207,6 +210,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2^(-8 (h + 1) / H) on every call (the ring "
+                    "then passes positions, one call per chunk pair)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables at the first N (forward)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -214,9 +219,11 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
     world, dev = dist.get_world_size(), torch.device("cuda", local)
-    say("ring.py: %d x %s, torch %s, NCCL %s, flashc %s" % (
+    if a.alibi:
+        ALIBI["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device=dev)
+    say("ring.py: %d x %s, torch %s, NCCL %s, flashc %s%s" % (
         world, torch.cuda.get_device_name(), torch.__version__, ".".join(map(str, torch.cuda.nccl.version())),
-        flashc.library_version()))
+        flashc.library_version(), ", ALiBi" if a.alibi else ""))
     ns = [int(x) for x in a.ns.split(",") if x]
     if a.check:
         for k_, v_ in check(ns[0], world, dev).items():
