@@ -151,15 +151,15 @@ typedef struct flashc_params {
     int64_t max_seqlen_q;
     int64_t max_seqlen_k;
 
-    /* Dropout of the attention probabilities: element (b, h, i, j) of P is dropped with probability dropout_p, and
-     * kept ones are scaled by 1 / (1 - dropout_p) after the softmax normalization (softmax_lse is of the undropped
-     * softmax), as flash-attn does: O = (P o Z) V. Which elements are dropped is a pure function of (dropout_seed,
-     * dropout_offset, b, h, i, j), i and j counted within each sequence (Philox4x32-10, src/dropout.h gives the exact
-     * formula; flashc_dropout_mask materializes it): the same on every path, thread count and split, recomputed by
-     * the backward from the same params, never stored. A call uses the Philox streams dropout_offset ..
-     * dropout_offset + B * H - 1 (B = num_seqs with varlen): advance dropout_offset by at least B * H for a fresh mask
-     * on the next call. dropout_p in [0, 1) (NaN, < 0 and >= 1 are refused); 0: off. dropout_rng (0.5, below) passes
-     * the seed and offset by pointer instead. */
+    /* Dropout of the attention probabilities: element (b, h, i, j) of P is dropped with probability dropout_p, and kept
+     * ones are scaled by 1 / (1 - dropout_p) after the softmax normalization (softmax_lse is of the undropped softmax),
+     * as flash-attn does: O = (P o Z) V. Which elements are dropped is a pure function of (dropout_seed,
+     * dropout_offset, b, h, i, j), i and j counted within each sequence (with positions, 0.6 below: q_position + i and
+     * k_position + j) (Philox4x32-10, src/dropout.h gives the exact formula; flashc_dropout_mask materializes it): the
+     * same on every path, thread count and split, recomputed by the backward from the same params, never stored. A call
+     * uses the Philox streams dropout_offset .. dropout_offset + B * H - 1 (B = num_seqs with varlen): advance
+     * dropout_offset by at least B * H for a fresh mask on the next call. dropout_p in [0, 1) (NaN, < 0 and >= 1 are
+     * refused); 0: off. dropout_rng (0.5, below) passes the seed and offset by pointer instead. */
     float dropout_p;
     uint64_t dropout_seed;
     uint64_t dropout_offset;
@@ -233,7 +233,12 @@ typedef struct flashc_params {
      * and key in this call, not from the positions.
      * |q_position| and |k_position| must be below 2^40 (INVALID_ARGUMENT otherwise); the CUDA backend, whose
      * kernels count rows in int32, takes |q_position - k_position| up to 2^29 and refuses more (NOT_SUPPORTED).
-     * Dropout together with positions is refused (NOT_SUPPORTED): its (i, j) do not move with the positions yet.
+     * ALiBi distances are formed in fp32 (as flash-attn forms them): past 2^24 they are rounded.
+     * Dropout's (i, j) are the positions too, (q_position + i, k_position + j), so that the chunk pairs of a longer
+     * attention drop exactly its elements (with the same dropout_seed and dropout_offset, and the same b and h); this
+     * needs q_position >= 0, k_position >= 0 and a multiple of 4 (Philox's groups of four keys stay aligned),
+     * q_position + Nq <= 2^32 and k_position + Nk <= 2^34 (dropout's 32-bit counters): other positions with
+     * dropout_p > 0 are refused with NOT_SUPPORTED (flashc_dropout_mask likewise, with its Nq and Nk).
      * positions 0: off, bottom-right alignment as before (q_position and k_position are not read). */
     int positions;
     int64_t q_position;
@@ -394,11 +399,11 @@ FLASHC_API flashc_tensor flashc_tensor_contiguous(void *data, flashc_dtype dtype
 /*
  * Dropout keep mask, for tests and for flash-attn's return_attn_probs: mask (B, H, Nq, Nk) contiguous bytes in host
  * memory, mask[((b * H + h) * Nq + i) * Nk + j] = 1 where flashc_forward / flashc_backward with these params keep
- * element (b, h, i, j) of P and 0 where they drop it. Reads dropout_p, dropout_seed and dropout_offset (params
- * checked as every call checks them; dropout_p 0 gives all ones). Pass the problem's H; with varlen B = num_seqs and
- * Nq, Nk at least the longest sequence's, sequence b's bits lying in the first rows and columns of its (b, h) planes.
- * No attention mask (causal, window, block mask, seqused_k) is applied. flash-attn's S_dmask is P with the dropped
- * entries negated: where(mask, P, -P). Needs no context; on failure nothing is written and the reason is
+ * element (b, h, i, j) of P and 0 where they drop it. Reads dropout_p, dropout_seed, dropout_offset and the positions
+ * (params checked as every call checks them; dropout_p 0 gives all ones). Pass the problem's H; with varlen
+ * B = num_seqs and Nq, Nk at least the longest sequence's, sequence b's bits lying in the first rows and columns of its
+ * (b, h) planes. No attention mask (causal, window, block mask, seqused_k) is applied. flash-attn's S_dmask is P with
+ * the dropped entries negated: where(mask, P, -P). Needs no context; on failure nothing is written and the reason is
  * flashc_context_last_error(NULL).
  */
 FLASHC_API flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_t H, int64_t Nq,

@@ -10,7 +10,9 @@
  *
  * The keep bit of element (b, h, i, j): sequence b (with varlen the sequence's index in cu_seqlens), query head h of H,
  * query row i and key column j, both counted from the start of the sequence (so varlen packing, seqused_k and paged
- * K/V change nothing), for a call with dropout_p = p, dropout_seed = seed, dropout_offset = offset:
+ * K/V change nothing) or, with flashc_params' positions, the positions q_position + i and k_position + j (so a chunk
+ * pair of a longer attention gets that attention's bits), for a call with dropout_p = p, dropout_seed = seed,
+ * dropout_offset = offset:
  *
  *   key      (k0, k1)          = (seed mod 2^32, seed >> 32)
  *   stream   s                 = offset + b * H + h                          (mod 2^64)

@@ -308,6 +308,26 @@ static flashc_status check_dropout_p(flashc_context_t ctx, float p) {
     return FLASHC_STATUS_OK;
 }
 
+/* Dropout with positions takes dropout's (i, j) at the positions (q_position + i, k_position + j), so they must lie
+ * where Philox's counter words hold them: rows in [0, 2^32), key groups of four in [0, 2^32), and k_position a
+ * multiple of 4 so that a call's groups of four keys are the longer attention's (the GPU kernels compute a group at a
+ * time). nq, nk: the longest sequence's lengths. */
+static flashc_status check_dropout_positions(flashc_context_t ctx, int64_t q_position, int64_t k_position, int64_t nq,
+                                             int64_t nk) {
+    if (q_position < 0 || k_position < 0 || k_position % 4 != 0)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "dropout with positions (q_position %lld, k_position %lld) needs both >= 0 and k_position a "
+                          "multiple of 4: dropout's (row, key) are the positions, counted in Philox's groups of four "
+                          "keys",
+                          (long long)q_position, (long long)k_position);
+    if (q_position + nq > (INT64_C(1) << 32) || k_position + nk > (INT64_C(1) << 34))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
+                          "dropout with positions: rows up to q_position + Nq = %lld and keys up to k_position + Nk = "
+                          "%lld do not fit dropout's 32-bit row and key-group counters (2^32 rows, 2^34 keys)",
+                          (long long)(q_position + nq), (long long)(k_position + nk));
+    return FLASHC_STATUS_OK;
+}
+
 flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_t H, int64_t Nq, int64_t Nk,
                                   uint8_t *mask) {
     if (!params)
@@ -326,10 +346,16 @@ flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_
                           "1024)",
                           (long long)B, (long long)H, (long long)Nq, (long long)Nk);
     if (!mask) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "mask is NULL");
-    if (prm.positions && prm.dropout_p > 0.0f) /* as the attention calls refuse them */
-        return FLASHC_ERR(NULL, FLASHC_STATUS_NOT_SUPPORTED,
-                          "positions with dropout are not supported: dropout's (row, key) do not move with "
-                          "q_position and k_position yet");
+    const int64_t row0 = prm.positions ? prm.q_position : 0, col0 = prm.positions ? prm.k_position : 0;
+    if (prm.positions) {
+        if (!(row0 > -FLASHC_MAX_POSITION && row0 < FLASHC_MAX_POSITION && col0 > -FLASHC_MAX_POSITION &&
+              col0 < FLASHC_MAX_POSITION))
+            return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "positions (q_position %lld, k_position %lld): each must lie strictly between -2^40 "
+                              "and 2^40",
+                              (long long)row0, (long long)col0);
+        if (prm.dropout_p > 0.0f) FLASHC_TRY(check_dropout_positions(NULL, row0, col0, Nq, Nk));
+    }
     if (prm.dropout_rng) { /* host memory here */
         prm.dropout_seed = prm.dropout_rng[0];
         prm.dropout_offset = prm.dropout_rng[1];
@@ -340,8 +366,8 @@ flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_
             const uint64_t stream = flashc_dropout_stream(prm.dropout_offset, b, H, h);
             uint8_t *m = mask + (b * H + h) * Nq * Nk;
             for (int64_t i = 0; i < Nq; i++, m += Nk)
-                for (int64_t g = 0; g < (Nk + 3) / 4; g++) {
-                    const flashc_u32x4 x = flashc_dropout_bits4(prm.dropout_seed, stream, i, g);
+                for (int64_t g = 0; g < (Nk + 3) / 4; g++) { /* col0 is a multiple of 4 */
+                    const flashc_u32x4 x = flashc_dropout_bits4(prm.dropout_seed, stream, row0 + i, col0 / 4 + g);
                     for (int64_t k = 0; k < 4 && 4 * g + k < Nk; k++) m[4 * g + k] = x.x[k] >= t;
                 }
         }
@@ -666,11 +692,6 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
                               "positions (q_position %lld, k_position %lld): each must lie strictly between -2^40 "
                               "and 2^40",
                               (long long)qp, (long long)kp);
-        if (p->dropout_p > 0.0f)
-            return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
-                              "positions with dropout (dropout_p %g) are not supported: dropout's (row, key) do not "
-                              "move with q_position and k_position yet",
-                              (double)p->dropout_p);
         p->positions = 1;
         p->q_position = qp;
         p->k_position = kp;
@@ -736,6 +757,8 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
         if (p->win_left >= p->Nk) p->win_left = -1;
         if (p->win_right >= p->Nq) p->win_right = -1;
     }
+    if (p->positions && p->dropout_p > 0.0f)
+        FLASHC_TRY(check_dropout_positions(ctx, p->q_position, p->k_position, p->Nq, p->Nk));
 
     /* used keys per sequence, sinks */
     p->seqused_k = params->seqused_k;

@@ -2,7 +2,8 @@
  * test_dropout: fused dropout (issue 19) on the CPU backend, and the keep-bit definition every backend shares.
  *
  *  1. Philox4x32-10 (src/dropout.h) against Random123's published known-answer vectors; the threshold at its edges.
- *  2. The CPU dropout kernels, every set this CPU runs, bit for bit against dropout.h on ragged tiles.
+ *  2. The CPU dropout kernels, every set this CPU runs, bit for bit against dropout.h on ragged tiles, their (i, j)
+ *     moved by positions (up to the ends of Philox's 32-bit row and key-group counters).
  *  3. flashc_dropout_mask: the kept fraction within 5 sigma for p in {0.1, 0.17, 0.5}, overall and per column residue
  *     mod 4 and row parity (where a mix-up of Philox's four outputs would show); another offset or seed gives an
  *     independent mask (agreement q^2 + (1 - q)^2 within 5 sigma).
@@ -98,6 +99,8 @@ static void test_kernels(void) {
         long bad = 0;
         const float ps[3] = {0.1f, 0.5f, 0.93f};
         const int64_t j0s[4] = {0, 1, 6, 4097}, i0s[3] = {0, 3, 100001};
+        /* where the tile's row 0 and key 0 sit in dropout's (i, j) (positions): none, small, near the counters' end */
+        const int64_t row0s[3] = {0, 7, 4294967296 - 200}, col0s[3] = {0, 12, 17179869184 - 5000};
         for (int a = 0; a < 3; a++)
             for (int jj = 0; jj < 4; jj++)
                 for (int ii = 0; ii < 3; ii++)
@@ -106,8 +109,10 @@ static void test_kernels(void) {
                         const int cols = shape == 0 ? COLS : shape == 1 ? 3 : shape == 2 ? 1 : 29;
                         const int rows = shape == 0 ? ROWS : shape == 1 ? 8 : shape == 2 ? 13 : 1;
                         const int64_t ld = shape == 3 ? 1 : LD;
+                        const int pos = (a + jj + ii + shape) % 3;
                         flashc_cpu_dropout d = {flashc_rand_u64(&rng), flashc_rand_u64(&rng),
-                                                flashc_dropout_threshold(ps[a]), a == 1 ? 1.0f : 1.7f};
+                                                flashc_dropout_threshold(ps[a]), a == 1 ? 1.0f : 1.7f, row0s[pos],
+                                                col0s[pos]};
                         memcpy(out, src, sizeof out);
                         kern->dropout(cols, rows, out, ld, &d, i0s[ii], j0s[jj]);
                         for (int c = 0; c < COLS; c++)
@@ -117,8 +122,8 @@ static void test_kernels(void) {
                                 float want = src[e];
                                 const int in = ld == 1 ? c < cols : (c < cols && r < rows);
                                 if (in)
-                                    want = flashc_dropout_keep(d.seed, d.stream, i0s[ii] + (ld == 1 ? 0 : r),
-                                                               j0s[jj] + c, d.threshold)
+                                    want = flashc_dropout_keep(d.seed, d.stream, d.row0 + i0s[ii] + (ld == 1 ? 0 : r),
+                                                               d.col0 + j0s[jj] + c, d.threshold)
                                                ? src[e] * d.kept
                                                : 0.0f;
                                 if (memcmp(&want, &out[e], sizeof want)) bad++;
@@ -360,6 +365,11 @@ static void test_reveal(flashc_context_t ctx, uint64_t seed) {
               p)                                                                                                   \
     {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, 1, used, sinks, page, p, 0, 0, \
      0}
+/* ... with positions */
+#define DPCASE(name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, used, sinks, page,   \
+               p, qpos, kpos)                                                                                      \
+    {name, dt, B, Nq, Nk, H, Hkv, D, causal, wl, wr, cap, alibi, bq, bk, varlen, layout, 1, used, sinks, page, p, 1,     \
+     qpos, kpos}
 #define F32 FLASHC_DTYPE_F32
 #define F16 FLASHC_DTYPE_F16
 #define BF16 FLASHC_DTYPE_BF16
@@ -383,6 +393,15 @@ static const flashc_case oracle_cases[] = {
     DCASE("p0.6_f32_d32_long", F32, 1, 512, 700, 2, 1, 32, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0.6f),
     DCASE("p0.1_bf16_all", BF16, 3, 255, 255, 4, 2, 64, 1, 90, -1, 8.0f, 2, 19, 29, 1, PAD, 0, 1, 0, 0.1f),
     DCASE("p0.1_f32_all", F32, 3, 128, 255, 4, 1, 96, 0, 60, 20, 8.0f, 2, 29, 19, 1, BHND, 1, 1, 0, 0.1f),
+    /* positions: dropout's (i, j) at (q_position + i, k_position + j), on the tiles, the decode path and varlen */
+    DPCASE("p0.2_f32_pos_causal_alibi", F32, 2, 150, 200, 4, 2, 64, 1, -1, -1, 0, 1, 0, 0, 0, BNHD, 0, 0, 0, 0.2f, 300,
+           212),
+    DPCASE("p0.1_bf16_pos_varlen_window", BF16, 3, 128, 200, 4, 2, 64, 0, 50, 10, 0, 0, 0, 0, 1, BNHD, 1, 0, 0, 0.1f,
+           1100, 1000),
+    DPCASE("p0.3_f32_pos_dec_n3_gqa", F32, 2, 3, 900, 8, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0.3f, 5000,
+           4096),
+    DPCASE("p0.1_f32_pos_near_counter_end", F32, 1, 100, 120, 2, 2, 32, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0.1f,
+           4294967196, 17179868864),
 };
 
 static void test_oracle(flashc_context_t ctx, uint64_t seed) {

@@ -369,7 +369,8 @@ int main(void) {
     f.prm.dropout_p = -0.5f;
     expect_fwd("forward: dropout_p = -0.5", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);
 
-    /* positions (0.6): each strictly inside (-2^40, 2^40); not with dropout yet */
+    /* positions (0.6): each strictly inside (-2^40, 2^40); with dropout both >= 0, k_position a multiple of 4 and
+     * within dropout's 32-bit counters */
     const int64_t two40 = INT64_C(1) << 40;
     f = base;
     f.prm.positions = 1;
@@ -396,15 +397,42 @@ int main(void) {
     f.prm.q_position = 100;
     f.prm.k_position = 40;
     f.prm.dropout_p = 0.1f;
-    expect_fwd("forward: positions with dropout", ctx, &f, FLASHC_STATUS_NOT_SUPPORTED);
-    check_true("  ... the message says why", strstr(flashc_context_last_error(ctx), "dropout") != NULL &&
-                                                  strstr(flashc_context_last_error(ctx), "positions") != NULL);
-    expect("backward: positions with dropout", bwd(ctx, &f), FLASHC_STATUS_NOT_SUPPORTED, ctx);
+    expect("forward: positions (100, 40) with dropout", fwd(ctx, &f), FLASHC_STATUS_OK, ctx);
+    expect("backward: positions (100, 40) with dropout", bwd(ctx, &f), FLASHC_STATUS_OK, ctx);
+    static const struct {
+        int64_t qp, kp;
+        const char *what;
+    } drop_bad[] = {
+        {-1, 40, "forward: dropout with q_position -1"},
+        {100, -4, "forward: dropout with k_position -4"},
+        {100, 42, "forward: dropout with k_position 42 (not a multiple of 4)"},
+        {(INT64_C(1) << 32) - NQ + 1, 0, "forward: dropout with q_position + Nq = 2^32 + 1"},
+        {0, (INT64_C(1) << 34) - NK + 4, "forward: dropout with k_position + Nk = 2^34 + 4"},
+    };
+    for (size_t i = 0; i < sizeof drop_bad / sizeof drop_bad[0]; i++) {
+        f.prm.q_position = drop_bad[i].qp;
+        f.prm.k_position = drop_bad[i].kp;
+        expect_fwd(drop_bad[i].what, ctx, &f, FLASHC_STATUS_NOT_SUPPORTED);
+        check_true("  ... the message says why", strstr(flashc_context_last_error(ctx), "dropout") != NULL &&
+                                                      strstr(flashc_context_last_error(ctx), "positions") != NULL);
+    }
+    f.prm.q_position = (INT64_C(1) << 32) - NQ; /* the last rows that fit */
+    f.prm.k_position = (INT64_C(1) << 34) - NK;
+    expect("forward: dropout at the counters' last rows and keys", fwd(ctx, &f), FLASHC_STATUS_OK, ctx);
+    f.prm.k_position = 42;
+    expect("backward: dropout with k_position 42", bwd(ctx, &f), FLASHC_STATUS_NOT_SUPPORTED, ctx);
     {
         uint8_t bits[4] = {7, 7, 7, 7};
-        expect("dropout_mask: positions with dropout", flashc_dropout_mask(&f.prm, 1, 1, 2, 2, bits),
+        expect("dropout_mask: dropout with k_position 42", flashc_dropout_mask(&f.prm, 1, 1, 2, 2, bits),
                FLASHC_STATUS_NOT_SUPPORTED, NULL);
         check_true("  ... nothing written", bits[0] == 7 && bits[3] == 7);
+        f.prm.k_position = INT64_C(1) << 40;
+        expect("dropout_mask: k_position 2^40", flashc_dropout_mask(&f.prm, 1, 1, 2, 2, bits),
+               FLASHC_STATUS_INVALID_ARGUMENT, NULL);
+        f.prm.dropout_p = 0.0f; /* no dropout: positions are not dropout's, only their range is checked */
+        f.prm.k_position = 42;
+        expect("dropout_mask: p 0 with k_position 42", flashc_dropout_mask(&f.prm, 1, 1, 2, 2, bits),
+               FLASHC_STATUS_OK, NULL);
     }
     f.prm.dropout_p = NAN; /* an invalid dropout_p is still INVALID_ARGUMENT */
     expect_fwd("forward: positions with dropout_p = NaN", ctx, &f, FLASHC_STATUS_INVALID_ARGUMENT);

@@ -6,10 +6,13 @@
  *            the backward run on every pair with the whole attention's out and lse, dq summed over key chunks and
  *            dk, dv over query chunks. Everything must equal the one call on the whole sequence (fp32: relative
  *            error 1e-5; lse to 1e-5, +inf exactly where a row sees no key; pairs the band leaves empty included).
+ *            Again with dropout (same seed and offset everywhere): the pairs drop the whole attention's elements.
  *   windows  window sides on either side of where they stop hiding keys (Nq - 1 + diag on the left, Nk - 1 - diag
  *            on the right, diag = q_position - k_position), past the keys both ways: the library (which makes the
  *            sides that hide nothing unbounded) against the oracle run on the raw sides, as the caller gave them.
- *   dropout  positions with dropout are refused for now: a table row run so is reported skipped by the case runner.
+ *   dropout  flashc_dropout_mask with positions is the block of the whole mask at those rows and keys; the quick
+ *            table's positions rows with dropout: those dropout takes run against the oracle, the others (a
+ *            k_position that is not a multiple of 4) are refused and reported skipped by the case runner.
  *
  * Fresh inputs every run (the seed is printed; FLASHC_SEED=<n> replays).
  */
@@ -59,7 +62,7 @@ static flashc_tensor rows_view(float *base, int64_t heads, int64_t r0, int64_t n
     return t;
 }
 
-static void test_ring(uint64_t seed) {
+static void test_ring(uint64_t seed, float dropout_p) {
     uint64_t rng = seed;
     const size_t nq_el = (size_t)RB * RN * RH * RD, nk_el = (size_t)RB * RN * RHKV * RD, nl = (size_t)RB * RH * RN;
     float *q = normal_floats(nq_el, &rng), *k = normal_floats(nk_el, &rng), *v = normal_floats(nk_el, &rng);
@@ -83,6 +86,9 @@ static void test_ring(uint64_t seed) {
     prm.causal = 1;
     prm.window_left = 90;
     prm.alibi_slopes = slopes;
+    prm.dropout_p = dropout_p;
+    prm.dropout_seed = flashc_rand_u64(&rng);
+    prm.dropout_offset = flashc_rand_u64(&rng);
 
     /* the whole attention */
     const flashc_tensor tq = rows_view(q, RH, 0, RN), tk = rows_view(k, RHKV, 0, RN), tv = rows_view(v, RHKV, 0, RN);
@@ -93,8 +99,9 @@ static void test_ring(uint64_t seed) {
     check("ring: the whole backward", flashc_backward(ctx, &tq, &tk, &tv, &to, &tdo, lse, &prm, &tdq, &tdk, &tdv,
                                                       NULL, 0) == FLASHC_STATUS_OK);
 
-    /* chunks of unequal lengths, so that no pair is square and some pairs see nothing (keys after the queries) */
-    static const int64_t cuts[] = {0, 70, 180, 230, RN};
+    /* chunks of unequal lengths, so that no pair is square and some pairs see nothing (keys after the queries); key
+     * chunks start at multiples of 4, as dropout with positions needs */
+    static const int64_t cuts[] = {0, 72, 180, 232, RN};
     const int nc = (int)(sizeof cuts / sizeof cuts[0]) - 1;
     int empty_pairs = 0;
     for (int a = 0; a < nc; a++) {
@@ -153,8 +160,8 @@ static void test_ring(uint64_t seed) {
                 }
         }
         char what[96];
-        snprintf(what, sizeof what, "ring: query chunk %d merged over %d key chunks: out (rel %.2g)", a, nc,
-                 sqrt(num / den));
+        snprintf(what, sizeof what, "ring (dropout %g): query chunk %d merged over %d key chunks: out (rel %.2g)",
+                 (double)dropout_p, a, nc, sqrt(num / den));
         check(what, sqrt(num / den) <= 1e-5);
         snprintf(what, sizeof what, "ring: query chunk %d: lse", a);
         check(what, lse_ok);
@@ -164,8 +171,8 @@ static void test_ring(uint64_t seed) {
     char what[128];
     snprintf(what, sizeof what, "ring: dq, dk, dv summed over the pairs (rel %.2g, %.2g, %.2g)", edq, edk, edv);
     check(what, edq <= 1e-4 && edk <= 1e-4 && edv <= 1e-4);
-    printf("ring: %d x %d chunk pairs (%d empty) against one call: out, lse, dq %.2g, dk %.2g, dv %.2g\n", nc, nc,
-           empty_pairs, edq, edk, edv);
+    printf("ring (dropout %g): %d x %d chunk pairs (%d empty) against one call: out, lse, dq %.2g, dk %.2g, dv %.2g\n",
+           (double)dropout_p, nc, nc, empty_pairs, edq, edk, edv);
     flashc_context_destroy(ctx);
     float *all[] = {q, k, v, dout, out, lse, dq, dk, dv, r_out, r_lse, r_dq, r_dk, r_dv, c_out, c_lse, c_dq, c_dk,
                     c_dv, m_lse};
@@ -245,27 +252,51 @@ static void test_windows(uint64_t seed) {
     free(q), free(k), free(v), free(out), free(lse), free(want), free(ref), free(ref_lse);
 }
 
-/* A table row with positions run with dropout (as the dropout runs of the table do): refused with NOT_SUPPORTED, which
- * the case runner reports as skipped, not passed silently and not failed. */
-static void test_dropout_refused(uint64_t seed) {
+/* flashc_dropout_mask at positions (a, c) is rows a.., keys c.. of the mask at (0, 0); and the quick table's positions
+ * rows with dropout (as the dropout runs of the table set it): run against the oracle where dropout takes their
+ * positions, else refused with NOT_SUPPORTED, which the case runner reports as skipped (not passed silently). */
+static void test_dropout(uint64_t seed) {
+    enum { MB = 2, MH = 3, MN = 70, SQ = 21, SK = 30, A = 13, C = 36 };
+    static uint8_t whole[MB * MH * MN * MN], part[MB * MH * SQ * SK];
+    flashc_params prm = flashc_params_default();
+    prm.dropout_p = 0.3f;
+    prm.dropout_seed = seed;
+    prm.dropout_offset = seed >> 7;
+    int ok = flashc_dropout_mask(&prm, MB, MH, MN, MN, whole) == FLASHC_STATUS_OK;
+    prm.positions = 1;
+    prm.q_position = A;
+    prm.k_position = C;
+    ok &= flashc_dropout_mask(&prm, MB, MH, SQ, SK, part) == FLASHC_STATUS_OK;
+    for (int64_t bh = 0; bh < MB * MH && ok; bh++)
+        for (int64_t i = 0; i < SQ; i++)
+            ok &= !memcmp(part + (bh * SQ + i) * SK, whole + (bh * MN + A + i) * MN + C, SK);
+    check("dropout: flashc_dropout_mask at positions (13, 36) is that block of the whole mask", ok);
+
     size_t n = 0;
     const flashc_case *table = flashc_case_table(0, &n);
     flashc_context_t ctx;
     if (flashc_context_create(&ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK) exit(2);
-    int rows = 0;
+    int ran = 0, skipped = 0;
     for (size_t i = 0; i < n; i++) {
         if (!table[i].positions) continue;
         flashc_case c = table[i];
         c.dropout = 0.1f;
         flashc_case_result r;
         memset(&r, 0, sizeof r);
-        rows++;
-        check("dropout: a positions row with dropout is reported as skipped",
-              flashc_case_run(ctx, &c, seed + i, &r) == 0 && r.skipped && r.pass &&
-                  r.status == FLASHC_STATUS_NOT_SUPPORTED && strstr(r.message, "dropout") != NULL);
+        const int takes = c.q_position >= 0 && c.k_position >= 0 && c.k_position % 4 == 0;
+        const int rc = flashc_case_run(ctx, &c, seed + i, &r);
+        char what[400];
+        snprintf(what, sizeof what, "dropout: %s at (%lld, %lld) %s: %s", c.name, (long long)c.q_position,
+                 (long long)c.k_position, takes ? "runs against the oracle" : "is refused and reported skipped",
+                 r.message);
+        check(what, rc == 0 && r.pass &&
+                        (takes ? !r.skipped : r.skipped && r.status == FLASHC_STATUS_NOT_SUPPORTED &&
+                                                  strstr(r.message, "multiple of 4") != NULL));
+        ran += takes, skipped += !takes;
     }
-    check("dropout: the quick table has positions rows", rows > 0);
-    printf("dropout: %d positions rows with dropout refused and reported as skipped\n", rows);
+    check("dropout: the quick table has positions rows of both kinds", ran > 0 && skipped > 0);
+    printf("dropout: the mask at positions; %d positions rows with dropout against the oracle, %d refused\n", ran,
+           skipped);
     flashc_context_destroy(ctx);
 }
 
@@ -273,9 +304,10 @@ int main(void) {
     const char *env = getenv("FLASHC_SEED");
     const uint64_t seed = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u;
     printf("test_positions: FLASHC_SEED=%" PRIu64 "\n", seed);
-    test_ring(seed);
+    test_ring(seed, 0.0f);
+    test_ring(seed, 0.2f);
     test_windows(seed + 1);
-    test_dropout_refused(seed + 2);
+    test_dropout(seed + 2);
     printf("test_positions: %d checks, %d failed\n", g_checks, g_failed);
     return g_failed != 0;
 }

@@ -63,13 +63,14 @@ typedef void (*flashc_cpu_softmax_rows_fn)(int rows, int cols, float *s, int64_t
 
 /*
  * Dropout on a key-major tile st[c][r] (keys j0 + c, query rows i0 + r of one (sequence, head) stream): each element
- * becomes st * kept where dropout.h keeps (i0 + r, j0 + c), else 0. One Philox call per (row, group of four keys),
- * SIMD lanes over rows. ld = 1, rows = 1 takes one row of a row-major tile.
+ * becomes st * kept where dropout.h keeps (row0 + i0 + r, col0 + j0 + c), else 0. One Philox call per (row, group of
+ * four keys), SIMD lanes over rows. ld = 1, rows = 1 takes one row of a row-major tile.
  */
 typedef struct flashc_cpu_dropout {
     uint64_t seed, stream; /* Philox key, and the counter's high half (flashc_dropout_stream) */
     uint32_t threshold;    /* dropped iff x < threshold */
     float kept;            /* factor of kept elements: 1 in the forward (the store scales), 1 / (1 - p) in backward */
+    int64_t row0, col0;    /* where the sequence's row 0 and key 0 sit in dropout's (i, j): the positions, or 0 */
 } flashc_cpu_dropout;
 typedef void (*flashc_cpu_dropout_fn)(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d,
                                       int64_t i0, int64_t j0);
@@ -192,6 +193,8 @@ static inline int flashc_cpu_dropout_of(const flashc_problem *p, int64_t b, int6
     d->stream = flashc_dropout_stream(p->dropout_offset, b, p->H, h);
     d->threshold = flashc_dropout_threshold(p->dropout_p);
     d->kept = kept;
+    d->row0 = p->positions ? p->q_position : 0; /* the front checked both >= 0 with dropout */
+    d->col0 = p->positions ? p->k_position : 0;
     return 1;
 }
 

@@ -329,6 +329,8 @@ AI void philox8(__m256i out[PHILOX_NV][4], uint32_t c0, const __m256i c1[PHILOX_
 void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
                              int64_t j0) {
     if (cols <= 0 || rows <= 0) return;
+    const int64_t ri0 = i0, rj0 = j0; /* the tile's own coordinates, for the generic tail (which shifts them too) */
+    i0 += d->row0, j0 += d->col0;     /* dropout's (i, j) from here on; columns c = j - j0 as before */
     enum { R = 8 * PHILOX_NV }; /* rows per Philox batch */
     const int rv = rows / R * R;
     const uint32_t k0 = (uint32_t)d->seed, k1 = (uint32_t)(d->seed >> 32);
@@ -354,7 +356,7 @@ void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const fl
                 }
         }
     }
-    if (rv < rows) flashc_cpu_dropout_generic(cols, rows - rv, st + rv, ld, d, i0 + rv, j0);
+    if (rv < rows) flashc_cpu_dropout_generic(cols, rows - rv, st + rv, ld, d, ri0 + rv, rj0);
 }
 
 const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {

@@ -95,6 +95,7 @@ static void softmax_rows_generic(int rows, int cols, float *s, int64_t lds, floa
 void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
                                 int64_t j0) {
     if (cols <= 0) return;
+    i0 += d->row0, j0 += d->col0; /* dropout's (i, j) from here on; columns c = j - j0 as before */
     for (int r = 0; r < rows; r++)
         for (int64_t g = j0 >> 2; g <= (j0 + cols - 1) >> 2; g++) {
             const flashc_u32x4 x = flashc_dropout_bits4(d->seed, d->stream, i0 + r, g);

@@ -229,7 +229,11 @@ FC_BWD_FN void fc_bwd_tile(const fc_bwd_args &a, fc_bwd_smem &sm, const fc_seq &
         float p = sacc[u], ds = dpacc[u];
         /* Dropout: Z = keep / (1 - p) times dP before the element step, times P after (for dV); one Philox call per
          * element here (the tensor-core kernels share each call between four). */
-        const float z = a.dropout ? (flashc_dropout_keep(seed, stream, i, j, a.drop_t) ? a.drop_scale : 0.f) : 1.f;
+        const float z = a.dropout ? (flashc_dropout_keep(seed, stream, a.drop_row0 + i, 4 * (int64_t)a.drop_col4 + j,
+                                                         a.drop_t)
+                                         ? a.drop_scale
+                                         : 0.f)
+                                  : 1.f;
         ds *= z;
         fc_bwd_elem<fc_exact_math>(a, p, ds, lse2, di, a.alibi ? fc_alibi(slope2, i + diag - j) : 0.f, vis);
         p *= z;

@@ -62,6 +62,9 @@ static inline void fc_set_dropout(const flashc_problem *p, Args *a) {
     a->drop_scale = a->dropout ? flashc_dropout_scale(p->dropout_p) : 1.0f;
     a->drop_seed = p->dropout_seed, a->drop_offset = p->dropout_offset;
     a->drop_rng = p->dropout_rng;
+    /* positions move dropout's (i, j): row0 < 2^32 and k_position / 4 < 2^32, k_position a multiple of 4 (front) */
+    a->drop_row0 = a->dropout && p->positions ? (uint32_t)p->q_position : 0u;
+    a->drop_col4 = a->dropout && p->positions ? (uint32_t)(p->k_position / 4) : 0u;
 }
 
 #endif /* FLASHC_CUDA_LAUNCH_H */

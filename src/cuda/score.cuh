@@ -186,10 +186,11 @@ static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &r
  * j (fc_frag's numbering), 1 where the element is kept.
  */
 
-/* A (sequence b, query head h) stream's Philox key and counter words, and the threshold. Every lane of the block reads
- * the same pair, so the loads from drop_rng are uniform. */
+/* A (sequence b, query head h) stream's Philox key and counter words, the threshold, and where the sequence's row 0
+ * and key group 0 sit in dropout's (i, j / 4) (positions; else 0). Every lane of the block reads the same pair, so the
+ * loads from drop_rng are uniform. */
 struct fc_drop_stream {
-    uint32_t k0, k1, s0, s1, t;
+    uint32_t k0, k1, s0, s1, t, i0, j40;
 };
 template <typename Args>
 static __device__ __forceinline__ fc_drop_stream fc_drop_begin(const Args &a, int b, int h) {
@@ -199,12 +200,13 @@ static __device__ __forceinline__ fc_drop_stream fc_drop_begin(const Args &a, in
         offset = __ldg((const unsigned long long *)a.drop_rng + 1);
     }
     const uint64_t st = flashc_dropout_stream(offset, b, a.H, h);
-    return {(uint32_t)seed, (uint32_t)(seed >> 32), (uint32_t)st, (uint32_t)(st >> 32), a.drop_t};
+    return {(uint32_t)seed, (uint32_t)(seed >> 32), (uint32_t)st, (uint32_t)(st >> 32), a.drop_t, a.drop_row0,
+            a.drop_col4};
 }
 
-/* The keep nibble of row i, columns 4 j4 .. 4 j4 + 3. */
+/* The keep nibble of the sequence's row i, columns 4 j4 .. 4 j4 + 3 (dropout's row d.i0 + i, group d.j40 + j4). */
 static __device__ __forceinline__ uint32_t fc_drop_nibble(const fc_drop_stream &d, uint32_t i, uint32_t j4) {
-    const flashc_u32x4 x = flashc_philox4x32_10(j4, i, d.s0, d.s1, d.k0, d.k1);
+    const flashc_u32x4 x = flashc_philox4x32_10(d.j40 + j4, d.i0 + i, d.s0, d.s1, d.k0, d.k1);
     return (uint32_t)(x.x[0] >= d.t) | (uint32_t)(x.x[1] >= d.t) << 1 | (uint32_t)(x.x[2] >= d.t) << 2 |
            (uint32_t)(x.x[3] >= d.t) << 3;
 }

@@ -74,16 +74,19 @@ FC_HD I fc_imin(I x, I y) {
 /*
  * Dropout (src/dropout.h's keep bit), the fields every kernel argument struct appends last (so that the fields
  * before keep their offsets in the parameter space of the kernels that take no dropout): dropout 0 or 1, the 32-bit
- * threshold (dropped iff the Philox word < drop_t), the kept values' factor 1 / (1 - p), and the (seed, offset) pair:
- * by value, or read from device memory by the kernel when drop_rng is set. fc_set_dropout (launch.h) fills them; the
- * tensor-core kernels take their keep bits from score.cuh's fc_drop_* functions.
+ * threshold (dropped iff the Philox word < drop_t), the kept values' factor 1 / (1 - p), the (seed, offset) pair:
+ * by value, or read from device memory by the kernel when drop_rng is set, and where a sequence's row 0 and key group
+ * 0 sit in dropout's (i, j / 4): the positions q_position and k_position / 4 (flashc_params 0.6; the front keeps them
+ * within 32 bits and k_position a multiple of 4), else 0. fc_set_dropout (launch.h) fills them; the tensor-core
+ * kernels take their keep bits from score.cuh's fc_drop_* functions.
  */
 #define FC_DROP_FIELDS                                                                                       \
     int dropout;                                                                                             \
     uint32_t drop_t;                                                                                         \
     float drop_scale;                                                                                        \
     uint64_t drop_seed, drop_offset;                                                                         \
-    const uint64_t *drop_rng
+    const uint64_t *drop_rng;                                                                                \
+    uint32_t drop_row0, drop_col4
 
 /* exp2 and tanh as a kernel wants them: fc_exact_math (exp2f, tanhf: fp32's own accuracy) in the CUDA-core
  * backward and on the host; score.cuh's fc_fast_math (ex2.approx and a short tanh) in the tensor-core kernels. */

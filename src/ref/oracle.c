@@ -52,11 +52,12 @@ static double store(const oracle *o, double x) {
 }
 
 /* Dropout factor Z of element (i, j) of sequence b, head h: 0 when dropped, 1 / (1 - p) when kept, 1 without
- * dropout. */
+ * dropout. With positions dropout's (i, j) are the positions q_position + i, k_position + j (flashc.h). */
 static double dropout_z(const flashc_problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
     if (!(p->dropout_p > 0.0f)) return 1.0;
     const uint64_t stream = flashc_dropout_stream(p->dropout_offset, b, p->H, h);
-    return flashc_dropout_keep(p->dropout_seed, stream, i, j, flashc_dropout_threshold(p->dropout_p))
+    const int64_t di = p->positions ? p->q_position + i : i, dj = p->positions ? p->k_position + j : j;
+    return flashc_dropout_keep(p->dropout_seed, stream, di, dj, flashc_dropout_threshold(p->dropout_p))
                ? 1.0 / (1.0 - (double)p->dropout_p)
                : 0.0;
 }

@@ -83,8 +83,9 @@ typedef struct flashc_case_result {
     const char *kernel_fwd;   /* flashc_kernel_name of the forward (and backward) the case ran; NULL if not run */
     const char *kernel_bwd;
     int skipped;              /* 1: a case refused with NOT_SUPPORTED as expected (the paged backward on the CUDA
-                                 backend; positions with dropout on any backend; pass 1, message "skipped (not
-                                 supported): ..."); nothing was checked */
+                                 backend; dropout with positions it does not take, below 0 or k_position not a
+                                 multiple of 4, on any backend; pass 1, message "skipped (not supported): ...");
+                                 nothing was checked */
 } flashc_case_result;
 
 /* The shared case table: full = every row; otherwise a reduced table for quick runs (sanitizers, racecheck). */
@@ -97,9 +98,10 @@ const flashc_case *flashc_case_table(int full, size_t *count);
  *   fp32:     relative error ||ours - ref|| / ||ref|| <= 1e-5 (gradients 1e-4)
  *   f16/bf16: max|ours - ref| <= 2 * max|naive_lowp - ref| + 1e-5 (gradients 3x);
  *   fp32 on the CUDA backend: the bf16 rule, with the naive algorithm's inputs rounded to bf16 too.
- * A paged case's backward (page_size > 0) on a CUDA context, which does not run that yet, and a case with positions
- * and dropout (refused on every backend for now) are reported as skipped when flashc_supported refuses them with
- * NOT_SUPPORTED (res->skipped; pass 1, nothing checked); any other backend or status counts as a failure.
+ * A paged case's backward (page_size > 0) on a CUDA context, which does not run that yet, and a case with dropout at
+ * positions dropout does not take (below 0, or k_position not a multiple of 4) are reported as skipped when
+ * flashc_supported refuses them with NOT_SUPPORTED (res->skipped; pass 1, nothing checked); any other backend or
+ * status counts as a failure.
  * Returns 0 when the case ran (pass or fail is in res), -1 when it could not be set up.
  */
 int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, flashc_case_result *res);
