@@ -118,8 +118,9 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
     itself (flashc_params.dropout_rng, 0.5): device memory for a CUDA call, read by the kernels when they run, host
     memory otherwise, read at the call. The torch front end always passes the pointer.
     positions: None (bottom-right alignment), or (q_position, k_position), two ints: query row i of every sequence
-    sits at q_position + i and key j at k_position + j, and causal, windows and ALiBi are measured between those
-    positions (flashc_params.positions, 0.6; each must lie strictly between -2**40 and 2**40)."""
+    sits at q_position + i and key j at k_position + j, and causal, windows, ALiBi and dropout's (row, key) are
+    measured between those positions (flashc_params.positions, 0.6; each strictly between -2**40 and 2**40; with
+    dropout both >= 0 and k_position a multiple of 4)."""
     p = _lib.lib.flashc_params_default()
     # 0 asks the library for 1/sqrt(D); an explicit 0.0 from the caller is kept as "default" too, which is what
     # softmax_scale=None means everywhere in this package.

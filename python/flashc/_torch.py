@@ -99,8 +99,9 @@ class _Options:
         """dropout_p > 0 needs dropout_rng, the (seed, offset) int64 tensor (2,) of dropout_rng().
         positions: None (bottom-right alignment), or (q_position, k_position): query row i of every sequence sits at
         q_position + i and key j at k_position + j, and causal, windows and ALiBi are measured between those
-        positions (flashc_params.positions: a chunk pair of a longer sequence, as context parallelism calls it).
-        Not with dropout yet."""
+        positions (flashc_params.positions: a chunk pair of a longer sequence, as context parallelism calls it);
+        dropout's (row, key) are the positions too (the library takes q_position, k_position >= 0, k_position a
+        multiple of 4, and refuses others with dropout)."""
         device = q4.device
         self.varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
         self.kw = dict(softmax_scale=softmax_scale, causal=bool(causal), window=_core.window_pair(window_size),
@@ -108,9 +109,6 @@ class _Options:
         self.dropout_p = float(dropout_p or 0.0)
         if positions is not None:
             self.kw["positions"] = _core.check_positions(positions)
-            if self.dropout_p:
-                raise NotImplementedError("flashc: positions with dropout_p > 0 are not supported yet (dropout's "
-                                          "row and key indices do not move with the positions)")
         self.rng = None
         if self.dropout_p:
             if not (isinstance(dropout_rng, torch.Tensor) and dropout_rng.dtype == torch.int64
@@ -466,6 +464,7 @@ def probs(q4, k4, lse, opts):
     if kw["causal"]:
         right = 0
     softcap = kw["softcap"]
+    positions = kw.get("positions")  # (q_position, k_position): row i's diagonal key is i + q_position - k_position
     group = H // k4.shape[2]
     cq = opts.cu_q.tolist() if opts.varlen else None
     ck = opts.cu_k.tolist() if opts.varlen else None
@@ -490,7 +489,8 @@ def probs(q4, k4, lse, opts):
             s = torch.einsum("ihd,jhd->hij", qb.float(), kb.float().repeat_interleave(group, dim=1)) * scale
             if softcap > 0:
                 s = softcap * torch.tanh(s / softcap)
-            i = torch.arange(nq, device=device)[:, None] + (nk - nq)  # the query's diagonal key
+            diag = nk - nq if positions is None else positions[0] - positions[1]
+            i = torch.arange(nq, device=device)[:, None] + diag  # the query's diagonal key
             j = torch.arange(nk, device=device)[None, :]
             if opts.alibi is not None:
                 slopes = opts.alibi[b] if opts.alibi.dim() == 2 else opts.alibi

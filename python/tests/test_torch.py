@@ -793,6 +793,35 @@ def test_positions(case, device, gen):
         assert torch.equal(plain, same) and torch.equal(plain_lse, same_lse)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_positions_dropout(device, gen):
+    """Dropout with positions: a chunk pair (rows 30.., keys 8.. of a longer attention) drops the longer attention's
+    elements at those positions (S_dmask's signs, from flashc_dropout_mask, agree on the block), and the chunk's out is
+    what its S_dmask gives: sum_j keep_ij P_ij / (1 - p) V_j."""
+    from flashc import _torch as ft
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    qw, kk, vw, _ = inputs((2, 70, 4, 32), (2, 64, 2, 32), dtype, device)
+    rng, p = ft.dropout_rng(qw.device), 0.25
+    slopes = torch.rand(4, device=device) * 0.3
+    opts = dict(causal=True, alibi_slopes=slopes, dropout_p=p, dropout_rng=rng)
+    whole = ft._Options(qw, kk, positions=(0, 0), **opts)
+    _, lse_w = ft._forward(qw, kk, vw, whole)
+    sd_w = ft.probs(qw, kk, lse_w, whole)
+    q, k, v = qw[:, 30:], kk[:, 8:], vw[:, 8:]
+    part = ft._Options(q, k, positions=(30, 8), **opts)
+    out, lse = ft._forward(q, k, v, part)
+    sd = ft.probs(q, k, lse, part)
+    block = sd_w[:, :, 30:, 8:]
+    both = (sd != 0) & (block != 0)
+    assert both.sum() > 1000 and torch.equal(sd[both] > 0, block[both] > 0), "the block's keep bits"
+    kept = torch.where(sd > 0, sd.double(), torch.zeros((), dtype=torch.float64, device=device)) / (1 - p)
+    ref = torch.einsum("bhij,bjhd->bihd", kept, v.double().repeat_interleave(2, dim=2))
+    assert rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    dropped = (sd < 0).sum().item() / max(1, (sd != 0).sum().item())
+    assert 0.15 < dropped < 0.35, dropped
+
+
 def test_positions_errors(gen):
     from flashc import _core, _torch as ft
 
@@ -806,8 +835,9 @@ def test_positions_errors(gen):
     assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"
     with pytest.raises(ValueError, match="int64"):
         ft.apply("q,k,v", (q, q, q), positions=(0, 2**63))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ft.apply("q,k,v", (q, q, q), positions=(4, 0), dropout_p=0.1)
+    with pytest.raises(flashc.FlashcError, match="multiple of 4") as e:  # dropout counts keys in Philox's fours
+        ft.apply("q,k,v", (q, q, q), positions=(4, 2), dropout_p=0.1)
+    assert e.value.status_name == "FLASHC_STATUS_NOT_SUPPORTED"
     p = _core.make_params(causal=True, positions=(7, -3))
     assert (p.positions, p.q_position, p.k_position) == (1, 7, -3)
     assert _core.make_params().positions == 0
