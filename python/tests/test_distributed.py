@@ -63,44 +63,15 @@ BANDS = [(False, (-1, -1)), (True, (-1, -1)), (True, (3, -1)), (True, (0, -1)), 
          (False, (0, 3)), (False, (-1, 2)), (False, (1, -1)), (False, (11, 11)), (True, (25, -1)), (False, (-1, 0))]
 
 
-@pytest.mark.parametrize("layout", fcd.LAYOUTS)
-def test_plan_keeps_exactly_the_band(layout):
+def check_plans(layout, plan, keeps):
+    """For every world size, length, band, rank and step: the calls plan(qpieces, kpieces, lo, hi, step) makes keep,
+    by keeps(call) on the call's own rows and keys, exactly the global band's (query, key) pairs, each once."""
     for world in (1, 2, 3, 4):
         for n in (2, 4, 6, 10):
             total = world * n
+            gi, gj = np.arange(total)[:, None], np.arange(total)[None, :]
             for causal, window in BANDS:
                 lo, hi = fcd._band(causal, window)
-                gi, gj = np.arange(total)[:, None], np.arange(total)[None, :]
-                band = np.ones((total, total), dtype=bool)
-                if lo is not None:
-                    band &= gj - gi >= lo
-                if hi is not None:
-                    band &= gj - gi <= hi
-                for rank in range(world):
-                    for step in range(world):
-                        src = (rank - step) % world
-                        calls = fcd._plan(fcd._pieces(layout, rank, world, n), fcd._pieces(layout, src, world, n),
-                                          lo, hi, step == 0)
-                        cover = np.zeros((n, n), dtype=int)
-                        for c in calls:
-                            assert 0 <= c.q0 < c.q1 <= n and 0 <= c.k0 < c.k1 <= n, c
-                            assert c.left >= -1 and c.right >= -1, c
-                            cover[c.q0:c.q1, c.k0:c.k1] += kernel_keeps(c.q1 - c.q0, c.k1 - c.k0, c.left, c.right)
-                        want = band[np.ix_(positions(layout, rank, world, n), positions(layout, src, world, n))]
-                        where = "layout %s world %d n %d band %s rank %d step %d: %s" % (
-                            layout, world, n, (causal, window), rank, step, calls)
-                        assert cover.max(initial=0) <= 1, "a pair computed twice; " + where
-                        assert np.array_equal(cover.astype(bool), want), where
-
-
-@pytest.mark.parametrize("layout", fcd.LAYOUTS)
-def test_position_plan_keeps_exactly_the_band(layout):
-    for world in (1, 2, 3, 4):
-        for n in (2, 4, 6, 10):
-            total = world * n
-            for causal, window in BANDS:
-                lo, hi = fcd._band(causal, window)
-                gi, gj = np.arange(total)[:, None], np.arange(total)[None, :]
                 band = np.ones((total, total), dtype=bool)
                 if lo is not None:
                     band &= gj - gi >= lo
@@ -110,21 +81,34 @@ def test_position_plan_keeps_exactly_the_band(layout):
                     for step in range(world):
                         src = (rank - step) % world
                         qpos, kpos = positions(layout, rank, world, n), positions(layout, src, world, n)
-                        calls = fcd._plan_positions(fcd._pieces(layout, rank, world, n),
-                                                    fcd._pieces(layout, src, world, n), lo, hi)
-                        cover = np.zeros((n, n), dtype=int)
-                        for c in calls:
-                            assert 0 <= c.q0 < c.q1 <= n and 0 <= c.k0 < c.k1 <= n, c
-                            # the rows and keys of a call sit on consecutive positions from qpos, kpos
-                            assert np.array_equal(qpos[c.q0:c.q1], c.qpos + np.arange(c.q1 - c.q0)), c
-                            assert np.array_equal(kpos[c.k0:c.k1], c.kpos + np.arange(c.k1 - c.k0)), c
-                            cover[c.q0:c.q1, c.k0:c.k1] += position_keeps(c.q1 - c.q0, c.k1 - c.k0, c.qpos, c.kpos,
-                                                                          c.left, c.right)
-                        want = band[np.ix_(qpos, kpos)]
+                        calls = plan(fcd._pieces(layout, rank, world, n), fcd._pieces(layout, src, world, n), lo, hi,
+                                     step)
                         where = "layout %s world %d n %d band %s rank %d step %d: %s" % (
                             layout, world, n, (causal, window), rank, step, calls)
+                        cover = np.zeros((n, n), dtype=int)
+                        for c in calls:
+                            assert 0 <= c.q0 < c.q1 <= n and 0 <= c.k0 < c.k1 <= n, where
+                            assert c.left >= -1 and c.right >= -1, where
+                            cover[c.q0:c.q1, c.k0:c.k1] += keeps(c, qpos, kpos)
                         assert cover.max(initial=0) <= 1, "a pair computed twice; " + where
-                        assert np.array_equal(cover.astype(bool), want), where
+                        assert np.array_equal(cover.astype(bool), band[np.ix_(qpos, kpos)]), where
+
+
+@pytest.mark.parametrize("layout", fcd.LAYOUTS)
+def test_plan_keeps_exactly_the_band(layout):
+    check_plans(layout, lambda qp, kp, lo, hi, step: fcd._plan(qp, kp, lo, hi, step == 0),
+                lambda c, qpos, kpos: kernel_keeps(c.q1 - c.q0, c.k1 - c.k0, c.left, c.right))
+
+
+@pytest.mark.parametrize("layout", fcd.LAYOUTS)
+def test_position_plan_keeps_exactly_the_band(layout):
+    def keeps(c, qpos, kpos):
+        # the rows and keys of a call sit on consecutive positions from qpos, kpos
+        assert np.array_equal(qpos[c.q0:c.q1], c.qpos + np.arange(c.q1 - c.q0)), c
+        assert np.array_equal(kpos[c.k0:c.k1], c.kpos + np.arange(c.k1 - c.k0)), c
+        return position_keeps(c.q1 - c.q0, c.k1 - c.k0, c.qpos, c.kpos, c.left, c.right)
+
+    check_plans(layout, lambda qp, kp, lo, hi, step: fcd._plan_positions(qp, kp, lo, hi), keeps)
 
 
 def test_zigzag_plan_is_balanced():
