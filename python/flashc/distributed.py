@@ -32,15 +32,17 @@ dv of the same calls (flashc's backward with the global out and lse, which makes
 adds dq into its fp32 accumulator and dk, dv into the fp32 accumulator that travels with those keys. That
 accumulator is sent on while the next step computes, and after W steps one more hop brings every rank's dk, dv home.
 
-ALiBi. Its bias depends on the distance between a query's and a key's positions, which a chunk pair's bottom-right
-alignment does not give: with alibi_slopes every call passes its rows' and keys' global positions to the library
-(flashc_params.positions), and the window is the global one, measured between those positions. Calls are then
-made per pair of chunks (up to four per step with zig-zag) instead of merged.
+ALiBi and dropout. ALiBi's bias depends on the distance between a query's and a key's positions, which a chunk
+pair's bottom-right alignment does not give, and dropout's mask on the positions themselves: with either, every call
+passes its rows' and keys' global positions to the library (flashc_params.positions), and the window is the global
+one, measured between those positions. Calls are then made per pair of chunks (up to four per step with zig-zag)
+instead of merged. Dropout drops exactly the elements the one call on the whole sequence drops with the same
+(seed, offset): one pair for the group (the first rank's draw, broadcast), packed sequence s on streams from
+offset + s * H as in one varlen call.
 
-Takes causal, window_size (as flash-attn's), softcap, ALiBi, softmax_scale, GQA / MQA (k, v with fewer heads),
-packed sequences (cu_seqlens), float32, float16, bfloat16, and the deterministic backward. Not taken
-(ValueError / NotImplementedError, nothing sent): dropout (its mask is a function of absolute positions, which the
-library's dropout does not take yet), block masks, seqused_k and sinks.
+Takes causal, window_size (as flash-attn's), softcap, ALiBi, dropout, softmax_scale, GQA / MQA (k, v with fewer
+heads), packed sequences (cu_seqlens), float32, float16, bfloat16, and the deterministic backward. Not taken
+(NotImplementedError, nothing sent): block masks, seqused_k and sinks.
 """
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -200,17 +202,20 @@ def _pair(qp, kp, lo, hi):
     return _Call(qs, qe, ks, ke, -1 if lo is None else d - lo, -1 if hi is None else hi - d)
 
 
-def _plan_positions(qpieces, kpieces, lo, hi):
+def _plan_positions(qpieces, kpieces, lo, hi, align=1):
     """The calls of one step when each call carries its global positions (ALiBi, whose bias depends on the distance
-    between positions, not only on the band): one call per (query piece, key piece) pair that sees anything, on the
-    rows and keys _pair keeps, with the global window."""
+    between positions, not only on the band; dropout, whose mask does): one call per (query piece, key piece) pair
+    that sees anything, on the rows and keys _pair keeps, with the global window. align: the first key of each call
+    is moved down to a multiple of it (dropout wants key positions in whole groups of 4; the pieces start on such
+    positions, and the window hides the keys added)."""
     calls = []
     for qp in qpieces:
         for kp in kpieces:
             c = _pair(qp, kp, lo, hi)
             if c is not None:
-                calls.append(_Call(qp.local + c.q0, qp.local + c.q1, kp.local + c.k0, kp.local + c.k1,
-                                   -1 if lo is None else -lo, -1 if hi is None else hi, qp.pos + c.q0, kp.pos + c.k0))
+                k0 = c.k0 - (kp.pos + c.k0) % align
+                calls.append(_Call(qp.local + c.q0, qp.local + c.q1, kp.local + k0, kp.local + c.k1,
+                                   -1 if lo is None else -lo, -1 if hi is None else hi, qp.pos + c.q0, kp.pos + k0))
     return calls
 
 
@@ -255,7 +260,7 @@ def _plan(qpieces, kpieces, lo, hi, same_rank):
     return calls
 
 
-_REFUSED = ("dropout_p", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")
+_REFUSED = ("block_mask", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks")
 _REFUSAL = {"cu_seqlens_q": "self-attention over packed sequences takes one cu_seqlens (the whole batch's offsets)",
             "cu_seqlens_k": "self-attention over packed sequences takes one cu_seqlens (the whole batch's offsets)"}
 
@@ -276,10 +281,8 @@ def _check_inputs(q, k, v, group, world, layout, kwargs, check_shapes, extra=())
         if name not in _REFUSED:
             raise TypeError("flashc.distributed.ring_attention: unexpected argument %r" % name)
         if value is not None and not (isinstance(value, (int, float)) and value == 0):
-            raise NotImplementedError(
-                "flashc.distributed.ring_attention does not take %s: %s" % (
-                    name, "its mask depends on absolute positions, which the library's dropout does not take yet"
-                    if name == "dropout_p" else _REFUSAL.get(name, "not built for the ring yet")))
+            raise NotImplementedError("flashc.distributed.ring_attention does not take %s: %s"
+                                      % (name, _REFUSAL.get(name, "not built for the ring yet")))
     backend = dist.get_backend(group)
     if q.is_cuda and backend == "gloo":
         raise ValueError("flashc.distributed.ring_attention: the group's backend is gloo, which has no "
@@ -342,12 +345,16 @@ class _Setup(NamedTuple):
     deterministic: bool
     segments: Tuple[Tuple[int, int], ...]  # (first local row, local rows) of each sequence; one without varlen
     alibi: Optional[torch.Tensor] = None  # fp32 slopes on q's device: (H,), (B, H), or (num_seqs, H) with varlen
+    dropout_p: float = 0.0
+    rngs: Optional[torch.Tensor] = None  # dropout: (seed, offset) per packed sequence (int64 (S, 2)), one row without
 
 
 def _options(s, q4, k4, call):
     kw = {}
     if call.qpos is not None:
         kw["positions"] = (call.qpos, call.kpos)
+    if s.dropout_p:
+        kw.update(dropout_p=s.dropout_p, dropout_rng=s.rngs[call.seq])
     if s.alibi is not None:
         # per packed sequence: each call is one sequence's rows (a batch of one)
         kw["alibi_slopes"] = s.alibi[call.seq] if s.alibi.dim() == 2 and len(s.segments) > 1 else s.alibi
@@ -364,8 +371,8 @@ def _calls(s, step):
         if n == 0:
             continue
         qpieces, kpieces = _pieces(s.layout, s.rank, s.world, n), _pieces(s.layout, src, s.world, n)
-        plan = (_plan_positions(qpieces, kpieces, s.lo, s.hi) if s.alibi is not None
-                else _plan(qpieces, kpieces, s.lo, s.hi, step == 0))
+        plan = (_plan_positions(qpieces, kpieces, s.lo, s.hi, 4 if s.dropout_p else 1)
+                if s.alibi is not None or s.dropout_p else _plan(qpieces, kpieces, s.lo, s.hi, step == 0))
         for c in plan:
             out.append(c._replace(q0=c.q0 + off, q1=c.q1 + off, k0=c.k0 + off, k1=c.k1 + off, seq=seq))
     return out
@@ -470,7 +477,8 @@ def _local_segments(cu, n_local, world, layout):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
                    softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
-                   softcap: float = 0.0, alibi_slopes=None, cu_seqlens=None, layout: str = "zigzag",
+                   softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, cu_seqlens=None,
+                   layout: str = "zigzag",
                    deterministic: bool = False,
                    return_lse: bool = False, check_shapes: bool = True, **unsupported):
     """Attention of this rank's queries over the whole sequence's keys: q (B, N_local, H, D), k and v
@@ -481,7 +489,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     causal, window_size and alibi_slopes apply to global positions, as flashc.attention / flash_attn_func do on
     the whole sequence; softcap, softmax_scale and deterministic as there. alibi_slopes: fp32 (H,) or (B, H)
     ((num_seqs, H) with cu_seqlens), bias -slope * |i - j| between global positions i and j; with it each call
-    passes its positions to the library (one call per pair of chunks instead of merged ones). Every rank of the group must call it with the same
+    passes its positions to the library (one call per pair of chunks instead of merged ones). dropout_p: as
+    flash_attn_func's, the mask the one call on the whole sequence would draw (the (seed, offset) pair is drawn from
+    torch's generator on every rank, as flash_attn_func draws it, and the group's first rank's pair is used by all;
+    element (b, h, i, j) at global positions i, j); each rank's chunk must hold a multiple of 4 tokens of every
+    sequence (2 chunks of such a length per rank with zig-zag). Every rank of the group must call it with the same
     options and shapes. check_shapes: compare every rank's shapes first (one small all-gather, and on CUDA a wait for
     the GPU to reach it); False skips that for callers that guarantee equal shards (a mismatch then fails or hangs
     inside the point-to-point transfers).
@@ -516,8 +528,21 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
             raise ValueError("flashc.distributed.ring_attention: alibi_slopes must be (H,) = (%d,) or (%s, H) = "
                              "(%d, %d), got %s" % (q.shape[2], "num_seqs" if varlen else "B", batch, q.shape[2],
                                                    tuple(alibi.shape)))
+    dropout_p = _core.check_dropout(dropout_p)
+    rngs = None
+    if dropout_p:
+        chunk = [n // (2 if layout == "zigzag" else 1) for _, n in segments]
+        if any(c % 4 for c in chunk):
+            raise ValueError("flashc.distributed.ring_attention: with dropout every chunk of a sequence must hold a "
+                             "multiple of 4 tokens (the mask's keys come in groups of 4), got chunks of %s tokens "
+                             "(pad each sequence to a multiple of %d)" % (sorted(set(chunk)), 4 * _chunks_of(layout, world)))
+        rng = _torch.dropout_rng(q.device)
+        dist.broadcast(rng, src=dist.get_global_rank(group, 0), group=group)
+        # packed sequence s is the one call's sequence s: its streams start at offset + s * H
+        rngs = rng.repeat(len(segments), 1)
+        rngs[:, 1] += torch.arange(len(segments), dtype=torch.int64, device=q.device) * q.shape[2]
     setup = _Setup(group, world, rank, layout, lo, hi, softmax_scale, float(softcap or 0.0), bool(deterministic),
-                   segments, alibi)
+                   segments, alibi, dropout_p, rngs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _RingFunction.apply(setup, q, k, v)
     else:

@@ -112,6 +112,56 @@ def part_rounding(alibi, q, k, v, do, causal, window, softcap, rd):
                             groups(torch.einsum("bhij,bihd->bjhd", p, do.abs())))]
 
 
+# dropout: name, B, N, H, Hkv, D, causal, window, softcap, layout, cu_seqlens, ALiBi, dropout_p (every chunk a
+# multiple of 4 tokens at 1, 2 and 4 ranks)
+DROPOUT_CASES = [
+    ("dropout_causal_gqa", 2, 64, 4, 2, 32, True, (-1, -1), 0.0, "zigzag", None, None, 0.17),
+    ("dropout_window_alibi", 1, 64, 2, 2, 32, False, (13, 5), 2.0, "zigzag", None, "h", 0.5),
+    ("dropout_varlen_alibi", 1, 96, 2, 2, 32, False, (-1, -1), 0.0, "contiguous", [0, 32, 64, 96], "bh", 0.1),
+]
+
+
+def run_dropout_case(case, device, seed, group, record):
+    """fp32: the ring with dropout against flashc's one call on the whole sequence with the same (seed, offset)
+    (torch.manual_seed(seed) before each; flashc's one-call dropout is checked against the fp64 oracle by its own
+    tests): the same elements must be dropped, so the two agree to fp32 summation order (CUDA: to its bf16
+    operands' rounding of P), while the mask itself moves the result by far more."""
+    name, b, n, h, hkv, d, causal, window, softcap, layout, cu, _, p = case
+    tag = "%s/float32" % name
+    q, k, v, do, alibi = case_tensors(case[:12], torch.float32, device, seed)
+    opts = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+    sh = dict(layout=layout, cu_seqlens=cu)
+    qs, ks, vs, dos = (fcd.shard(t, group, **sh).detach().requires_grad_(t is not do) for t in (q, k, v, do))
+    torch.manual_seed(seed)
+    out = fcd.ring_attention(qs, ks, vs, group, dropout_p=p, **sh, **opts)
+    out.backward(dos)
+    got = [fcd.unshard(t.detach(), group, **sh).cpu() for t in (out, qs.grad, ks.grad, vs.grad)]
+
+    def one_call(p_):
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(seed)
+        if cu is None:
+            o = flashc.flash_attn_func(qr, kr, vr, dropout_p=p_, **opts)
+        else:
+            c = torch.tensor(cu, dtype=torch.int32, device=device)
+            m = max(y - x for x, y in zip(cu, cu[1:]))
+            o = flashc.flash_attn_varlen_func(qr, kr, vr, c, c, m, m, dropout_p=p_, **opts)
+        o.backward(do)
+        return [t.detach().cpu() for t in (o, qr.grad, kr.grad, vr.grad)]
+
+    want, undropped = one_call(p), one_call(0.0)
+    tol = 1e-5 if device.type == "cpu" else 1e-2
+    for what, g_, w_, u_ in zip(("out", "dq", "dk", "dv"), got, want, undropped):
+        scale = w_.abs().max().item()
+        err = (g_ - w_).abs().max().item() / scale
+        moved = (u_ - w_).abs().max().item() / scale
+        if not err <= tol:
+            record["failures"].append("%s: %s: ring vs one call %.3g > %g of max" % (tag, what, err, tol))
+        if not moved > 10 * tol:
+            record["failures"].append("%s: %s: the mask moved the result by %.3g only" % (tag, what, moved))
+    record["checked"].append(tag)
+
+
 def run_case(case, dtype, device, seed, group, record):
     name, b, n, h, hkv, d, causal, window, softcap, layout, cu, _ = case
     tag = "%s/%s" % (name, str(dtype).replace("torch.", ""))
@@ -193,8 +243,8 @@ def refusals(device, group, record):
     y = torch.randn((1, 7, 2, 16), device=device)
     expect_error(record, "odd_zigzag", ValueError, "must be even", lambda: fcd.ring_attention(y, y, y, group))
     z = torch.randn((1, 8, 2, 16), device=device)
-    expect_error(record, "dropout", NotImplementedError, "absolute positions",
-                 lambda: fcd.ring_attention(z, z, z, group, dropout_p=0.1))
+    expect_error(record, "dropout_chunks", ValueError, "multiple of 4 tokens",
+                 lambda: fcd.ring_attention(z[:, :4], z[:, :4], z[:, :4], group, dropout_p=0.1))
     expect_error(record, "alibi_shape", ValueError, "alibi_slopes must be",
                  lambda: fcd.ring_attention(z, z, z, group, alibi_slopes=torch.ones(3)))
     expect_error(record, "unknown", TypeError, "unexpected argument",
@@ -237,6 +287,8 @@ def main():
         for i, case in enumerate(CASES):
             for dt in dtypes:
                 run_case(case, dt, device, a.seed + i, group, record)
+        for i, case in enumerate(DROPOUT_CASES):
+            run_dropout_case(case, device, a.seed + 100 + i, group, record)
         refusals(device, group, record)
     except Exception:  # noqa: BLE001
         record["failures"].append("exception: " + traceback.format_exc())

@@ -8,8 +8,9 @@
 - 1, 2 and 4 processes (ring_worker.py, one per rank, a gloo group through a file store): forward and backward of a case
   table (causal, GQA, windows, softcap, ALiBi, both layouts, packed sequences; fp32 and bf16) against test_torch's fp64
   reference of the whole sequence by CONVENTIONS.md's rule (plus the 16-bit partial results' roundings, see
-  ring_worker.py); a second run gives the same bits; uneven shards, an odd zig-zag shard, dropout, ALiBi slopes of
-  the wrong shape, an unknown argument,
+  ring_worker.py); a second run gives the same bits; with dropout (fp32), the same elements dropped as by the one
+  call on the whole sequence with the same seed; uneven shards, an odd zig-zag shard, dropout on chunks that are
+  not whole groups of 4 keys, ALiBi slopes of the wrong shape, an unknown argument,
   a bad layout, a packed sequence that does not split evenly and cu_seqlens that differ between ranks are refused on
   every rank with a clear error, and the ring still works afterwards.
 """
@@ -63,11 +64,11 @@ BANDS = [(False, (-1, -1)), (True, (-1, -1)), (True, (3, -1)), (True, (0, -1)), 
          (False, (0, 3)), (False, (-1, 2)), (False, (1, -1)), (False, (11, 11)), (True, (25, -1)), (False, (-1, 0))]
 
 
-def check_plans(layout, plan, keeps):
+def check_plans(layout, plan, keeps, ns=(2, 4, 6, 10)):
     """For every world size, length, band, rank and step: the calls plan(qpieces, kpieces, lo, hi, step) makes keep,
     by keeps(call) on the call's own rows and keys, exactly the global band's (query, key) pairs, each once."""
     for world in (1, 2, 3, 4):
-        for n in (2, 4, 6, 10):
+        for n in ns:
             total = world * n
             gi, gj = np.arange(total)[:, None], np.arange(total)[None, :]
             for causal, window in BANDS:
@@ -109,6 +110,12 @@ def test_position_plan_keeps_exactly_the_band(layout):
         return position_keeps(c.q1 - c.q0, c.k1 - c.k0, c.qpos, c.kpos, c.left, c.right)
 
     check_plans(layout, lambda qp, kp, lo, hi, step: fcd._plan_positions(qp, kp, lo, hi), keeps)
+
+    def keeps4(c, qpos, kpos):  # dropout's plan: every call starts on a key position that is a multiple of 4
+        assert c.kpos % 4 == 0, c
+        return keeps(c, qpos, kpos)
+
+    check_plans(layout, lambda qp, kp, lo, hi, step: fcd._plan_positions(qp, kp, lo, hi, 4), keeps4, ns=(8, 16))
 
 
 def test_zigzag_plan_is_balanced():
@@ -153,8 +160,8 @@ def test_ring_matches_one_process(world, tmp_path, rng):
     assert not failures, "\n".join(failures)
     for r in records:
         # every case and dtype ran and every refusal was seen, on every rank
-        assert len(r["checked"]) == 24, r["checked"]
-        both = ["uneven", "odd_zigzag", "dropout", "alibi_shape", "unknown", "layout", "varlen_length",
+        assert len(r["checked"]) == 27, r["checked"]
+        both = ["uneven", "odd_zigzag", "dropout_chunks", "alibi_shape", "unknown", "layout", "varlen_length",
                 "varlen_differ", "ring_after_refusals"]
         assert r["errors"] == [e for e in both if world > 1 or e not in ("uneven", "varlen_differ")], r
 
