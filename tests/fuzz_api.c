@@ -6,8 +6,9 @@
  *   flashc_supported, flashc_kernel_name, flashc_{forward,backward}_workspace_size (shape-only queries), then
  *   flashc_forward and, when asked, flashc_backward on real buffers,
  * with every field of the tensors and params fuzzed (shapes, strides, dtypes, aliasing, ALiBi, block mask,
- * varlen cu_seqlens, windows, softcap, thread counts, workspace sizes and alignment, NULL pointers, parameter
- * arrays placed inside output buffers). run_input() is that per-input function; LLVMFuzzerTestOneInput calls it.
+ * varlen cu_seqlens, windows, positions, softcap, thread counts, workspace sizes and alignment, NULL pointers,
+ * parameter arrays placed inside output buffers). run_input() is that per-input function; LLVMFuzzerTestOneInput
+ * calls it.
  *
  * The driver (main, built unless FLASHC_LIBFUZZER is defined) generates each case's input from a splitmix64
  * stream of (seed, case index): a structured generator (gen_case) fills the decoded case with mostly valid,
@@ -256,6 +257,8 @@ typedef struct fcase {
     /* appended fields (inputs written before them decode with 0 there) */
     uint8_t pin;      /* bit 0-2: cu_seqlens / slopes / block mask placed inside an output; bits 4-7: which */
     uint32_t pin_off; /* where inside it */
+    uint8_t pmode;    /* positions: 0 off, 255 a nonzero value other than 1, else on */
+    uint64_t qpos, kpos; /* q_position, k_position (two's complement) */
 } fcase;
 
 static void decode(reader *r, fcase *c) {
@@ -323,6 +326,9 @@ static void decode(reader *r, fcase *c) {
     f_int(r, &c->misc_int, 0, 300, 64);
     f_u8(r, &c->pin);
     f_u32(r, &c->pin_off);
+    f_u8(r, &c->pmode);
+    f_u64(r, &c->qpos);
+    f_u64(r, &c->kpos);
 }
 
 static flashc_dtype pick_dtype(uint8_t sel, uint32_t raw) { return sel < 240 ? (flashc_dtype)(sel % 3) : (flashc_dtype)(int32_t)raw; }
@@ -672,12 +678,12 @@ static void print_case(const state *s) {
     const flashc_params *p = &s->prm;
     fprintf(stderr,
             "  params%s: scale=%a causal=%d window=(%lld,%lld) softcap=%a alibi=%s stride=%lld block_mask=%s "
-            "(%lld,%lld,%lld,%lld) dropout=%a det=%d\n",
+            "(%lld,%lld,%lld,%lld) dropout=%a det=%d positions=%d (%lld,%lld)\n",
             c->pnull == 255 ? "(NULL)" : "", (double)p->softmax_scale, p->causal, (long long)p->window_left,
             (long long)p->window_right, (double)p->softcap, p->alibi_slopes ? "set" : "NULL",
             (long long)p->alibi_batch_stride, p->block_mask ? "set" : "NULL", (long long)p->block_mask_q,
             (long long)p->block_mask_k, (long long)p->block_mask_batch, (long long)p->block_mask_heads,
-            (double)p->dropout_p, p->deterministic);
+            (double)p->dropout_p, p->deterministic, p->positions, (long long)p->q_position, (long long)p->k_position);
     if (s->cu_q && s->cu_ok && s->prm.num_seqs > 0 && s->prm.num_seqs < 64) {
         fprintf(stderr, "  cu_q:");
         for (int64_t b = 0; b <= s->prm.num_seqs; b++) fprintf(stderr, " %d", s->cu_q[b]);
@@ -942,7 +948,10 @@ static double logit_bound(const state *s, const flashc_params *p, const flashc_t
             if (!isfinite(s->alibi_mem[i])) return -1;
             if (fabs(s->alibi_mem[i]) > m) m = fabs(s->alibi_mem[i]);
         }
-        L += m * (double)(q->shape[1] + k->shape[1]);
+        /* the largest ALiBi distance: with positions |q_position - k_position| further */
+        double dist = (double)(q->shape[1] + k->shape[1]);
+        if (p->positions) dist += fabs((double)p->q_position - (double)p->k_position);
+        L += m * dist;
     }
     return isfinite(L) ? L : -1;
 }
@@ -1170,6 +1179,9 @@ static void run_input(const uint8_t *data, size_t size) {
     p->dropout_seed = c->dseed;
     p->dropout_offset = c->doff;
     p->deterministic = c->det == 255 ? -7 : (c->det & 1);
+    p->positions = c->pmode == 0 ? 0 : c->pmode == 255 ? -9 : 1;
+    p->q_position = (int64_t)c->qpos;
+    p->k_position = (int64_t)c->kpos;
 
     const flashc_dtype common = pick_dtype(c->dsel, c->draw);
     int64_t B = c->B, Nq = c->Nq, Nk = c->Nk;
@@ -1709,6 +1721,20 @@ static void gen_case(uint64_t seed, uint64_t index, fcase *c) {
             }
             default: c->misc = (uint8_t)G(), c->misc_int = hostile_int(); break;
             }
+        }
+    }
+    /* positions, drawn last so that the fields above come out as they did before positions existed: small ones on
+     * either side (multiples of 4 or not, for dropout), or hostile values (the 2^40 bound, 32-bit counters, extremes) */
+    if (chance(25)) {
+        c->pmode = (uint8_t)(chance(95) ? 1 : 255);
+        c->qpos = (uint64_t)(below(600) - 200);
+        c->kpos = (uint64_t)(chance(50) ? 4 * (below(150) - 50) : below(600) - 200);
+        if (chance(15)) {
+            static const int64_t big[] = {((int64_t)1 << 40) - 1, (int64_t)1 << 40, -((int64_t)1 << 40) + 1,
+                                          -((int64_t)1 << 40), ((int64_t)1 << 32) - 20, ((int64_t)1 << 34) - 64,
+                                          ((int64_t)1 << 29) + 3, INT64_MIN, INT64_MAX};
+            if (chance(50)) c->qpos = (uint64_t)(chance(70) ? big[below(9)] : hostile_int());
+            else c->kpos = (uint64_t)(chance(70) ? big[below(9)] : hostile_int());
         }
     }
 }
