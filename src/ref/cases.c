@@ -303,7 +303,7 @@ static const flashc_case quick_table[] = {
     CASE2("q_dec_n2_gqa", F32, 2, 2, 600, 8, 2, 48, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 1),
     CASE3("q_paged16", F32, 2, 3, 100, 4, 2, 32, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 16),
     CASEP("q_positions", F32, 2, 40, 50, 4, 2, 32, 1, 20, -1, 0, 1, 0, 0, 0, BNHD, 1, 0, 0, 0, 30, 10),
-    CASEP("q_pos_varlen_keys_after", BF16, 3, 33, 45, 2, 1, 64, 0, -1, 10, 0, 2, 0, 0, 1, BNHD, 1, 1, 0, 0, 0, 20),
+    CASEP("q_pos_varlen_keys_after", BF16, 3, 33, 45, 2, 1, 64, 0, -1, 3, 0, 2, 0, 0, 1, BNHD, 1, 0, 0, 0, 0, 8),
 };
 
 const flashc_case *flashc_case_table(int full, size_t *count) {
