@@ -65,7 +65,7 @@ extern "C" {
 #endif
 
 #define FLASHC_VERSION_MAJOR 0
-#define FLASHC_VERSION_MINOR 4
+#define FLASHC_VERSION_MINOR 6
 #define FLASHC_VERSION_PATCH 0
 
 /* Status codes. Values are only ever appended. */
@@ -121,7 +121,7 @@ typedef struct flashc_tensor {
 typedef struct flashc_params {
     uint32_t struct_size; /* sizeof(flashc_params) as the caller compiled it: set by flashc_params_default() */
     float softmax_scale;  /* 0: 1/sqrt(D) */
-    int causal;           /* bottom-right aligned; same as window (left, 0) */
+    int causal;           /* bottom-right aligned (or at positions, 0.6); same as window (left, 0) */
     int64_t window_left;  /* -1: unbounded */
     int64_t window_right; /* -1: unbounded */
     float softcap;        /* 0: off */
@@ -171,7 +171,7 @@ typedef struct flashc_params {
 
     /* Keys each sequence uses (flash-attn's seqused_k), int32, one per sequence (B, or num_seqs with varlen):
      * sequence b attends to its first seqused_k[b] keys as if it had only those, so causal and window bands and
-     * ALiBi distances align to that length; the keys past it are never read into any result (NaN there
+     * ALiBi distances align to that length (unless positions, 0.6, place them); the keys past it are never read into any result (NaN there
      * included) and get dk = dv = 0. Each value must lie in [0, the sequence's key length]: the CPU backend
      * refuses others, the CUDA backend (which does not read device memory before its launch) clamps them.
      * NULL: every key. What a padded or static KV cache needs. */
@@ -231,9 +231,17 @@ typedef struct flashc_params {
      * formulas at the top, i + Nk - Nq becomes i + q_position - k_position. seqused_k still limits which keys
      * exist, but no longer moves the alignment. The block mask still counts blocks from each sequence's first row
      * and key in this call, not from the positions.
+     * A window side that hides no key of any row is treated as unbounded (left >= Nq + q_position - k_position,
+     * right >= Nk - q_position + k_position).
      * |q_position| and |k_position| must be below 2^40 (INVALID_ARGUMENT otherwise); the CUDA backend, whose
      * kernels count rows in int32, takes |q_position - k_position| up to 2^29 and refuses more (NOT_SUPPORTED).
-     * ALiBi distances are formed in fp32 (as flash-attn forms them): past 2^24 they are rounded.
+     * ALiBi distances are formed in fp32 (as flash-attn forms them): past 2^24 they are rounded. And the bias enters
+     * the fp32 score whole: when every key a row sees is far away (distance dmin, e.g. a chunk pair far off the
+     * diagonal), the differences between its keys' biases are resolved only to about fp32's unit roundoff of
+     * slope * dmin, so such a call alone can miss the fp32 accuracy rule (a relative error of ~3e-5 measured at
+     * slope 1, dmin 1500); in a ring that pair's part is weighted by about exp(-slope * dmin) in the merge.
+     * Positions that change nothing (both sides unbounded after the rule above, no ALiBi, no dropout) are dropped:
+     * the call is the plain one.
      * Dropout's (i, j) are the positions too, (q_position + i, k_position + j), so that the chunk pairs of a longer
      * attention drop exactly its elements (with the same dropout_seed and dropout_offset, and the same b and h); this
      * needs q_position >= 0, k_position >= 0 and a multiple of 4 (Philox's groups of four keys stay aligned),

@@ -748,14 +748,18 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
      * within int64 in every kernel (and what is left within Nq + |diag| and Nk + |diag|). Row i keeps keys from
      * i + diag - left, which is <= 0 for every row when left >= Nq - 1 + diag, up to i + diag + right, >= nk - 1
      * for every row when right >= nk - 1 - diag. Bottom-right aligned, diag = nk - nq: left >= Nk and right >= Nq
-     * (for every sequence). With positions diag is q_position - k_position for every sequence. */
-    if (p->positions) {
-        const int64_t diag = p->q_position - p->k_position;
+     * (for every sequence, at the maximum lengths). With positions diag is q_position - k_position for every
+     * sequence. */
+    {
+        const int64_t diag = flashc_seq_diag(p, p->Nq, p->Nk);
         if (p->win_left >= p->Nq + diag) p->win_left = -1;
         if (p->win_right >= p->Nk - diag) p->win_right = -1;
-    } else {
-        if (p->win_left >= p->Nk) p->win_left = -1;
-        if (p->win_right >= p->Nq) p->win_right = -1;
+    }
+    /* Positions that change nothing (no band side left, no ALiBi, no dropout) are dropped: the plain problem, which
+     * every kernel takes whatever the positions' size. */
+    if (p->positions && p->win_left < 0 && p->win_right < 0 && !p->alibi && !(p->dropout_p > 0.0f)) {
+        p->positions = 0;
+        p->q_position = p->k_position = 0;
     }
     if (p->positions && p->dropout_p > 0.0f)
         FLASHC_TRY(check_dropout_positions(ctx, p->q_position, p->k_position, p->Nq, p->Nk));

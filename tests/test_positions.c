@@ -226,8 +226,13 @@ static void test_windows(uint64_t seed) {
                                (long long)left, (long long)right, flashc_context_last_error(ctx));
                         continue;
                     }
-                    p.win_left = left; /* the sides as given, not as the front simplified them */
+                    /* the sides and positions as given, not as the front simplified them (sides that hide no key
+                     * unbounded, and then positions that change nothing dropped) */
+                    p.win_left = left;
                     p.win_right = right;
+                    p.positions = 1;
+                    p.q_position = prm.q_position;
+                    p.k_position = prm.k_position;
                     if (flashc_ref_forward(&p, FLASHC_DTYPE_F32, ref, ref_lse)) exit(2);
                     for (size_t i = 0; i < nq_el; i++) want[i] = (float)ref[i];
                     int ok = rel_err(out, want, nq_el) <= 1e-5;
@@ -300,6 +305,35 @@ static void test_dropout(uint64_t seed) {
     flashc_context_destroy(ctx);
 }
 
+/* Positions that change nothing are dropped by the front (the plain problem, which every kernel takes however far
+ * apart the positions are); with a band side, ALiBi or dropout they stay. */
+static void test_dropped(void) {
+    static float buf[4 * 8 * 2 * 16], out[4 * 8 * 2 * 16], lse[64], slopes[2] = {0.5f, 0.25f};
+    const flashc_tensor t = flashc_tensor_contiguous(buf, FLASHC_DTYPE_F32, 1, 8, 2, 16);
+    const flashc_tensor to = flashc_tensor_contiguous(out, FLASHC_DTYPE_F32, 1, 8, 2, 16);
+    for (int v = 0; v < 5; v++) {
+        flashc_params prm = flashc_params_default();
+        prm.positions = 1;
+        prm.q_position = (int64_t)1 << 35; /* past what the CUDA kernels' int32 rows take */
+        prm.k_position = 0;
+        if (v == 1) prm.window_left = ((int64_t)1 << 35) + 8; /* hides no key: unbounded, then dropped */
+        if (v == 2) prm.alibi_slopes = slopes;
+        if (v == 3) prm.dropout_p = 0.1f;
+        if (v == 4) prm.window_left = 100;
+        flashc_problem p;
+        const flashc_status st =
+            flashc_problem_build(NULL, FLASHC_OP_FORWARD, &t, &t, &t, &prm, &to, lse, NULL, NULL, NULL, NULL, &p);
+        char what[96];
+        snprintf(what, sizeof what, "positions (2^35, 0), variant %d: %s", v,
+                 v < 2 ? "dropped" : v == 3 ? "kept (dropout refuses them)" : "kept");
+        if (v == 3)
+            check(what, st == FLASHC_STATUS_NOT_SUPPORTED); /* dropout: q_position + Nq past 2^32 */
+        else
+            check(what, st == FLASHC_STATUS_OK && p.positions == (v >= 2) &&
+                            (v >= 2 || (p.q_position == 0 && p.k_position == 0)));
+    }
+}
+
 int main(void) {
     const char *env = getenv("FLASHC_SEED");
     const uint64_t seed = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u;
@@ -308,6 +342,7 @@ int main(void) {
     test_ring(seed, 0.2f);
     test_windows(seed + 1);
     test_dropout(seed + 2);
+    test_dropped();
     printf("test_positions: %d checks, %d failed\n", g_checks, g_failed);
     return g_failed != 0;
 }

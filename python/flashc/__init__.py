@@ -30,7 +30,7 @@ from .flash_attn_interface import (
     flash_attn_with_kvcache,
 )
 
-__version__ = "0.4.0"
+__version__ = "0.6.0"
 
 # numpy arrays (CPU) or torch tensors (CPU, CUDA): the functions below take either (torch is not imported here)
 Array = Any

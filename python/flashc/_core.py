@@ -166,10 +166,12 @@ def make_params(softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0, 
 
 
 def check_positions(positions):
-    """(q_position, k_position) as two Python ints, or ValueError. The range (strictly inside +-2**40) is the
-    library's to check; this refuses what would not fit the int64 fields (ctypes would wrap it silently)."""
+    """(q_position, k_position) as two Python ints (not bools), or ValueError. The range (strictly inside +-2**40) is
+    the library's to check; this refuses what would not fit the int64 fields (ctypes would wrap it silently)."""
     try:
         qp, kp = positions
+        if isinstance(qp, bool) or isinstance(kp, bool):
+            raise TypeError("bool")
         qp, kp = operator.index(qp), operator.index(kp)
     except (TypeError, ValueError):
         raise ValueError("flashc: positions must be None or a pair of ints (q_position, k_position), got %r"

@@ -63,7 +63,7 @@ def _candidates():
     elif sys.platform == "win32":
         names = ["flashc.dll", "libflashc.dll"]
     else:
-        names = ["libflashc.so", "libflashc.so.0.4"]
+        names = ["libflashc.so", "libflashc.so.0.6"]
     out = [os.path.join(_HERE, n) for n in names]
     repo = os.path.dirname(os.path.dirname(_HERE))  # python/flashc -> repo root
     for build in ["build"] + sorted(os.path.basename(p) for p in glob.glob(os.path.join(repo, "build-*"))):

@@ -833,6 +833,8 @@ def test_positions_errors(gen):
         ft.apply("q,k,v", (q, q, q), positions=5)
     with pytest.raises(ValueError, match="positions must be None or a pair"):
         ft.apply("q,k,v", (q, q, q), positions=(1.5, 0))
+    with pytest.raises(ValueError, match="positions must be None or a pair"):
+        ft.apply("q,k,v", (q, q, q), positions=(True, 0))
     with pytest.raises(flashc.FlashcError, match="2\\^40") as e:
         ft.apply("q,k,v", (q, q, q), positions=(2**40, 0))
     assert e.value.status_name == "FLASHC_STATUS_INVALID_ARGUMENT"

@@ -989,6 +989,13 @@ int flashc_case_run(flashc_context_t ctx, const flashc_case *c, uint64_t seed, f
         rc = 0;
         goto done;
     }
+    /* The oracle measures the case's own window sides and positions, not the front's simplification of them (a side
+     * that hides no key made unbounded, positions that change nothing dropped): a wrong simplification then fails. */
+    p.win_left = hprm.window_left;
+    p.win_right = hprm.causal ? 0 : hprm.window_right;
+    p.positions = hprm.positions != 0;
+    p.q_position = p.positions ? hprm.q_position : 0;
+    p.k_position = p.positions ? hprm.k_position : 0;
     const size_t nq_el = (size_t)(nb * rows_q * c->H * c->D),
                  nk_el = (size_t)(table ? num_pages * ps * c->Hkv * c->D : nb * rows_k * c->Hkv * c->D);
     const size_t sizes[5] = {nq_el, (size_t)lse_n, nq_el, nk_el, nk_el};
