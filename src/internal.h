@@ -307,6 +307,11 @@ static inline FLASHC_HOST_DEVICE float flashc_merge_value(float wa, float a, flo
 static inline int64_t flashc_seq_diag(const flashc_problem *p, int64_t nq, int64_t nk) {
     return p->positions ? p->q_position - p->k_position : nk - nq;
 }
+/* What positions add to every sequence's own alignment: q_position - k_position with positions, else 0 (the bound the
+ * CUDA kernels check, the reach of their windows). */
+static inline int64_t flashc_pos_diag(const flashc_problem *p) {
+    return p->positions ? p->q_position - p->k_position : 0;
+}
 
 /* Visible key range [lo, hi) of query row i (0-based within a sequence of nq queries and nk keys) from the
  * causal/window masks alone; empty when lo >= hi. */

@@ -437,7 +437,7 @@ static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem 
     /* Positions: every kernel takes diag = q_position - k_position in int32 (score.h's fc_diag). With |diag| and the
      * lengths up to 2^29, and the window sides the front left bounded (left < Nq + diag, right < Nk - diag; the
      * others are -1), every band and ALiBi sum of the kernels stays within int32. */
-    if (p->positions && (p->q_position - p->k_position > CUDA_MAX_LEN || p->k_position - p->q_position > CUDA_MAX_LEN))
+    if (flashc_pos_diag(p) > CUDA_MAX_LEN || -flashc_pos_diag(p) > CUDA_MAX_LEN)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
                           "positions q_position %lld and k_position %lld lie more than 2^29 apart: the CUDA kernels "
                           "do not take that (the CPU backend does)",

@@ -38,7 +38,7 @@ static inline void fc_set_scores_and_masks(const flashc_problem *p, Args *a) {
     /* With positions the band moves by diag = q_position - k_position: a side is unbounded in effect only past
      * Nq + Nk + |diag| (the front has already made those that hide nothing -1; cuda.cu refuses |diag| > 2^29, so
      * this stays in int32). */
-    const int64_t diag = p->positions ? p->q_position - p->k_position : 0;
+    const int64_t diag = flashc_pos_diag(p);
     const int64_t reach = p->Nq + p->Nk + (diag < 0 ? -diag : diag);
     a->win_left = fc_clamp_window(p->win_left, reach);
     a->win_right = fc_clamp_window(p->win_right, reach);

@@ -268,6 +268,12 @@ static const flashc_case full_table[] = {
     CASEP("pos_used_sinks_f16_window", F16, 3, 100, 255, 4, 2, 64, 0, 100, 20, 0, 0, 0, 0, 0, BNHD, 1, 1, 1, 0, 80, 0),
     CASEP("pos_mask_bf16_causal", BF16, 2, 255, 255, 2, 2, 64, 1, -1, -1, 0, 0, 32, 48, 0, BNHD, 1, 0, 0, 0, 100, 0),
     CASEP("pos_ring_causal_gqa_window", F32, 1, 1023, 512, 4, 1, 64, 1, 300, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 512, 0),
+    /* positions 2^29 apart, the most the CUDA kernels' int32 rows take, with a band side just past 2^29 that still
+     * cuts keys (no ALiBi: its fp32 distances are not resolved that far out) */
+    CASEP("pos_far_left_bf16", BF16, 1, 64, 128, 2, 2, 64, 0, (1LL << 29) + 50, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0,
+          1LL << 29, 0),
+    CASEP("pos_far_right_f16_softcap", F16, 1, 64, 100, 4, 1, 64, 0, -1, (1LL << 29) + 30, 15.0f, 0, 0, 0, 0, BNHD, 1,
+          0, 0, 0, 0, 1LL << 29),
     CASEP("pos_pg16_causal_used", F32, 2, 64, 300, 4, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 1, 0, 16, 236, 0),
     CASEP("dec_pos_n1_causal_gqa", F32, 2, 1, 2000, 8, 2, 128, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 1000, 0),
     CASEP("dec_pos_n4_bf16_alibi_window", BF16, 2, 4, 1500, 8, 2, 128, 0, 300, 0, 0, 2, 0, 0, 0, BNHD, 1, 0, 0, 0, 900,
