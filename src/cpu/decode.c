@@ -39,7 +39,7 @@
 enum {
     DEC_MAX_NQ = 16,        /* query rows per sequence this path takes */
     DEC_MAX_ROWS = 64,      /* packed rows per tile */
-    DEC_BC = 64,            /* keys per step (a multiple of 16: softmax_rows' padding) */
+    DEC_BC = 16,            /* keys per step (a multiple of 16: softmax_rows' padding); why 16: below */
     DEC_MIN_PIECE = 256,    /* keys per piece at least */
     DEC_TARGET_UNITS = 128, /* units the split aims for */
     DEC_MAX_HEADS = 16,     /* kv heads per unit at most */
@@ -50,6 +50,15 @@ enum {
 #define SADD flashc_size_add
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/*
+ * Keys per step. A step reads, per kv head of the unit, its DEC_BC rows of K (dots), then the same rows of V (O += P
+ * V); the smaller the step, the fewer cache lines one head's pass touches before the next head's pass reads the
+ * neighbouring bytes of the same key rows. 16 against 64, cold caches, one call per copy of the cache (2-core EPYC
+ * VM, lab/LOG.md): 32/8/128 f32 7.0 -> 8.4 GB/s at 1 thread, 12.1 -> 15.9 at 2; 8/2/32 f32 5.7 -> 6.4 and
+ * 10.6 -> 12.4; bf16 4.1-4.4 -> 4.2-4.5 and 7.8-8.5 -> 8.6-8.8. 16 is softmax_rows' padding unit, the least that
+ * wastes no scores.
+ */
 
 /* What one packed row stands for. */
 typedef struct dec_row {
