@@ -39,6 +39,11 @@ static const flashc_case cases[] = {
      0},
     /* bottom-right causal: rows 0..699 see no key, so whole groups and parts of groups have nothing to do */
     {"grp_causal_nq_gt_nk", F32, 1, 1000, 300, 2, 2, 64, 1, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 0, 0, 0},
+    /* positions (a ring's chunk pair): the blocks' key ranges and ALiBi from q_position - k_position, not Nk - Nq; a
+     * causal pair whose keys start later (leading rows see nothing), and a window with dropout at the positions */
+    {"grp_pos_causal_alibi", F32, 1, 1000, 800, 2, 2, 64, 1, -1, -1, 0, 1, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 1, 2000, 2300},
+    {"grp_pos_window_dropout_bf16", BF16, 1, 900, 1000, 2, 1, 64, 0, 150, 40, 0, 0, 0, 0, 0, BNHD, 1, 0, 0, 0, 0.1f, 1,
+     4000, 3800},
     {"grp_bf16_d256", BF16, 1, 600, 600, 2, 2, 256, 0, -1, -1, 0, 0, 0, 0, 0, BNHD, 0, 0, 0, 0, 0, 0, 0, 0},
 };
 
