@@ -52,6 +52,19 @@ typedef void (*flashc_cpu_cvt_fn)(int n, const uint16_t *src, float *dst);
  */
 typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const float *k,
                                    int64_t ldk, float *s, int64_t lds);
+/*
+ * Cache lines to start on their way while a kernel computes: rows[i] rows of bytes[i] bytes each at base[i] + r * ld[i]
+ * (i < 2: the K and V rows decode reads next). dots_pf issues them a few at a time between its dot products, so that
+ * they overlap the arithmetic instead of stalling the loads in one burst.
+ */
+typedef struct flashc_cpu_prefetch {
+    const char *base[2];
+    int64_t ld[2];
+    int rows[2], bytes[2];
+} flashc_cpu_prefetch;
+/* dots, and the lines of pf (NULL: none) prefetched along the way; the scores are dots' bit for bit. */
+typedef void (*flashc_cpu_dots_pf_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const float *k,
+                                      int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 
 /*
  * The online-softmax step of softmax_fn on a query-row-major tile s[r][c] (cols a multiple of 16; the caller fills
@@ -87,6 +100,7 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_dots_fn dots;                 /* decode.c */
     flashc_cpu_softmax_rows_fn softmax_rows; /* decode.c */
     flashc_cpu_dropout_fn dropout;
+    flashc_cpu_dots_pf_fn dots_pf; /* decode.c; NULL: dots without prefetching */
 } flashc_cpu_kernels;
 
 extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
@@ -97,6 +111,8 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
  * memory speed, where the wider vectors have little to add). */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
+void flashc_cpu_dots_pf_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                             float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
 /* The AVX2 dropout, which the AVX-512 table shares too (its cost is the Philox rounds' 32-bit multiplies). */
 void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,

@@ -186,20 +186,51 @@ AI __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* Where dots_pf's prefetches stand: list i, row r, byte x of the row. */
+typedef struct pf_cursor {
+    const flashc_cpu_prefetch *pf;
+    int i, r, x;
+} pf_cursor;
+
+/* Issues up to n more lines of the cursor's list. */
+AI void pf_issue(pf_cursor *c, int n) {
+    const flashc_cpu_prefetch *pf = c->pf;
+    for (; n > 0 && c->i < 2; n--) {
+        _mm_prefetch(pf->base[c->i] + c->r * pf->ld[c->i] + c->x, _MM_HINT_T0);
+        if ((c->x += 64) < pf->bytes[c->i]) continue;
+        c->x = 0;
+        if (++c->r < pf->rows[c->i]) continue;
+        c->r = 0;
+        while (++c->i < 2 && pf->rows[c->i] <= 0) {}
+    }
+}
+
 /*
  * Eight keys at a time, each query row against all eight: one q load feeds eight FMAs, the eight K rows stay in L1
  * across the rows, and one hsum8 gives the eight scores as a vector. A last group of fewer keys repeats its last
  * key (in-bounds reads) and stores only its own scores. The D tail is masked, since the K rows are read in place.
+ * With pf, its lines are spread evenly over the (key group, row) iterations, a few before each.
  */
-void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
-                          float *s, int64_t lds) {
+void flashc_cpu_dots_pf_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                             float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     const int dv = D & ~7;
     const __m256i tail = lanes(D - dv);
+    pf_cursor cur = {pf, 0, 0, 0};
+    int per = 0;
+    if (pf) {
+        int lines = 0;
+        for (int i = 0; i < 2; i++)
+            if (pf->rows[i] > 0) lines += pf->rows[i] * ((pf->bytes[i] + 63) / 64);
+        const int iters = (cols + 7) / 8 * rows;
+        per = iters > 0 ? (lines + iters - 1) / iters : 0;
+        while (cur.i < 2 && pf->rows[cur.i] <= 0) cur.i++;
+    }
     for (int c0 = 0; c0 < cols; c0 += 8) {
         const int n = cols - c0 < 8 ? cols - c0 : 8;
         const float *kp[8];
         for (int j = 0; j < 8; j++) kp[j] = k + (int64_t)(c0 + (j < n ? j : n - 1)) * ldk;
         for (int r = 0; r < rows; r++) {
+            if (per) pf_issue(&cur, per);
             const float *qr = q + (int64_t)r * ldq;
             __m256 acc[8];
 #pragma GCC unroll 8
@@ -219,6 +250,11 @@ void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq
             else _mm256_maskstore_ps(sr, lanes(n), hsum8(acc));
         }
     }
+}
+
+void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                          float *s, int64_t lds) {
+    flashc_cpu_dots_pf_avx2(rows, cols, D, q, ldq, k, ldk, s, lds, NULL);
 }
 
 /* Horizontal max and sum of one vector (fixed order). */
@@ -372,5 +408,6 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
     .dots = flashc_cpu_dots_avx2,
     .softmax_rows = flashc_cpu_softmax_rows_avx2,
     .dropout = flashc_cpu_dropout_avx2,
+    .dots_pf = flashc_cpu_dots_pf_avx2,
 };
 #endif
