@@ -308,6 +308,16 @@ static flashc_status check_dropout_p(flashc_context_t ctx, float p) {
     return FLASHC_STATUS_OK;
 }
 
+/* Positions (flashc_params 0.6): each strictly inside +-2^40, so that every position sum stays far from int64's ends. */
+static flashc_status check_positions(flashc_context_t ctx, int64_t q_position, int64_t k_position) {
+    if (!(q_position > -FLASHC_MAX_POSITION && q_position < FLASHC_MAX_POSITION && k_position > -FLASHC_MAX_POSITION &&
+          k_position < FLASHC_MAX_POSITION))
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "positions (q_position %lld, k_position %lld): each must lie strictly between -2^40 and 2^40",
+                          (long long)q_position, (long long)k_position);
+    return FLASHC_STATUS_OK;
+}
+
 /* Dropout with positions takes dropout's (i, j) at the positions (q_position + i, k_position + j), so they must lie
  * where Philox's counter words hold them: rows in [0, 2^32), key groups of four in [0, 2^32), and k_position a
  * multiple of 4 so that a call's groups of four keys are the longer attention's (the GPU kernels compute a group at a
@@ -348,12 +358,7 @@ flashc_status flashc_dropout_mask(const flashc_params *params, int64_t B, int64_
     if (!mask) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "mask is NULL");
     const int64_t row0 = prm.positions ? prm.q_position : 0, col0 = prm.positions ? prm.k_position : 0;
     if (prm.positions) {
-        if (!(row0 > -FLASHC_MAX_POSITION && row0 < FLASHC_MAX_POSITION && col0 > -FLASHC_MAX_POSITION &&
-              col0 < FLASHC_MAX_POSITION))
-            return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT,
-                              "positions (q_position %lld, k_position %lld): each must lie strictly between -2^40 "
-                              "and 2^40",
-                              (long long)row0, (long long)col0);
+        FLASHC_TRY(check_positions(NULL, row0, col0));
         if (prm.dropout_p > 0.0f) FLASHC_TRY(check_dropout_positions(NULL, row0, col0, Nq, Nk));
     }
     if (prm.dropout_rng) { /* host memory here */
@@ -686,12 +691,7 @@ flashc_status flashc_problem_build(flashc_context_t ctx, flashc_op op, const fla
     /* positions (0.6) */
     if (params->positions) {
         const int64_t qp = params->q_position, kp = params->k_position;
-        if (!(qp > -FLASHC_MAX_POSITION && qp < FLASHC_MAX_POSITION && kp > -FLASHC_MAX_POSITION &&
-              kp < FLASHC_MAX_POSITION))
-            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
-                              "positions (q_position %lld, k_position %lld): each must lie strictly between -2^40 "
-                              "and 2^40",
-                              (long long)qp, (long long)kp);
+        FLASHC_TRY(check_positions(ctx, qp, kp));
         p->positions = 1;
         p->q_position = qp;
         p->k_position = kp;

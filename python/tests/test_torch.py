@@ -761,14 +761,7 @@ def test_positions(case, device, gen):
     _, b, nq, nk, h, hkv, opts, positions = case
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v, do = inputs((b, nq, h, 32), (b, nk, hkv, 32), dtype, device)
-    opts = dict(opts)
-    if opts.get("alibi") == "h":
-        opts["alibi_slopes"] = torch.rand(h, device=device) * 0.5
-    elif opts.get("alibi") == "bh":
-        opts["alibi_slopes"] = torch.rand(b, h, device=device) * 0.5
-    opts.pop("alibi", None)
-    if "seqused_k" in opts:
-        opts["seqused_k"] = torch.tensor(opts["seqused_k"], dtype=torch.int32, device=device)
+    opts = resolve(opts, b, h, device)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = ft.apply("q,k,v", leaves, positions=positions, **opts)
     out.backward(do)
