@@ -54,7 +54,7 @@ typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, in
                                    int64_t ldk, float *s, int64_t lds);
 /*
  * Cache lines to start on their way while a kernel computes: rows[i] rows of bytes[i] bytes each at base[i] + r * ld[i]
- * (i < 2: the K and V rows decode reads next). dots_pf issues them a few at a time between its dot products, so that
+ * (i < 2: the K and V rows decode reads next). dots_kv issues them a few at a time between its dot products, so that
  * they overlap the arithmetic instead of stalling the loads in one burst.
  */
 typedef struct flashc_cpu_prefetch {
@@ -62,9 +62,21 @@ typedef struct flashc_cpu_prefetch {
     int64_t ld[2];
     int rows[2], bytes[2];
 } flashc_cpu_prefetch;
-/* dots, and the lines of pf (NULL: none) prefetched along the way; the scores are dots' bit for bit. */
-typedef void (*flashc_cpu_dots_pf_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const float *k,
+/* How decode's kernels read K and V rows in place: fp32 or bf16 elements, unit stride along D. */
+enum { FLASHC_CPU_KV_F32 = 0, FLASHC_CPU_KV_BF16 = 1 };
+/*
+ * dots on K rows of element type kt (FLASHC_CPU_KV_*) read in place, and the lines of pf (NULL: none) prefetched
+ * along the way. With fp32 K the scores are dots' bit for bit; bf16 rows are widened to fp32 inside.
+ */
+typedef void (*flashc_cpu_dots_kv_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
                                       int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+/*
+ * Decode's O update for one key step: o[r][d] = alpha[r] o[r][d] + sum_{c < cols} p[r][c] v[c][d] for r < rows,
+ * d < D, V rows of element type vt (FLASHC_CPU_KV_*) at v + c * ldv read in place, only their first D values; o
+ * past D is left alone. The online softmax's rescale and the product in one pass over the O rows.
+ */
+typedef void (*flashc_cpu_pv_fn)(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                                 const void *v, int vt, int64_t ldv, float *o, int64_t ldo);
 
 /*
  * The online-softmax step of softmax_fn on a query-row-major tile s[r][c] (cols a multiple of 16; the caller fills
@@ -100,7 +112,8 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_dots_fn dots;                 /* decode.c */
     flashc_cpu_softmax_rows_fn softmax_rows; /* decode.c */
     flashc_cpu_dropout_fn dropout;
-    flashc_cpu_dots_pf_fn dots_pf; /* decode.c; NULL: dots without prefetching */
+    flashc_cpu_dots_kv_fn dots_kv; /* decode.c */
+    flashc_cpu_pv_fn pv;           /* decode.c */
 } flashc_cpu_kernels;
 
 extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
@@ -111,8 +124,10 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
  * memory speed, where the wider vectors have little to add). */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
-void flashc_cpu_dots_pf_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
-                             float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
+                             int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
+                        int vt, int64_t ldv, float *o, int64_t ldo);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
 /* The AVX2 dropout, which the AVX-512 table shares too (its cost is the Philox rounds' 32-bit multiplies). */
 void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,

@@ -4,9 +4,10 @@
  *
  * The query rows of a GQA group, G = H / Hkv heads times nq rows, are packed into one tile, so that each K and V
  * row is read from memory once for all of them; the tile forward (attn.c) reads it once per head, through a
- * 64-row query tile that is nearly all padding at Nq = 1. Per key step of DEC_BC keys: scores by dot products over
- * D, eight keys at a time (kern->dots), the online softmax along each row (kern->softmax_rows), then O += P V by
- * the gemm microkernel with the packed rows as its M.
+ * 64-row query tile that is nearly all padding at Nq = 1. Per key step (16 or 32 keys, step_keys): scores by dot
+ * products over D (kern->dots_kv), the online softmax along each row (kern->softmax_rows), then O = alpha O + P V in
+ * one pass over the O rows (kern->pv). Both kernels read fp32 and bf16 K and V rows in place (bf16 widened in
+ * registers); other dtypes and layouts are converted to fp32 rows first.
  *
  * Work: each sequence's keys are cut into `splits` pieces, chosen from the shape alone (enough units to spread
  * over many threads, pieces of at least DEC_MIN_PIECE keys). One unit per (sequence, piece, block of kv heads, row
@@ -39,7 +40,7 @@
 enum {
     DEC_MAX_NQ = 16,        /* query rows per sequence this path takes */
     DEC_MAX_ROWS = 64,      /* packed rows per tile */
-    DEC_BC = 16,            /* keys per step (a multiple of 16: softmax_rows' padding); why 16: below */
+    DEC_BC = 32,            /* keys per step at most (a multiple of 16: softmax_rows' padding); how many: below */
     DEC_MIN_PIECE = 256,    /* keys per piece at least */
     DEC_TARGET_UNITS = 128, /* units the split aims for */
     DEC_MAX_HEADS = 16,     /* kv heads per unit at most */
@@ -52,16 +53,23 @@ enum {
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /*
- * Keys per step. A step reads, per kv head of the unit, its DEC_BC rows of K (dots), then the same rows of V (O += P
- * V); the smaller the step, the fewer cache lines one head's pass touches before the next head's pass reads the
- * neighbouring bytes of the same key rows. 16 against 64, cold caches, one call per copy of the cache (2-core EPYC
- * VM, lab/LOG.md): 32/8/128 f32 7.0 -> 8.4 GB/s at 1 thread, 12.1 -> 15.9 at 2; 8/2/32 f32 5.7 -> 6.4 and
- * 10.6 -> 12.4; bf16 4.1-4.4 -> 4.2-4.5 and 7.8-8.5 -> 8.6-8.8. 16 is softmax_rows' padding unit, the least that
- * wastes no scores.
+ * Keys per step. A step reads, per kv head of the unit, its rows of K (dots), then the same rows of V (O = alpha O +
+ * P V); the smaller the step, the fewer cache lines one head's pass touches before the next head's pass reads the
+ * neighbouring bytes of the same key rows, and the more the per-step work (softmax maxima, the O rows' load and
+ * store) costs per key. 16 against 64, cold caches, one call per copy of the cache (2-core EPYC VM, lab/LOG.md):
+ * 32/8/128 f32 7.0 -> 8.4 GB/s at 1 thread, 12.1 -> 15.9 at 2; 8/2/32 f32 5.7 -> 6.4 and 10.6 -> 12.4. With K and V
+ * read in place as bf16, a step of 32 keys spans the bytes of 16 fp32 keys, and measured faster than 16 (8/2/32
+ * Nk 8192, cold, CPU time: 1 thread 5.67 -> 6.45 GB/s, 2 threads 8.54 -> 9.11) while fp32 lost with 32 (10.13 ->
+ * 9.31, 15.53 -> 14.12). So a step is 16 keys when the kernels read fp32 (fp16 is converted to fp32 first) and 32
+ * when they read bf16 in place: the same bytes per step. 16 is softmax_rows' padding unit, the least that wastes no
+ * scores.
  */
+static int step_keys(const flashc_problem *p) {
+    return p->k.dtype == FLASHC_DTYPE_BF16 && p->v.dtype == FLASHC_DTYPE_BF16 ? 32 : 16;
+}
 
 /*
- * The raw K and V rows [n0, n0 + cols) of head h as dots_pf's prefetch list, clipped to the rows on n0's page when
+ * The raw K and V rows [n0, n0 + cols) of head h as dots_kv's prefetch list, clipped to the rows on n0's page when
  * the cache is paged (the next step's first rows are what must arrive early).
  */
 static void next_rows(const flashc_problem *p, int64_t b, int64_t n0, int cols, int64_t h, flashc_cpu_prefetch *pf) {
@@ -79,6 +87,27 @@ static void next_rows(const flashc_problem *p, int64_t b, int64_t n0, int cols, 
         pf->bytes[i] = (int)(p->D * es);
         if (t[i]->stride[3] != 1) pf->bytes[i] = (int)(((p->D - 1) * t[i]->stride[3] + 1) * es);
     }
+}
+
+/*
+ * K-like rows [row0, row0 + rows) of sequence b (row0 counting as flashc_cpu_kv_rows does), head h, as dots_kv and pv
+ * take them: in place when the view holds fp32 or bf16 with unit stride along D and the rows lie on one page (always,
+ * unpaged), so bf16 caches are widened inside the kernels instead of row by row into a buffer; otherwise (fp16, other
+ * strides, rows across pages) converted to fp32 into buf (leading dim buf_ld).
+ */
+static const void *step_rows(const flashc_cpu_kernels *kern, const flashc_problem *p, const flashc_tensor *t,
+                             int64_t b, int64_t row0, int rows, int64_t h, float *buf, int64_t buf_ld, int *kt,
+                             int64_t *ld) {
+    const int bf16 = t->dtype == FLASHC_DTYPE_BF16;
+    if ((bf16 || t->dtype == FLASHC_DTYPE_F32) && t->stride[3] == 1 &&
+        (!p->block_table || row0 / p->page_size == (row0 + rows - 1) / p->page_size)) {
+        *kt = bf16 ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32;
+        *ld = t->stride[1];
+        return (const char *)t->data +
+               flashc_kv_offset(p, t, b, flashc_cpu_tensor_batch(p, b), row0, h) * (bf16 ? 2 : 4);
+    }
+    *kt = FLASHC_CPU_KV_F32;
+    return flashc_cpu_kv_rows(kern, p, t, b, row0, rows, h, buf, buf_ld, ld);
 }
 
 /* What one packed row stands for. */
@@ -274,45 +303,41 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             for (int d = 0; d < D; d++) dst[d] = src[d] * qs;
             for (int d = D; d < dp; d++) dst[d] = 0.0f;
         }
-    for (int64_t j0 = jlo; j0 < jhi; j0 += DEC_BC) {
-        const int cols = (int)(jhi - j0 < DEC_BC ? jhi - j0 : DEC_BC), padded = (cols + 15) / 16 * 16;
+    const int bc = step_keys(p);
+    for (int64_t j0 = jlo; j0 < jhi; j0 += bc) {
+        const int cols = (int)(jhi - j0 < bc ? jhi - j0 : bc), padded = (cols + 15) / 16 * 16;
         for (int j = 0; j < nh; j++) {
             const int64_t hk = hk0 + j;
             const dec_row *rows = t->rows + (size_t)j * L->cap;
             float *o = t->st + (size_t)j * L->hs, *m = o + (size_t)L->cap * dp, *l = m + L->cap;
             if (!step_visible(p, rows, n, j0, cols)) continue;
             int64_t ldk, ldv;
-            const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
+            int kt, vt;
+            const void *k = step_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &kt, &ldk);
             /* The next head's rows of this step, or the first head's of the next step, are fetched while the dot
-             * products run: one head-step (2 * DEC_BC * D * 4 bytes, 4-16 KiB at D 32-128 f32) ahead of use, more
+             * products run: one head-step (2 * 16 * D * 4 bytes, 4-16 KiB at D 32-128 f32) ahead of use, more
              * than memory latency times bandwidth (~100 ns x 20 GB/s = 2 KB) and within L1. Two, four or eight
              * head-steps ahead measured slower (1 thread, cold: 8/2/32 f32 9.7 -> 8.6, 7.6, 7.3 GB/s), as lines
              * fetched into L1 that early are evicted before use. */
             flashc_cpu_prefetch pf;
-            const int64_t nj0 = j + 1 < nh ? j0 : j0 + DEC_BC, nhk = j + 1 < nh ? hk + 1 : hk0;
-            const int ncols = (int)(jhi - nj0 < DEC_BC ? jhi - nj0 : DEC_BC);
-            if (kern->dots_pf && ncols > 0) {
-                next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
-                kern->dots_pf(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, ldk, t->s, DEC_BC, &pf);
-            } else
-                kern->dots(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, ldk, t->s, DEC_BC);
+            const int64_t nj0 = j + 1 < nh ? j0 : j0 + bc, nhk = j + 1 < nh ? hk + 1 : hk0;
+            const int ncols = (int)(jhi - nj0 < bc ? jhi - nj0 : bc);
+            if (ncols > 0) next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
+            kern->dots_kv(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, kt, ldk, t->s, DEC_BC,
+                          ncols > 0 ? &pf : NULL);
             if (step_needs_epilogue(p, rows, n, j0, cols)) step_epilogue(p, rows, n, nq, nk, j0, cols, t->s);
-            for (int r = 0; r < n; r++)
-                for (int c = cols; c < padded; c++) t->s[(size_t)r * DEC_BC + c] = -INFINITY;
+            if (cols < padded)
+                for (int r = 0; r < n; r++)
+                    for (int c = cols; c < padded; c++) t->s[(size_t)r * DEC_BC + c] = -INFINITY;
             kern->softmax_rows(n, padded, t->s, DEC_BC, m, l, t->alpha);
-            for (int r = 0; r < n; r++)
-                if (t->alpha[r] != 1.0f) {
-                    float *orow = o + (size_t)r * dp;
-                    for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
-                }
             if (p->dropout_p > 0.0f) /* as the tile forward: l summed P undropped, the store scales by 1 / (1 - p) */
                 for (int r = 0; r < n; r++) {
                     flashc_cpu_dropout drop;
                     flashc_cpu_dropout_of(p, b, rows[r].h, 1.0f, &drop);
                     kern->dropout(cols, 1, t->s + (size_t)r * DEC_BC, 1, &drop, rows[r].i, j0);
                 }
-            const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
-            kern->gemm(n, D, cols, t->s, DEC_BC, 1, v, ldv, o, dp, 1); /* O += P V */
+            const void *v = step_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &vt, &ldv);
+            kern->pv(n, cols, D, t->s, DEC_BC, t->alpha, v, vt, ldv, o, dp); /* O = alpha O + P V */
         }
     }
     return n;

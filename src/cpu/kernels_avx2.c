@@ -4,11 +4,14 @@
  * shape of BLIS's haswell sgemm kernel, with masked loads/stores for the last columns.
  * exp2: 2^x = 2^n * 2^f, n = round(x), f in [-1/2, 1/2], 2^f by a degree-6 polynomial in f (FLASHC_EXP2_C*, cpu.h);
  * inputs below -126 (and -inf, NaN) give 0.
+ * decode (decode.c): dots_kv (query rows against eight keys per hsum8, K read in place as fp32 or bf16) and pv
+ * (O = alpha O + P V on a 4x16 tile of O, V read in place), both widening bf16 in registers.
  */
 #include "cpu.h"
 
 #if defined(FLASHC_CPU_X86)
 #include <immintrin.h>
+#include <string.h>
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -186,13 +189,14 @@ AI __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Where dots_pf's prefetches stand: list i, row r, byte x of the row. */
+/* Where dots_kv's prefetches stand: list i, row r, byte x of the row. */
 typedef struct pf_cursor {
     const flashc_cpu_prefetch *pf;
     int i, r, x;
 } pf_cursor;
 
-/* Issues up to n more lines of the cursor's list. */
+/* Issues up to n more lines of the cursor's list (a line at a time: issuing a row's lines together measured 3%
+ * slower at 32/8/128 fp32, cold). */
 AI void pf_issue(pf_cursor *c, int n) {
     const flashc_cpu_prefetch *pf = c->pf;
     for (; n > 0 && c->i < 2; n--) {
@@ -205,90 +209,268 @@ AI void pf_issue(pf_cursor *c, int n) {
     }
 }
 
+/* Eight bf16 values at p widened to fp32 (bf16 is fp32's upper half). */
+AI __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* The first n (0..8) of eight bf16 values at p, the rest 0, reading only those n. */
+AI __m256 bf16x8_first(const uint16_t *p, int n) {
+    uint16_t tmp[8] = {0};
+    memcpy(tmp, p, sizeof(uint16_t) * (size_t)n);
+    return bf16x8(tmp);
+}
+
+/* Eight values of K row kp at d as fp32: loaded, or widened from bf16. */
+AI __m256 k_at(const void *kp, int kt, int d) {
+    return kt == FLASHC_CPU_KV_BF16 ? bf16x8((const uint16_t *)kp + d) : _mm256_loadu_ps((const float *)kp + d);
+}
+/* The same for the D tail: its first `tail` lanes, the rest 0. */
+AI __m256 k_tail(const void *kp, int kt, int d, int n, __m256i tail) {
+    return kt == FLASHC_CPU_KV_BF16 ? bf16x8_first((const uint16_t *)kp + d, n)
+                                    : _mm256_maskload_ps((const float *)kp + d, tail);
+}
+
 /*
- * Eight keys at a time, each query row against all eight: one q load feeds eight FMAs, the eight K rows stay in L1
- * across the rows, and one hsum8 gives the eight scores as a vector. A last group of fewer keys repeats its last
- * key (in-bounds reads) and stores only its own scores. The D tail is masked, since the K rows are read in place.
- * With pf, its lines are spread evenly over the (key group, row) iterations, a few before each.
+ * R query rows (1, 2 or 4) against 8 / R keys: eight accumulators, one per (row, key), so that each K vector loaded
+ * (and widened, when bf16) feeds R FMAs and one hsum8 gives all eight scores, row i's 8 / R in lanes
+ * [i * 8 / R, (i + 1) * 8 / R). Keys past n (a ragged last group) repeat key n - 1 and are not stored.
  */
-void flashc_cpu_dots_pf_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
-                             float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+AI void dots_block(const int R, const int kt, int D, const float *q, int64_t ldq, const void *const kp[8], float *s,
+                   int64_t lds, int n) {
+    const int KPR = 8 / R;
     const int dv = D & ~7;
-    const __m256i tail = lanes(D - dv);
-    pf_cursor cur = {pf, 0, 0, 0};
-    int per = 0;
-    if (pf) {
-        int lines = 0;
-        for (int i = 0; i < 2; i++)
-            if (pf->rows[i] > 0) lines += pf->rows[i] * ((pf->bytes[i] + 63) / 64);
-        const int iters = (cols + 7) / 8 * rows;
-        per = iters > 0 ? (lines + iters - 1) / iters : 0;
-        while (cur.i < 2 && pf->rows[cur.i] <= 0) cur.i++;
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+#define D_STEP(d, LOADK)                                                                                              \
+    {                                                                                                                 \
+        __m256 x[4];                                                                                                  \
+        _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) x[i] = _mm256_loadu_ps(q + i * ldq + (d));                \
+        _Pragma("GCC unroll 8") for (int j = 0; j < KPR; j++) {                                                       \
+            const __m256 kv = LOADK;                                                                                  \
+            _Pragma("GCC unroll 4") for (int i = 0; i < R; i++) acc[i * KPR + j] =                                    \
+                _mm256_fmadd_ps(x[i], kv, acc[i * KPR + j]);                                                          \
+        }                                                                                                             \
     }
-    for (int c0 = 0; c0 < cols; c0 += 8) {
-        const int n = cols - c0 < 8 ? cols - c0 : 8;
-        const float *kp[8];
-        for (int j = 0; j < 8; j++) kp[j] = k + (int64_t)(c0 + (j < n ? j : n - 1)) * ldk;
-        for (int r = 0; r < rows; r++) {
-            if (per) pf_issue(&cur, per);
-            const float *qr = q + (int64_t)r * ldq;
-            __m256 acc[8];
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int d = 0; d < dv; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qr + d);
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j] + d), acc[j]);
+#pragma GCC unroll 1
+    for (int d = 0; d < dv; d += 8) D_STEP(d, k_at(kp[j], kt, d))
+    if (dv < D) {
+        const __m256i tail = lanes(D - dv);
+        D_STEP(dv, k_tail(kp[j], kt, dv, D - dv, tail))
+    }
+#undef D_STEP
+    const __m256 sc = hsum8(acc);
+    if (R == 1) {
+        if (n >= 8) _mm256_storeu_ps(s, sc);
+        else _mm256_maskstore_ps(s, lanes(n), sc);
+    } else {
+        const __m128 lo = _mm256_castps256_ps128(sc), hi = _mm256_extractf128_ps(sc, 1);
+        if (R == 2) {
+            if (n >= 4) _mm_storeu_ps(s, lo), _mm_storeu_ps(s + lds, hi);
+            else {
+                const __m128i m = _mm256_castsi256_si128(lanes(n));
+                _mm_maskstore_ps(s, m, lo), _mm_maskstore_ps(s + lds, m, hi);
             }
-            if (dv < D) {
-                const __m256 qv = _mm256_loadu_ps(qr + dv);
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(kp[j] + dv, tail), acc[j]);
-            }
-            float *sr = s + (int64_t)r * lds + c0;
-            if (n == 8) _mm256_storeu_ps(sr, hsum8(acc));
-            else _mm256_maskstore_ps(sr, lanes(n), hsum8(acc));
+        } else if (n >= 2) {
+            _mm_storel_pi((__m64 *)s, lo), _mm_storeh_pi((__m64 *)(s + lds), lo);
+            _mm_storel_pi((__m64 *)(s + 2 * lds), hi), _mm_storeh_pi((__m64 *)(s + 3 * lds), hi);
+        } else {
+            _mm_store_ss(s, lo), _mm_store_ss(s + lds, _mm_movehl_ps(lo, lo));
+            _mm_store_ss(s + 2 * lds, hi), _mm_store_ss(s + 3 * lds, _mm_movehl_ps(hi, hi));
         }
     }
 }
 
-void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
-                          float *s, int64_t lds) {
-    flashc_cpu_dots_pf_avx2(rows, cols, D, q, ldq, k, ldk, s, lds, NULL);
+/*
+ * Scores for each group of eight keys. bf16 K: rows four at a time (two keys per pass), then a pair (four keys), then
+ * one (eight keys), so each K vector is widened once per four rows and every hsum8 reduces eight useful
+ * accumulators. fp32 K: one row at a time against the eight keys. The D tail is masked, since the K rows are read in
+ * place. With pf, its rows are spread evenly over the passes, a few before each.
+ */
+AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int64_t ldk,
+                  float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    const size_t es = kt == FLASHC_CPU_KV_BF16 ? 2 : 4;
+    pf_cursor cur = {pf, 0, 0, 0};
+    int per = 0; /* lines to prefetch per pass */
+    if (pf) {
+        int lines = 0;
+        for (int i = 0; i < 2; i++)
+            if (pf->rows[i] > 0) lines += pf->rows[i] * ((pf->bytes[i] + 63) / 64);
+        const int passes = (cols + 7) / 8 * rows; /* a block of R rows takes R passes per eight keys */
+        per = passes > 0 ? (lines + passes - 1) / passes : 0;
+        while (cur.i < 2 && pf->rows[cur.i] <= 0) cur.i++;
+    }
+    for (int c8 = 0; c8 < cols; c8 += 8) {
+        const int n8 = cols - c8 < 8 ? cols - c8 : 8;
+        const void *kp[8];
+        for (int j = 0; j < 8; j++)
+            kp[j] = (const char *)k + (size_t)((int64_t)(c8 + (j < n8 ? j : n8 - 1)) * ldk) * es;
+        int r = 0;
+        /* fp32 K: one row against eight keys measured faster than blocks of four (the kernel alone, D 32, 4 rows, K
+         * in L2, 1 thread: 5.1-5.6 against 6.1 ns per key and kv head), the eight K rows' loads folding into the
+         * FMAs; bf16 K: rows in blocks, each K vector widened once per block (6.6-7.1 ns, against 8.3 when the
+         * group's rows were first widened into an fp32 buffer). */
+        if (kt == FLASHC_CPU_KV_BF16)
+            for (; r + 4 <= rows; r += 4)
+                for (int c = 0; c < n8; c += 2) {
+                    if (per) pf_issue(&cur, per);
+                    dots_block(4, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
+                }
+        if (kt == FLASHC_CPU_KV_BF16)
+            for (; r + 2 <= rows; r += 2)
+                for (int c = 0; c < n8; c += 4) {
+                    if (per) pf_issue(&cur, per);
+                    dots_block(2, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
+                }
+        for (; r < rows; r++) {
+            if (per) pf_issue(&cur, per);
+            dots_block(1, kt, D, q + r * ldq, ldq, kp, s + r * lds + c8, lds, n8);
+        }
+    }
 }
 
-/* Horizontal max and sum of one vector (fixed order). */
+void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
+                             int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    if (kt == FLASHC_CPU_KV_BF16) dots_kv_t(FLASHC_CPU_KV_BF16, rows, cols, D, q, ldq, k, ldk, s, lds, pf);
+    else dots_kv_t(FLASHC_CPU_KV_F32, rows, cols, D, q, ldq, k, ldk, s, lds, pf);
+}
+
+void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
+                          float *s, int64_t lds) {
+    flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, FLASHC_CPU_KV_F32, ldk, s, lds, NULL);
+}
+
+/*
+ * O[r][0..D) = alpha[r] O[r] + sum_c P[r][c] V[c] for MR rows (1..4), 16 columns at a time: the product in eight
+ * accumulators from zero, per key two V loads (widened when bf16), MR broadcasts of P and 2 MR FMAs, then one FMA
+ * per vector adds alpha O. The O lines are prefetched before the keys and read only after them, so their latency
+ * (O may have left L1 while the step's K and V rows passed through it) stays off the FMAs' path, as the gemm
+ * microkernel does with its C tile; loading and scaling O first measured the same within noise (32/8/128 fp32,
+ * cold). Columns past D are neither read from V nor written to O.
+ */
+AI void pv_rows(const int MR, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v, int vt,
+                int64_t ldv, float *o, int64_t ldo) {
+    for (int j0 = 0; j0 < D; j0 += 16) {
+        const int nr = D - j0 < 16 ? D - j0 : 16;
+        const __m256i m0 = lanes(nr), m1 = lanes(nr - 8);
+        __m256 c0[4], c1[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            _mm_prefetch((const char *)(o + (int64_t)i * ldo + j0), _MM_HINT_T0);
+            c0[i] = c1[i] = _mm256_setzero_ps();
+        }
+#define KEY(b0, b1)                                                                                                   \
+    _Pragma("GCC unroll 4") for (int i = 0; i < MR; i++) {                                                            \
+        const __m256 pi = _mm256_broadcast_ss(p + (int64_t)i * ldp + c);                                              \
+        c0[i] = _mm256_fmadd_ps(pi, b0, c0[i]);                                                                       \
+        c1[i] = _mm256_fmadd_ps(pi, b1, c1[i]);                                                                       \
+    }
+        if (vt == FLASHC_CPU_KV_BF16) {
+            const uint16_t *vb = (const uint16_t *)v + j0;
+            if (nr == 16)
+                for (int c = 0; c < cols; c++) {
+                    const uint16_t *vc = vb + (int64_t)c * ldv;
+                    const __m256 b0 = bf16x8(vc), b1 = bf16x8(vc + 8);
+                    KEY(b0, b1)
+                }
+            else
+                for (int c = 0; c < cols; c++) {
+                    const uint16_t *vc = vb + (int64_t)c * ldv;
+                    const __m256 b0 = bf16x8_first(vc, nr < 8 ? nr : 8), b1 = nr > 8 ? bf16x8_first(vc + 8, nr - 8)
+                                                                                       : _mm256_setzero_ps();
+                    KEY(b0, b1)
+                }
+        } else {
+            const float *vf = (const float *)v + j0;
+            if (nr == 16)
+                for (int c = 0; c < cols; c++) {
+                    const float *vc = vf + (int64_t)c * ldv;
+                    const __m256 b0 = _mm256_loadu_ps(vc), b1 = _mm256_loadu_ps(vc + 8);
+                    KEY(b0, b1)
+                }
+            else
+                for (int c = 0; c < cols; c++) {
+                    const float *vc = vf + (int64_t)c * ldv;
+                    const __m256 b0 = _mm256_maskload_ps(vc, m0), b1 = _mm256_maskload_ps(vc + 8, m1);
+                    KEY(b0, b1)
+                }
+        }
+#undef KEY
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            float *oi = o + (int64_t)i * ldo + j0;
+            const __m256 a = _mm256_broadcast_ss(alpha + i);
+            if (nr == 16) {
+                _mm256_storeu_ps(oi, _mm256_fmadd_ps(a, _mm256_loadu_ps(oi), c0[i]));
+                _mm256_storeu_ps(oi + 8, _mm256_fmadd_ps(a, _mm256_loadu_ps(oi + 8), c1[i]));
+            } else {
+                _mm256_maskstore_ps(oi, m0, _mm256_fmadd_ps(a, _mm256_maskload_ps(oi, m0), c0[i]));
+                _mm256_maskstore_ps(oi + 8, m1, _mm256_fmadd_ps(a, _mm256_maskload_ps(oi + 8, m1), c1[i]));
+            }
+        }
+    }
+}
+
+void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
+                        int vt, int64_t ldv, float *o, int64_t ldo) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4)
+        pv_rows(4, cols, D, p + (int64_t)r * ldp, ldp, alpha + r, v, vt, ldv, o + (int64_t)r * ldo, ldo);
+    const float *pr = p + (int64_t)r * ldp, *ar = alpha + r;
+    float *orow = o + (int64_t)r * ldo;
+    switch (rows - r) {
+    case 3: pv_rows(3, cols, D, pr, ldp, ar, v, vt, ldv, orow, ldo); break;
+    case 2: pv_rows(2, cols, D, pr, ldp, ar, v, vt, ldv, orow, ldo); break;
+    case 1: pv_rows(1, cols, D, pr, ldp, ar, v, vt, ldv, orow, ldo); break;
+    default: break;
+    }
+}
+
+/* Horizontal max of one vector. */
 AI float hmax(__m256 x) {
     x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
     x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
     x = _mm256_max_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm256_cvtss_f32(x);
 }
-AI float hsum(__m256 x) {
-    x = _mm256_add_ps(x, _mm256_permute2f128_ps(x, x, 1));
-    x = _mm256_add_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-    x = _mm256_add_ps(x, _mm256_shuffle_ps(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm256_cvtss_f32(x);
-}
 
+/*
+ * Rows in groups of eight: each row's max and exponentials along its columns, then one hsum8 for the group's eight
+ * sums and one vector exp2 for its eight alphas (a row at a time, those were two more horizontal reductions and a
+ * whole vector exp2 per row).
+ */
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha) {
-    for (int r = 0; r < rows; r++) {
-        float *x = s + (int64_t)r * lds;
-        /* NaN scores are skipped by the max (its second operand, mx, wins) and reach the sum through exp2. */
-        __m256 mx = _mm256_set1_ps(m[r]);
-        for (int c = 0; c < cols; c += 8) mx = _mm256_max_ps(_mm256_loadu_ps(x + c), mx);
-        const float m_new = hmax(mx), sub = m_new == -INFINITY ? 0.0f : m_new;
-        const float a = m_new == -INFINITY ? 1.0f : _mm256_cvtss_f32(exp2_ps(_mm256_set1_ps(m[r] - sub)));
-        const __m256 vsub = _mm256_set1_ps(sub);
-        __m256 sum = _mm256_setzero_ps();
-        for (int c = 0; c < cols; c += 8) {
-            const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), vsub));
-            _mm256_storeu_ps(x + c, e);
-            sum = _mm256_add_ps(sum, e);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+        const int g = rows - r0 < 8 ? rows - r0 : 8;
+        __m256 sums[8];
+        _Alignas(32) float mn[8] = {0};
+        for (int i = 0; i < g; i++) {
+            const int r = r0 + i;
+            float *x = s + (int64_t)r * lds;
+            /* NaN scores are skipped by the max (its second operand, mx, wins) and reach the sum through exp2. */
+            __m256 mx = _mm256_set1_ps(m[r]);
+            for (int c = 0; c < cols; c += 8) mx = _mm256_max_ps(_mm256_loadu_ps(x + c), mx);
+            const float m_new = hmax(mx);
+            const __m256 vsub = _mm256_set1_ps(m_new == -INFINITY ? 0.0f : m_new);
+            __m256 sum = zero;
+            for (int c = 0; c < cols; c += 8) {
+                const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), vsub));
+                _mm256_storeu_ps(x + c, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            sums[i] = sum;
+            mn[i] = m_new;
         }
-        alpha[r] = a;
-        l[r] = l[r] * a + hsum(sum);
-        m[r] = m_new;
+        for (int i = g; i < 8; i++) sums[i] = zero;
+        const __m256i mask = lanes(g);
+        const __m256 m_old = _mm256_maskload_ps(m + r0, mask), m_new = _mm256_load_ps(mn);
+        const __m256 empty = _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ);
+        const __m256 a = _mm256_blendv_ps(exp2_ps(_mm256_sub_ps(m_old, _mm256_blendv_ps(m_new, zero, empty))), one,
+                                          empty);
+        _mm256_maskstore_ps(alpha + r0, mask, a);
+        _mm256_maskstore_ps(l + r0, mask, _mm256_fmadd_ps(_mm256_maskload_ps(l + r0, mask), a, hsum8(sums)));
+        _mm256_maskstore_ps(m + r0, mask, m_new);
     }
 }
 
@@ -408,6 +590,7 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
     .dots = flashc_cpu_dots_avx2,
     .softmax_rows = flashc_cpu_softmax_rows_avx2,
     .dropout = flashc_cpu_dropout_avx2,
-    .dots_pf = flashc_cpu_dots_pf_avx2,
+    .dots_kv = flashc_cpu_dots_kv_avx2,
+    .pv = flashc_cpu_pv_avx2,
 };
 #endif

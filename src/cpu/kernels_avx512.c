@@ -182,6 +182,8 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
     .bf16_to_f32 = bf16_avx512,
     .dots = flashc_cpu_dots_avx2,
     .softmax_rows = flashc_cpu_softmax_rows_avx2,
+    .dots_kv = flashc_cpu_dots_kv_avx2,
+    .pv = flashc_cpu_pv_avx2,
     .dropout = flashc_cpu_dropout_avx2,
 };
 #endif

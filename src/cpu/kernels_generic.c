@@ -77,6 +77,44 @@ static void dots_generic(int rows, int cols, int D, const float *q, int64_t ldq,
     }
 }
 
+/* dots on K rows read in place as fp32 or bf16; no prefetching (pf is ignored). */
+static void dots_kv_generic(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
+                            int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    if (kt == FLASHC_CPU_KV_F32) {
+        dots_generic(rows, cols, D, q, ldq, (const float *)k, ldk, s, lds);
+        return;
+    }
+    float kc[FLASHC_MAX_HEAD_DIM];
+    for (int c = 0; c < cols; c++) {
+        const uint16_t *src = (const uint16_t *)k + (int64_t)c * ldk;
+        for (int d = 0; d < D; d++) kc[d] = flashc_bf16_to_f32(src[d]);
+        for (int r = 0; r < rows; r++) {
+            const float *qr = q + (int64_t)r * ldq;
+            float acc = 0.0f;
+            for (int d = 0; d < D; d++) acc += qr[d] * kc[d];
+            s[(int64_t)r * lds + c] = acc;
+        }
+    }
+    (void)pf;
+}
+
+static void pv_generic(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
+                       int vt, int64_t ldv, float *o, int64_t ldo) {
+    const size_t es = vt == FLASHC_CPU_KV_BF16 ? 2 : 4;
+    for (int r = 0; r < rows; r++) {
+        float *restrict orow = o + (int64_t)r * ldo;
+        for (int d = 0; d < D; d++) orow[d] *= alpha[r];
+        for (int c = 0; c < cols; c++) {
+            const float prc = p[(int64_t)r * ldp + c];
+            const char *vc = (const char *)v + (size_t)((int64_t)c * ldv) * es;
+            if (vt == FLASHC_CPU_KV_BF16)
+                for (int d = 0; d < D; d++) orow[d] += prc * flashc_bf16_to_f32(((const uint16_t *)vc)[d]);
+            else
+                for (int d = 0; d < D; d++) orow[d] += prc * ((const float *)vc)[d];
+        }
+    }
+}
+
 static void softmax_rows_generic(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha) {
     for (int r = 0; r < rows; r++) {
         float *x = s + (int64_t)r * lds, mx = m[r], sum = 0.0f;
@@ -121,4 +159,6 @@ const flashc_cpu_kernels flashc_cpu_kernels_generic = {
     .dots = dots_generic,
     .softmax_rows = softmax_rows_generic,
     .dropout = flashc_cpu_dropout_generic,
+    .dots_kv = dots_kv_generic,
+    .pv = pv_generic,
 };
