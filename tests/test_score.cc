@@ -6,7 +6,8 @@
  *     ALiBi, P and dS;
  *   - fc_keeps and fc_row_keys (the same band, two forms) against the band's definition, element by element, at
  *     fc_diag's alignments (bottom-right, and positions before, inside and past the keys);
- *   - fc_key_tiles, fc_query_rows and fc_band_cuts against brute force over every element of the tiles;
+ *   - fc_key_tiles, fc_query_rows, fc_query_tiles and fc_band_cuts against brute force over every element of the
+ *     tiles;
  *   - fc_bm_scan and the block-mask addressing against the bytes, over every thread split.
  * Exhaustive over small sizes and every window pair, so no case is drawn at random. Plain C++17, no CUDA.
  */
@@ -92,7 +93,8 @@ static void test_scores(void) {
 }
 
 /* The band of one (nq, nk, window) at a's alignment (fc_diag): fc_keeps, fc_row_keys, fc_key_tiles, fc_band_cuts
- * and fc_query_rows against the definition, element by element. */
+ * fc_query_rows and fc_query_tiles against the definition, element by element (and fc_keeps_lr,
+ * fc_band_cuts_lr, the same tests with the sides passed apart). */
 static void check_band(const args &a, int nq, int nk, int wl, int wr) {
     const int diag = fc_diag(a, nq, nk);
     for (int i = 0; i < nq; i++) {
@@ -102,6 +104,8 @@ static void check_band(const args &a, int nq, int nk, int wl, int wr) {
             const bool want = band_keeps(wl, wr, i, j, diag, nk);
             CHECK(fc_keeps(a, i, j, diag, nk) == want, "fc_keeps i %d j %d nq %d nk %d wl %d wr %d", i, j, nq,
                   nk, wl, wr);
+            CHECK(fc_keeps_lr(a, wl, wr, i, j, diag, nk) == want, "fc_keeps_lr i %d j %d nq %d nk %d wl %d wr %d", i,
+                  j, nq, nk, wl, wr);
             CHECK((j >= jlo && j <= jhi) == want, "fc_row_keys i %d j %d nq %d nk %d wl %d wr %d", i, j,
                   nq, nk, wl, wr);
         }
@@ -127,8 +131,13 @@ static void check_band(const args &a, int nq, int nk, int wl, int wr) {
                     if (any) last = t;
                     /* a tile the band or the end cuts must be masked element by element */
                     if (any && !all)
-                        CHECK(fc_band_cuts(a, i0, i1, j0, j1, diag, nk), "fc_band_cuts misses a cut tile");
-                    if (all) CHECK(!fc_band_cuts(a, i0, i1, j0, j1, diag, nk), "fc_band_cuts: uncut tile");
+                        CHECK(fc_band_cuts(a, i0, i1, j0, j1, diag, nk) &&
+                                  fc_band_cuts_lr(a, wl, wr, i0, i1, j0, j1, diag, nk),
+                              "fc_band_cuts / _lr miss a cut tile");
+                    if (all)
+                        CHECK(!fc_band_cuts(a, i0, i1, j0, j1, diag, nk) &&
+                                  !fc_band_cuts_lr(a, wl, wr, i0, i1, j0, j1, diag, nk),
+                              "fc_band_cuts / _lr: uncut tile");
                 }
                 if (first < 0) {
                     CHECK(tb >= te, "fc_key_tiles: rows %d..%d see no key, got [%d, %d)", i0, i1, tb, te);
@@ -155,6 +164,18 @@ static void check_band(const args &a, int nq, int nk, int wl, int wr) {
             else
                 CHECK(lo == blo && hi == bhi, "fc_query_rows keys %d..%d: %d..%d vs %d..%d", j0, j1, lo,
                       hi, blo, bhi);
+            /* Its tile form (the wgmma backward's walk) at tiles of 1..4 rows: the tiles of those rows, or with
+             * no row at all at most one tile (whose elements the band then masks). */
+            for (int bm = 1; bm <= 4; bm++) {
+                int tlo, thi;
+                const int n = fc_query_tiles(a, wl, wr, j0, j1, diag, nq, bm, &tlo, &thi);
+                if (blo < 0)
+                    CHECK(n <= 1, "fc_query_tiles keys %d..%d bm %d: %d tiles, no row sees them", j0, j1, bm, n);
+                else
+                    CHECK(n == thi - tlo + 1 && tlo == blo / bm && thi == bhi / bm,
+                          "fc_query_tiles keys %d..%d bm %d: %d tiles [%d, %d] vs rows %d..%d", j0, j1, bm, n, tlo,
+                          thi, blo, bhi);
+            }
         }
 }
 

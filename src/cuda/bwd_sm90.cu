@@ -24,8 +24,11 @@
  * lse2 and D (2 x bm floats), each consumer's dQ staging (bm x 64 fp32, two 128-byte-swizzled boxes of 32
  * columns), then the mbarriers.
  *
- * Code: the kernel computes the block's work (fc90b_block) and the shared-memory addresses, then the producer
- * warpgroup runs fc90b_produce and each consumer warpgroup the step loop (in the kernel) and fc90b_store_dkdv.
+ * Code: the kernel computes the block's work (fc90b_block: its query tiles from score.h's fc_query_tiles) and the
+ * shared-memory addresses, then the producer warpgroup runs fc90b_produce, and each consumer warpgroup takes its
+ * fixed part (fc90b_consumer_at) and runs the step loop: per step fc90b_probs (S^T, dP^T, then P^T and dS^T; the
+ * band through fc_band_cuts_in / fc_keeps_in) and fc90b_grads (d 64 / 128) or fc90b_grads_split (d 256), then the
+ * epilogue fc90b_store_dkdv.
  *
  * Barrier protocol (phases as in fwd_sm90.cu):
  *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
@@ -84,6 +87,10 @@ __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b
 __host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
 /* The columns of dK, dV a consumer keeps: all d, or half at d 256 (fc90b_split). */
 __host__ __device__ constexpr int fc90b_dw(int d) { return fc90b_split(fc90_btile_for(d)) ? d / 2 : d; }
+/* the step's queries a consumer scores (the N of S^T): all bm, or half of them when SPLIT */
+__host__ __device__ constexpr int fc90b_sn(int d) {
+    return fc90b_split(fc90_btile_for(d)) ? fc90_btile_for(d).bm / 2 : fc90_btile_for(d).bm;
+}
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
     return fc90b_off_ds(t) + (fc90b_split(t) ? 4 : 2) * fc90b_ds_bytes(t);
 }
@@ -175,7 +182,7 @@ static __device__ __forceinline__ void fc90b_step(const flashc_bwd_args &a, int 
 struct fc90b_block {
     int kt, hk, b;
     bool packed;
-    int sq0, sk0, qb, nq, nk, n0, group, mb_lo, mb_hi, per_head, items;
+    int sq0, sk0, qb, nq, nk, diag, n0, group, mb_lo, mb_hi, per_head, items;
 };
 
 #if FC90_DEVICE /* the kernel's pieces; the kernel is empty where the device is not sm_90a */
@@ -306,6 +313,342 @@ static __device__ __forceinline__ void fc90b_store_dkdv(const flashc_bwd_args &a
         }
     }
 }
+/* A consumer warpgroup's fixed part: its thread's place (cw, the thread t in the warpgroup, warp, g, tig), its
+ * keys and columns (krow, key0, col0), the shared memory it reads, and the wgmma descriptors of its products.
+ * fc90b_consumer_at fills it once, before the step loop. */
+struct fc90b_consumer {
+    int cw, t, warp, g, tig;
+    int krow, key0, col0; /* first key row in the tile, the thread's first key (second: key0 + 8), first column */
+    int dq_chunk;         /* the 64-column chunk of K that dQ's product reads (d 64 / 128), col0 / 64 at d 256 */
+    int wg_last_key;      /* the last key of this warpgroup's rows: where the band or the end cuts a step */
+    uint32_t base, sQ, sG, sDS;
+    uint8_t *gbase, *sdq; /* the block's shared memory; this warpgroup's dQ staging (d 64 / 128) */
+    const float *sLD;
+    uint64_t dKa, dVa, dQk, dGk, dQn, dGn, dKn, dSn;
+};
+
+template <int D>
+static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n0, uint32_t base, uint8_t *gbase,
+                                                                   uint32_t sK, uint32_t sV, uint32_t sQ, uint32_t sG,
+                                                                   uint32_t sDS, const float *sLD) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64;
+    constexpr bool SPLIT = fc90b_split(TL);
+    constexpr int DW = fc90b_dw(D);
+    fc90b_consumer c;
+    c.cw = wg - 1, c.t = threadIdx.x % FC90_WG_THREADS, c.warp = c.t / 32, c.g = (c.t % 32) / 4, c.tig = c.t % 4;
+    c.krow = SPLIT ? 0 : 64 * c.cw;
+    c.key0 = n0 + c.krow + 16 * c.warp + c.g;
+    c.col0 = SPLIT ? c.cw * DW : 0;
+    c.base = base, c.sQ = sQ, c.sG = sG, c.sDS = sDS, c.gbase = gbase, c.sLD = sLD;
+    /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
+     * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
+     * and K as its B, both MN-major (8-key groups 1024 bytes apart, a k16 step 2048 bytes). */
+    c.dKa = fc90_desc(sK + c.krow * FC90_SW_ROW, 16, 1024), c.dVa = fc90_desc(sV + c.krow * FC90_SW_ROW, 16, 1024);
+    c.dQk = fc90_desc(sQ, 16, 1024), c.dGk = fc90_desc(sG, 16, 1024);
+    const uint32_t gcol = (uint32_t)(c.col0 / 64) * BM * FC90_SW_ROW; /* this warpgroup's first column chunk of Q, dO */
+    c.dQn = fc90_desc(sQ + gcol, BM * FC90_SW_ROW, 1024), c.dGn = fc90_desc(sG + gcol, BM * FC90_SW_ROW, 1024);
+    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step; at
+     * d 256 its DW columns (two chunks, LBO apart), every step. */
+    c.dq_chunk = SPLIT ? c.col0 / 64 : NCH > 1 ? c.cw : 0;
+    c.dKn = fc90_desc(sK + c.dq_chunk * BN * FC90_SW_ROW, BN * FC90_SW_ROW, 1024);
+    c.dSn = fc90_desc(sDS, BM * FC90_SW_ROW, 1024);
+    c.sdq = gbase + fc90b_off_dq(TL) + c.cw * fc90b_dq_bytes(TL);
+    c.wg_last_key = n0 + c.krow + 63;
+    return c;
+}
+
+/* A step (head h of the group, query tile mt, first row m0, in ring slot `slot`, qoff its offset in
+ * descriptor units), the part every consumer shares: S^T and dP^T issued, then P^T into s and dS^T into dp
+ * (times the keep bits' 1 / (1 - p) under dropout). Tiles that the band, the end of the keys or the block mask
+ * cut, and problems with a score modifier (generic), take the element step of score.h (fc_keeps_lr,
+ * fc_bwd_elem); the others the raw exponent. SPLIT with TMA dQ: thread 0 gives back the slot whose staged dQ the
+ * previous step's reduction has read (staged_slot) while the products run. */
+template <int D, int BF, int DQ, bool BMASK, bool DROP, typename Ring>
+static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, const fc90b_block &blk,
+                                                   const fc90b_consumer &c, const Ring &ring, int slot, int h, int mt,
+                                                   int m0, uint32_t qoff, bool generic, int &staged_slot,
+                                                   float (&s)[fc90b_sn(D) / 2],
+                                                   float (&dp)[fc90b_sn(D) / 2]) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BM = TL.bm;
+    constexpr bool SPLIT = fc90b_split(TL);
+    constexpr int SN = SPLIT ? BM / 2 : BM;
+    const int b = blk.b, kt = blk.kt, nq = blk.nq, nk = blk.nk, diag = blk.diag, wl = a.win_left, wr = a.win_right;
+    const int warp = c.warp, lane = c.t % 32, tig = c.tig, key0 = c.key0;
+
+    fc90_pin(s);
+    fc90_pin(dp);
+    fc90_wgmma_fence();
+    const int q0 = SPLIT ? 32 * c.cw : 0; /* the step's first query this warpgroup scores */
+    fc90b_scores_issue<D, SN, BF>(s, c.dKa, c.dQk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
+    fc90b_scores_issue<D, SN, BF>(dp, c.dVa, c.dGk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
+    /* Dropout (DROP): the step's keep bits (keys as rows: fc_drop_bits_cols) while both products run; Z =
+     * keep / (1 - p) multiplies dP^T before dS^T = P^T o (dP^T - D), and P^T after, for dV. */
+    uint32_t keep[(SN / 8 + 7) / 8];
+    if (DROP) {
+        fc_drop_bits_cols<SN / 8>(fc_drop_begin(a, b, h), blk.n0 + c.krow + 16 * warp, m0 + q0, lane, keep);
+        fc90_block_end_bits(keep); /* under the products, not after their wait */
+    }
+    if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
+        fc90_bulk_wait_read();
+        ring.release_slot(staged_slot);
+        staged_slot = -1;
+    }
+    const float *lse2 = c.sLD + slot * 2 * BM + q0, *dvec = lse2 + BM;
+
+    /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. The band edges or the end of
+     * the keys cut this warpgroup's part of the tile (keys [wg_last_key - 63, wg_last_key], rows [m0, m0 + bm)). */
+    const bool cut = fc_band_cuts_lr(a, wl, wr, m0, m0 + BM - 1, c.wg_last_key - 63, c.wg_last_key, diag, nk);
+    /* BMASK: the block mask cuts the step's tile (its bitmap's second half), so its bytes are tested too */
+    const bool part = BMASK && fc_bit(fc_bm_tile_bits(a, b, h, kt, a.n_kblk) + a.bm_tiles_w, mt);
+    if (!generic && !cut && !part) {
+        fc90_wgmma_wait<1>();
+        fc90_pin(s);
+#pragma unroll
+        for (int j = 0; j < SN / 8; ++j) {
+            const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                s[4 * j + 2 * hf] = fc_exp2(fmaf(s[4 * j + 2 * hf], a.score_mul, -l.x));
+                s[4 * j + 2 * hf + 1] = fc_exp2(fmaf(s[4 * j + 2 * hf + 1], a.score_mul, -l.y));
+            }
+        }
+        fc90_wgmma_wait<0>();
+        fc90_pin(dp);
+        if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
+#pragma unroll
+        for (int j = 0; j < SN / 8; ++j) {
+            const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
+                dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
+            }
+        }
+    } else {
+        fc90_wgmma_wait<0>();
+        fc90_pin(s);
+        fc90_pin(dp);
+        if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
+        const float slope2 = fc_alibi_slope2(a, b, h);
+#pragma unroll
+        for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = m0 + q0 + 8 * j + 2 * tig + e;
+                const float l = lse2[8 * j + 2 * tig + e], dd = dvec[8 * j + 2 * tig + e];
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const int key = key0 + 8 * hf;
+                    bool vis = fc_keeps_lr(a, wl, wr, i, key, diag, nk);
+                    if (BMASK && part)
+                        vis = vis && fc_bm_keeps(a, fc_bm_row(a, fc_bm_base(a, b, h), min(i, nq - 1)), key);
+                    const float al = a.alibi ? slope2 * fabsf((float)(i + diag - key)) : 0.f;
+                    fc_bwd_elem<fc_fast_math>(a, s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, al, vis);
+                }
+            }
+    }
+    if (DROP) fc_drop_apply(s, keep, a.drop_scale);
+}
+
+/* d 256 (SPLIT): this warpgroup's halves of P^T and dS^T (keys x its 32 queries) meet the other's in shared memory,
+ * then dV += P^T dO and dK += dS^T Q over all 64 queries for its DW columns, and dQ = dS K for the same columns
+ * (DQ), staged over the step's Q (warpgroup 0) or dO (1) ring slot and added by the TMA; thread 0 gives that slot
+ * back once the reduction has read it (staged_slot, in the next step's fc90b_probs). */
+template <int D, int BF, int DQ, typename Ring>
+static __device__ __forceinline__ void fc90b_grads_split(const flashc_bwd_args &a, const fc90b_block &blk,
+                                                         const fc90b_consumer &c, const Ring &ring,
+                                                         const CUtensorMap &tm_dq, int it, int slot, int h, int m0,
+                                                         uint32_t qoff, int &staged_slot, float (&s)[16],
+                                                         float (&dp)[16], float (&dk)[fc90b_dw(D) / 2],
+                                                         float (&dv)[fc90b_dw(D) / 2]) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BN = TL.bn, BM = TL.bm, DW = fc90b_dw(D), SN = BM / 2, DQN = DW;
+    constexpr uint32_t QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
+    static_assert(fc90b_split(TL), "the d 256 tile");
+    const int cw = c.cw, t = c.t, warp = c.warp, g = c.g, tig = c.tig;
+    /* n8 block j of the accumulator is query piece 4 cw + j of the step's buffers (keys x 64 queries, swizzled) */
+    const int buf = it & 1;
+    uint8_t *const sds = c.gbase + fc90b_off_ds(TL) + buf * DSB, *const sp = sds + 2 * DSB;
+#pragma unroll
+    for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
+            const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16) + 4 * tig;
+            *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
+            *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
+        }
+    fc90_fence_proxy_async();
+    fc90_nbar_sync(FC90B_BAR_DS, 256);
+
+    /* A K-major from the buffers, B MN-major: this warpgroup's DW columns (dQ: both MN-major) */
+    const uint32_t pbase = c.sDS + buf * DSB;
+    const uint64_t dSa = fc90_desc(pbase, 16, 1024), dPa = fc90_desc(pbase + 2 * DSB, 16, 1024);
+    float dq[DQN / 2];
+    fc90_pin(dv);
+    fc90_pin(dk);
+    if (DQ) {
+#pragma unroll
+        for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
+        fc90_pin(dq);
+    }
+    fc90_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+        fc90_mma_ss<DW, BF, 2>(dv, dPa + ((uint32_t)(kk * 32) >> 4), c.dGn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+        fc90_mma_ss<DW, BF, 2>(dk, dSa + ((uint32_t)(kk * 32) >> 4), c.dQn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
+    if (DQ) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            fc90_mma_ss<DQN, BF, 1>(dq, c.dSn + ((buf * DSB + kk * 2048) >> 4), c.dKn + ((kk * 2048) >> 4), kk > 0);
+    }
+    fc90_wgmma_commit();
+    fc90_wgmma_wait<0>();
+    fc90_pin(dv);
+    fc90_pin(dk);
+    if (DQ == FC90B_DQ_TMA) {
+        /* Once both warpgroups are done with this slot's Q and dO, dQ (fp32, this warpgroup's DW columns as DW / 32
+         * swizzled boxes of 32 columns, fragment j in box j / 4) is staged over them, warpgroup 0 over Q and 1 over
+         * dO, and one thread has the TMA add it to the sums. */
+        fc90_pin(dq);
+        fc90_nbar_sync(FC90B_BAR_DS, 256);
+        uint8_t *const stg = c.gbase + (cw ? fc90b_off_g(TL) : fc90b_off_q(TL)) + slot * QB;
+        const int r0 = 16 * warp + g;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int row = r0 + 8 * hf;
+#pragma unroll
+            for (int j = 0; j < DQN / 8; ++j) {
+                const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
+                *(float2 *)(stg + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                    make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+            }
+        }
+        fc90_fence_proxy_async();
+        fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
+        if (t == 0) {
+            const uint32_t src = (cw ? c.sG : c.sQ) + slot * QB;
+#pragma unroll
+            for (int bx = 0; bx < DQN / 32; ++bx)
+                fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), c.col0 + 32 * bx, h, blk.sq0 + m0, blk.qb);
+            fc90_bulk_commit();
+            staged_slot = slot;
+        } else {
+            ring.release_slot(slot);
+        }
+    } else {
+        ring.release_slot(slot);
+    }
+}
+
+/* d 64 / 128: dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands; with DQ, dS^T also goes to the
+ * step's buffer (keys x queries) for dQ = dS K over the tile's 128 keys (at d 128 each warpgroup its 64-column
+ * chunk, at d 64 the warpgroups in turn by step), staged in this warpgroup's dQ boxes and added by the TMA. */
+template <int D, int BF, int DQ, bool VARLEN, typename Ring>
+static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, const fc90b_block &blk,
+                                                   const fc90b_consumer &c, const Ring &ring, const CUtensorMap &tm_dq,
+                                                   int it, int slot, int h, int m0, uint32_t qoff, float (&s)[32],
+                                                   float (&dp)[32], float (&dk)[D / 2], float (&dv)[D / 2]) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64, DQN = 64;
+    constexpr uint32_t DSB = fc90b_ds_bytes(TL);
+    static_assert(!fc90b_split(TL), "the d 64 / 128 tiles");
+    const int cw = c.cw, t = c.t, warp = c.warp, g = c.g, tig = c.tig, key0 = c.key0;
+    uint32_t pa[BM / 16][4], da[BM / 16][4];
+    fc90_pack_p<BM, BF>(pa, s);
+    fc90_pack_p<BM, BF>(da, dp);
+
+    const int buf = it & 1;
+    if (DQ) {
+        /* dS^T into buffer buf, keys x queries, swizzled: fragment (cc, r) holds n8 blocks 2 cc + r / 2 (query
+         * columns) of key row key0 - n0 + 8 (r % 2). */
+        uint8_t *ds = c.gbase + fc90b_off_ds(TL) + buf * DSB;
+#pragma unroll
+        for (int cc = 0; cc < BM / 16; ++cc)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = key0 - blk.n0 + 8 * (r & 1), j = 2 * cc + (r >> 1); /* row in the tile */
+                *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[cc][r];
+            }
+    }
+
+    fc90_pin(dv);
+    fc90_pin(dk);
+    fc90_pin(pa);
+    fc90_pin(da);
+    fc90_wgmma_fence();
+    fc90b_grad_issue<D, BM, BF>(dv, pa, c.dGn + qoff);
+    fc90b_grad_issue<D, BM, BF>(dk, da, c.dQn + qoff);
+    fc90_wgmma_commit();
+
+    if (DQ) {
+        fc90_fence_proxy_async();
+        fc90_nbar_sync(FC90B_BAR_DS, 256);
+        const bool mine = NCH > 1 || (it & 1) == cw;
+        float dq[DQN / 2];
+        if (mine) {
+#pragma unroll
+            for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
+            fc90_pin(dq);
+            fc90_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                fc90_mma_ss<DQN, BF, 1>(dq, c.dSn + ((buf * DSB + kk * 2048) >> 4), c.dKn + ((kk * 2048) >> 4), kk > 0);
+            fc90_wgmma_commit();
+        }
+        fc90_wgmma_wait<0>();
+        fc90_pin(dv);
+        fc90_pin(dk);
+        fc90_pin(pa);
+        fc90_pin(da);
+        ring.release_slot(slot);
+        if (mine) {
+            /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
+             * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous step's
+             * reduction has read it. */
+            fc90_pin(dq);
+            if (t == 0) fc90_bulk_wait_read();
+            fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
+            const int r0 = 16 * warp + g;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = r0 + 8 * hf;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
+                    *(float2 *)(c.sdq + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                        make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                }
+            }
+            fc90_fence_proxy_async();
+            fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
+            if (t == 0) {
+                const uint32_t src = c.base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
+                static_assert(DQN == 64, "two staging boxes of 32 columns");
+                if constexpr (VARLEN) {
+                    fc90_tma_reduce_add(&tm_dq, src, c.dq_chunk * 64, h, blk.sq0 + m0, blk.qb);
+                    fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, c.dq_chunk * 64 + 32, h, blk.sq0 + m0, blk.qb);
+                } else {
+                    fc90_tma_reduce_add(&tm_dq, src, c.dq_chunk * 64, h, m0, blk.b);
+                    fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, c.dq_chunk * 64 + 32, h, m0, blk.b);
+                }
+                fc90_bulk_commit();
+            }
+        }
+    } else {
+        fc90_wgmma_wait<0>();
+        fc90_pin(dv);
+        fc90_pin(dk);
+        fc90_pin(pa);
+        fc90_pin(da);
+        ring.release_slot(slot);
+    }
+}
+
 #endif /* FC90_DEVICE */
 
 template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false, bool DROP = false>
@@ -315,13 +658,13 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                     const __grid_constant__ CUtensorMap tm_g, const __grid_constant__ CUtensorMap tm_dq) {
 #if FC90_DEVICE
     constexpr fc90_btile TL = fc90_btile_for(D);
-    constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st, NCH = D / 64;
+    constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st;
     /* SPLIT (d 256): both consumers take all bn = 64 keys of the tile; each scores half of the step's queries
      * (S^T, dP^T of 64 keys x 32 queries), the halves of P^T and dS^T meet in shared memory, and each keeps dK, dV
      * and dQ for its DW = d / 2 columns (dK and dV of whole rows would need 256 registers). SN: the N of S^T. */
     constexpr bool SPLIT = fc90b_split(TL);
     constexpr int DW = fc90b_dw(D), SN = SPLIT ? BM / 2 : BM;
-    constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
+    constexpr uint32_t QB = fc90b_q_bytes(TL);
     static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && BM == 64 && ST >= 2, "tile table");
     static_assert(FC90_WG_THREADS * (168 - 32) >= 2 * FC90_WG_THREADS * (FC90B_CONS_REGS - 168),
                   "the consumers grow by what the producer frees");
@@ -345,18 +688,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int sq0 = packed ? a.cu_q[b] : 0, sk0 = packed ? a.cu_k[b] : 0, qb = packed ? 0 : b;
     const int nq = packed ? a.cu_q[b + 1] - sq0 : a.Nq,
               nk = VARLEN ? fc_used_keys(a, b, packed ? a.cu_k[b + 1] - sk0 : a.Nk) : a.Nk, diag = fc_diag(a, nq, nk),
-              wr = a.win_right, wl = a.win_left, group = a.H / a.Hkv;
+              group = a.H / a.Hkv;
     const int n0 = kt * BN;
-    /* Query tiles whose last row reaches this block's first key under the band's right edge. */
-    int mb_lo = 0;
-    if (wr >= 0) {
-        const int first = n0 - diag - wr; /* the first row that sees key n0 */
-        mb_lo = first > 0 ? first / BM : 0;
-    }
-    /* ... and up to the tile of the last row whose band's left edge reaches the block's last key. */
-    int mb_hi = (nq - 1) / BM;
-    if (wl >= 0) mb_hi = min(mb_hi, (min(n0 + BN, nk) - 1 - diag + wl) / BM);
-    const int per_head = mb_hi >= mb_lo && (wl < 0 || min(n0 + BN, nk) - 1 - diag + wl >= 0) ? mb_hi - mb_lo + 1 : 0;
+    /* The query tiles that this block's keys reach under the band */
+    int mb_lo, mb_hi;
+    const int per_head =
+        fc_query_tiles(a, a.win_left, a.win_right, n0, min(n0 + BN, nk) - 1, diag, nq, BM, &mb_lo, &mb_hi);
     /* (head of the group, query tile), the tile fastest; none for a key tile past a shorter sequence (varlen) */
     int items = VARLEN && (n0 >= nk || nq <= 0) ? 0 : per_head * group;
     if constexpr (BMASK) /* the band's tiles that each head's bitmap row keeps */
@@ -366,7 +703,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 items += fc_bits_count(fc_bm_tile_bits(a, b, hk * group + gi, kt, a.n_kblk), mb_lo, mb_hi + 1);
         }
 
-    const fc90b_block blk = {kt, hk, b, packed, sq0, sk0, qb, nq, nk, n0, group, mb_lo, mb_hi, per_head, items};
+    const fc90b_block blk = {kt, hk, b, packed, sq0, sk0, qb, nq, nk, diag, n0, group, mb_lo, mb_hi, per_head, items};
 
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_kv, 1);
@@ -383,36 +720,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     }
 
     fc90_regs_inc<FC90B_CONS_REGS>();
-    const int cw = wg - 1, t = threadIdx.x % FC90_WG_THREADS, warp = t / 32, lane = t % 32, g = lane / 4,
-              tig = lane % 4;
-    const int krow = SPLIT ? 0 : 64 * cw;          /* this warpgroup's first key row in the tile */
-    const int key0 = n0 + krow + 16 * warp + g;     /* this thread's first key (the second is key0 + 8) */
-    const int col0 = SPLIT ? cw * DW : 0;           /* its first column of dK, dV (and of dQ when SPLIT) */
-
+    const fc90b_consumer c = fc90b_consumer_at<D>(wg, n0, base, gbase, sK, sV, sQ, sG, sDS, sLD);
     float dk[DW / 2], dv[DW / 2], s[SN / 2], dp[SN / 2];
 #pragma unroll
     for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
 #pragma unroll
     for (int i = 0; i < SN / 2; ++i) s[i] = dp[i] = 0.f;
-
-    /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
-     * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
-     * and K as its B, both MN-major (8-key groups 1024 bytes apart, a k16 step 2048 bytes). */
-    const uint64_t dKa = fc90_desc(sK + krow * FC90_SW_ROW, 16, 1024),
-                   dVa = fc90_desc(sV + krow * FC90_SW_ROW, 16, 1024);
-    const uint64_t dQk = fc90_desc(sQ, 16, 1024), dGk = fc90_desc(sG, 16, 1024);
-    const uint32_t gcol = (uint32_t)(col0 / 64) * BM * FC90_SW_ROW; /* this warpgroup's first column chunk of Q, dO */
-    const uint64_t dQn = fc90_desc(sQ + gcol, BM * FC90_SW_ROW, 1024),
-                   dGn = fc90_desc(sG + gcol, BM * FC90_SW_ROW, 1024);
-    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step; at
-     * d 256 its DW columns (two chunks, LBO apart), every step. DQN: the N of that product. */
-    constexpr int DQN = SPLIT ? DW : 64;
-    const int dq_chunk = SPLIT ? col0 / 64 : NCH > 1 ? cw : 0;
-    const uint64_t dKn = fc90_desc(sK + dq_chunk * BN * FC90_SW_ROW, BN * FC90_SW_ROW, 1024),
-                   dSn = fc90_desc(sDS, BM * FC90_SW_ROW, 1024);
-    uint8_t *const sdq = gbase + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
-    /* The band edge or the end of the keys cuts a step's tile for this warpgroup. */
-    const int wg_last_key = n0 + krow + 63;
     /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
     const bool generic = !fc_score_plain(a);
 
@@ -421,8 +734,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     if (items > 0) fc90_bar_wait(bar_kv, 0);
     if constexpr (VARLEN) {
         if (items > 0 && n0 + BN > nk) {
-            fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
-            fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+            fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
+            fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
         }
     }
     int step_gi = 0, step_mt = mb_lo - 1;
@@ -433,263 +746,22 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         ring.wait_full(it);
         if constexpr (VARLEN) {
             if (m0 + BM > nq) {
-                fc90_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
-                fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+                fc90_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
+                fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
             }
         }
-
-        fc90_pin(s);
-        fc90_pin(dp);
-        fc90_wgmma_fence();
-        const int q0 = SPLIT ? 32 * cw : 0; /* the step's first query this warpgroup scores */
-        fc90b_scores_issue<D, SN, BF>(s, dKa, dQk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
-        fc90b_scores_issue<D, SN, BF>(dp, dVa, dGk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
-        /* Dropout (DROP): the step's keep bits (keys as rows: fc_drop_bits_cols) while both products run; Z =
-         * keep / (1 - p) multiplies dP^T before dS^T = P^T o (dP^T - D), and P^T after, for dV. */
-        uint32_t keep[(SN / 8 + 7) / 8];
-        if (DROP) {
-            fc_drop_bits_cols<SN / 8>(fc_drop_begin(a, b, h), n0 + krow + 16 * warp, m0 + q0, lane, keep);
-            fc90_block_end_bits(keep); /* under the products, not after their wait */
-        }
-        if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
-            fc90_bulk_wait_read();
-            ring.release_slot(staged_slot);
-            staged_slot = -1;
-        }
-        const float *lse2 = sLD + slot * 2 * BM + q0, *dvec = lse2 + BM;
-
-        /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. The band edges or the end of
-         * the keys cut this warpgroup's part of the tile when its last key passes the first row's right edge, or
-         * its first key is left of the last row's left edge. */
-        const bool cut = wg_last_key >= nk || (wr >= 0 && wg_last_key > m0 + diag + wr) ||
-                         (wl >= 0 && wg_last_key - 63 < m0 + BM - 1 + diag - wl);
-        /* BMASK: the block mask cuts the step's tile (its bitmap's second half), so its bytes are tested too */
-        const bool part = BMASK && fc_bit(fc_bm_tile_bits(a, b, h, kt, a.n_kblk) + a.bm_tiles_w, step_mt);
-        if (!generic && !cut && !part) {
-            fc90_wgmma_wait<1>();
-            fc90_pin(s);
-#pragma unroll
-            for (int j = 0; j < SN / 8; ++j) {
-                const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    s[4 * j + 2 * hf] = fc_exp2(fmaf(s[4 * j + 2 * hf], a.score_mul, -l.x));
-                    s[4 * j + 2 * hf + 1] = fc_exp2(fmaf(s[4 * j + 2 * hf + 1], a.score_mul, -l.y));
-                }
-            }
-            fc90_wgmma_wait<0>();
-            fc90_pin(dp);
-            if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
-#pragma unroll
-            for (int j = 0; j < SN / 8; ++j) {
-                const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
-                    dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
-                }
-            }
-        } else {
-            fc90_wgmma_wait<0>();
-            fc90_pin(s);
-            fc90_pin(dp);
-            if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
-            const float slope2 = fc_alibi_slope2(a, b, h);
-#pragma unroll
-            for (int j = 0; j < SN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = m0 + q0 + 8 * j + 2 * tig + e;
-                    const float l = lse2[8 * j + 2 * tig + e], dd = dvec[8 * j + 2 * tig + e];
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int key = key0 + 8 * hf;
-                        bool vis = key < nk && (wr < 0 || key <= i + diag + wr) && (wl < 0 || key >= i + diag - wl);
-                        if (BMASK && part)
-                            vis = vis && fc_bm_keeps(a, fc_bm_row(a, fc_bm_base(a, b, h), min(i, nq - 1)), key);
-                        const float al = a.alibi ? slope2 * fabsf((float)(i + diag - key)) : 0.f;
-                        fc_bwd_elem<fc_fast_math>(a, s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, al, vis);
-                    }
-                }
-        }
-        if (DROP) fc_drop_apply(s, keep, a.drop_scale);
-        if constexpr (SPLIT) {
-            /* This warpgroup's halves of P^T and dS^T (keys x its 32 queries) into the step's buffers (keys x
-             * 64 queries, swizzled; n8 block j of the accumulator is query piece 4 cw + j), then both meet. */
-            const int buf = it & 1;
-            uint8_t *const sds = gbase + fc90b_off_ds(TL) + buf * DSB, *const sp = sds + 2 * DSB;
-#pragma unroll
-            for (int j = 0; j < SN / 8; ++j)
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
-                    const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16) + 4 * tig;
-                    *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
-                    *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
-                }
-            fc90_fence_proxy_async();
-            fc90_nbar_sync(FC90B_BAR_DS, 256);
-
-            /* dV += P^T dO, dK += dS^T Q over all 64 queries (A K-major from the buffers, B MN-major: this
-             * warpgroup's DW columns), and dQ = dS K for its DW columns (both MN-major). */
-            const uint32_t pbase = sDS + buf * DSB;
-            const uint64_t dSa = fc90_desc(pbase, 16, 1024), dPa = fc90_desc(pbase + 2 * DSB, 16, 1024);
-            float dq[DQN / 2];
-            fc90_pin(dv);
-            fc90_pin(dk);
-            if (DQ) {
-#pragma unroll
-                for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
-                fc90_pin(dq);
-            }
-            fc90_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-                fc90_mma_ss<DW, BF, 2>(dv, dPa + ((uint32_t)(kk * 32) >> 4), dGn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-                fc90_mma_ss<DW, BF, 2>(dk, dSa + ((uint32_t)(kk * 32) >> 4), dQn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
-            if (DQ) {
-#pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk)
-                    fc90_mma_ss<DQN, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
-            }
-            fc90_wgmma_commit();
-            fc90_wgmma_wait<0>();
-            fc90_pin(dv);
-            fc90_pin(dk);
-            if (DQ == FC90B_DQ_TMA) {
-                /* Once both warpgroups are done with this slot's Q and dO, dQ (fp32, this warpgroup's DW columns
-                 * as DW / 32 swizzled boxes of 32 columns, fragment j in box j / 4) is staged over them, warpgroup
-                 * 0 over Q and 1 over dO, and one thread has the TMA add it to the sums. That thread gives the
-                 * slot back only once the reduction has read it, after the next step's scores are issued. */
-                fc90_pin(dq);
-                fc90_nbar_sync(FC90B_BAR_DS, 256);
-                uint8_t *const stg = gbase + (cw ? fc90b_off_g(TL) : fc90b_off_q(TL)) + slot * QB;
-                const int r0 = 16 * warp + g;
-#pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                    const int row = r0 + 8 * hf;
-#pragma unroll
-                    for (int j = 0; j < DQN / 8; ++j) {
-                        const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
-                        *(float2 *)(stg + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
-                            make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
-                    }
-                }
-                fc90_fence_proxy_async();
-                fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
-                if (t == 0) {
-                    const uint32_t src = (cw ? sG : sQ) + slot * QB;
-#pragma unroll
-                    for (int bx = 0; bx < DQN / 32; ++bx)
-                        fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), col0 + 32 * bx, h, sq0 + m0, qb);
-                    fc90_bulk_commit();
-                    staged_slot = slot;
-                } else {
-                    ring.release_slot(slot);
-                }
-            } else {
-                ring.release_slot(slot);
-            }
-        } else {
-            uint32_t pa[BM / 16][4], da[BM / 16][4];
-            fc90_pack_p<BM, BF>(pa, s);
-            fc90_pack_p<BM, BF>(da, dp);
-
-            const int buf = it & 1;
-            if (DQ) {
-                /* dS^T into buffer buf, keys x queries, swizzled: fragment (c, r) holds n8 blocks 2c + r / 2 (query
-                 * columns) of key row key0 - n0 + 8 (r % 2). */
-                uint8_t *ds = gbase + fc90b_off_ds(TL) + buf * DSB;
-    #pragma unroll
-                for (int c = 0; c < BM / 16; ++c)
-    #pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const int row = key0 - n0 + 8 * (r & 1), j = 2 * c + (r >> 1); /* row in the tile */
-                        *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[c][r];
-                    }
-            }
-
-            fc90_pin(dv);
-            fc90_pin(dk);
-            fc90_pin(pa);
-            fc90_pin(da);
-            fc90_wgmma_fence();
-            fc90b_grad_issue<DW, BM, BF>(dv, pa, dGn + qoff);
-            fc90b_grad_issue<DW, BM, BF>(dk, da, dQn + qoff);
-            fc90_wgmma_commit();
-
-            if (DQ) {
-                fc90_fence_proxy_async();
-                fc90_nbar_sync(FC90B_BAR_DS, 256);
-                const bool mine = NCH > 1 || (it & 1) == cw;
-                float dq[DQN / 2];
-                if (mine) {
-    #pragma unroll
-                    for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
-                    fc90_pin(dq);
-                    fc90_wgmma_fence();
-    #pragma unroll
-                    for (int kk = 0; kk < BN / 16; ++kk)
-                        fc90_mma_ss<DQN, BF, 1>(dq, dSn + ((buf * DSB + kk * 2048) >> 4), dKn + ((kk * 2048) >> 4), kk > 0);
-                    fc90_wgmma_commit();
-                }
-                fc90_wgmma_wait<0>();
-                fc90_pin(dv);
-                fc90_pin(dk);
-                fc90_pin(pa);
-                fc90_pin(da);
-                ring.release_slot(slot);
-                if (mine) {
-                    /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
-                     * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous
-                     * step's reduction has read it. */
-                    fc90_pin(dq);
-                    if (t == 0) fc90_bulk_wait_read();
-                    fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
-                    const int r0 = 16 * warp + g;
-    #pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        const int row = r0 + 8 * hf;
-    #pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
-                            *(float2 *)(sdq + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
-                                make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
-                        }
-                    }
-                    fc90_fence_proxy_async();
-                    fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
-                    if (t == 0) {
-                        const uint32_t src = base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
-                        static_assert(DQN == 64, "two staging boxes of 32 columns");
-                        if constexpr (VARLEN) {
-                            fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, sq0 + m0, qb);
-                            fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, sq0 + m0, qb);
-                        } else {
-                            fc90_tma_reduce_add(&tm_dq, src, dq_chunk * 64, h, m0, b);
-                            fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, dq_chunk * 64 + 32, h, m0, b);
-                        }
-                        fc90_bulk_commit();
-                    }
-                }
-            } else {
-                fc90_wgmma_wait<0>();
-                fc90_pin(dv);
-                fc90_pin(dk);
-                fc90_pin(pa);
-                fc90_pin(da);
-                ring.release_slot(slot);
-            }
-        }
+        fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, staged_slot, s, dp);
+        if constexpr (SPLIT)
+            fc90b_grads_split<D, BF, DQ>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, staged_slot, s, dp, dk, dv);
+        else
+            fc90b_grads<D, BF, DQ, VARLEN>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv);
     }
 
     /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared memory
      * goes away. */
-    if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
+    if (DQ == FC90B_DQ_TMA && c.t == 0) fc90_bulk_wait_read();
 
-    fc90b_store_dkdv<D, BF>(a, dk, dv, blk, gbase, cw, t, warp, g, tig, krow, key0, col0);
+    fc90b_store_dkdv<D, BF>(a, dk, dv, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0, c.col0);
 #endif /* FC90_DEVICE */
 }
 

@@ -15,11 +15,9 @@
  * forwards' generic element step on a fragment row is fc_score_row below (both tensor-core forwards). The
  * scores (fc_score, fc_bwd_elem, fc_alibi, fc_score_plain), the band (fc_row_keys, fc_keeps, fc_band_cuts) and
  * the tile ranges (fc_key_tiles, fc_query_rows) are score.h's, shared with the host and the CUDA-core backward.
- * Every kernel forms its scores through fc_score / fc_bwd_elem. One exception is left for masks: the wgmma
- * backward (bwd_sm90.cu) still writes out its query-tile range, its per-tile cut test and its element band test
- * (the same formulas; through fc_query_rows, fc_band_cuts and fc_keeps its machine code changes, and the
- * backward measured 3.5% slower with those and its producer/consumer split together: bench/RESULTS.md), so a new
- * mask must be added there by hand as well until that is resolved.
+ * Every kernel forms its scores through fc_score / fc_bwd_elem and tests the band through score.h (fc_row_keys,
+ * fc_keeps, fc_band_cuts; the wgmma backward through fc_keeps_lr, fc_band_cuts_lr and fc_query_tiles, with the
+ * window sides in registers), so a new mask is written in score.h alone.
  */
 #ifndef FLASHC_CUDA_SCORE_CUH
 #define FLASHC_CUDA_SCORE_CUH

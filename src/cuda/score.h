@@ -9,8 +9,8 @@
  *
  * Adding a score modifier or a mask: a field in FC_SCORE_FIELDS, its value in fc_set_scores_and_masks (launch.h),
  * the formula in fc_score (and fc_score_plain, so that the raw fast paths step aside) or the test in fc_row_keys,
- * fc_keeps and fc_band_cuts; the kernels call these (the one exception, the wgmma backward's band tests, is named
- * in score.cuh).
+ * fc_keeps / fc_keeps_lr and fc_band_cuts / fc_band_cuts_lr (and the tile ranges where it moves the band's reach);
+ * every kernel calls these.
  *
  * Every kernel forms its scores in base 2 (s log2 e, exponentials by exp2) and returns the lse in natural log:
  * the one place these two constants are spelled out.
@@ -176,6 +176,42 @@ FC_HD I fc_used_keys(const Args &a, I b, I nk) {
 template <typename Args, typename I>
 FC_HD I fc_diag(const Args &a, I nq, I nk) {
     return a.positions ? (I)a.pos_diag : nk - nq;
+}
+
+/*
+ * The band's tests with the sides wl = a.win_left, wr = a.win_right (-1: unbounded) passed apart, for a kernel that
+ * holds them in registers (the wgmma backward: read again from the arguments there, its code grows); the rest of a
+ * mask's fields are read from a. fc_keeps and fc_band_cuts below are the same tests on the argument struct alone,
+ * written out again because the kernels that call them compile to other code through these: keep each pair alike
+ * (tests/test_score.cc checks both forms against the definition).
+ *   fc_keeps_lr       whether row i keeps key j (and j < nk)
+ *   fc_band_cuts_lr   whether the band or the end of the keys cuts the tile of rows [i0, i1] x keys [j0, j1]
+ *   fc_query_tiles    query tiles [*lo, *hi] of bm rows (of nq) that the keys [j0, j1] of a key tile reach under the
+ *                     band, and their number (0: none); the tile form of fc_query_rows, for kernels that walk
+ *                     query tiles: it never misses a tile with a visible element, and may name one tile whose rows
+ *                     see none (its elements then fail fc_keeps_lr, and fc_band_cuts_lr says the tile is cut)
+ */
+template <typename Args, typename I>
+FC_HD bool fc_keeps_lr(const Args &a, int wl, int wr, I i, I j, I diag, I nk) {
+    (void)a;
+    return j < nk && (wl < 0 || j >= i + diag - wl) && (wr < 0 || j <= i + diag + wr);
+}
+template <bool LEFT = true, typename Args, typename I>
+FC_HD bool fc_band_cuts_lr(const Args &a, int wl, int wr, I i0, I i1, I j0, I j1, I diag, I nk) {
+    (void)a;
+    return j1 >= nk || (LEFT && wl >= 0 && j0 < i1 + diag - wl) || (wr >= 0 && j1 > i0 + diag + wr);
+}
+template <typename Args>
+FC_HD int fc_query_tiles(const Args &a, int wl, int wr, int j0, int j1, int diag, int nq, int bm, int *lo, int *hi) {
+    (void)a;
+    *lo = 0;
+    if (wr >= 0) {
+        const int first = j0 - diag - wr; /* the first row that sees key j0 */
+        *lo = first > 0 ? first / bm : 0;
+    }
+    *hi = (nq - 1) / bm; /* up to the tile of the last row whose left edge reaches key j1 */
+    if (wl >= 0) *hi = fc_imin(*hi, (j1 - diag + wl) / bm);
+    return *hi >= *lo && (wl < 0 || j1 - diag + wl >= 0) ? *hi - *lo + 1 : 0;
 }
 
 /* Keys [jlo, jhi] that row i keeps among the sequence's nk: the band's, row i's diagonal key being i + diag
