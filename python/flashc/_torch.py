@@ -712,8 +712,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
     def bnhd(t):
         # (..., H, N, D) -> (B, N, H, D): a transposed view; reshape copies only if the leading dims cannot merge.
-        t4 = t.unsqueeze(0) if t.dim() == 3 else t.reshape((-1,) + tuple(t.shape[-3:]))
-        return t4.transpose(1, 2)
+        # 4-d tensors need no reshape (nor its autograd node, which would hand back gradients with the strides of
+        # size-1 dimensions recomputed).
+        if t.dim() != 4:
+            t = t.unsqueeze(0) if t.dim() == 3 else t.reshape((-1,) + tuple(t.shape[-3:]))
+        return t.transpose(1, 2)
 
     q4, k4, v4 = bnhd(query), bnhd(key), bnhd(value)
     H, Hkv = q4.shape[2], k4.shape[2]
@@ -740,6 +743,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     out4 = attend(q4, k4, v4, softmax_scale=scale, causal=causal, window_size=window, seqused_k=used,
                   block_mask=block_mask, block_size=block_size, dropout_p=dropout_p)
     out = out4.transpose(1, 2)  # (B, H, Nq, D) view
+    if query.dim() == 4:
+        return out
     return out[0] if query.dim() == 3 else out.reshape(tuple(lead) + tuple(out.shape[1:]))
 
 

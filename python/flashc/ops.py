@@ -356,20 +356,18 @@ _OK = _lib.STATUS_OK
 
 
 def _to4(t, layout):
-    """The full path's (B, N, H, D) view of a caller's tensor (_torch.sdpa's bnhd() for 4-d SDPA tensors)."""
-    return t if layout == _BNHD else t.reshape((-1,) + tuple(t.shape[-3:])).transpose(1, 2)
+    """The full path's (B, N, H, D) view of a caller's 4-d tensor (_torch.sdpa's bnhd() for SDPA tensors)."""
+    return t if layout == _BNHD else t.transpose(1, 2)
 
 
 def _from4(t4, layout):
     """A (B, N, H, D) tensor as the full path hands it to the caller: SDPA's output, and its gradients as autograd
-    takes them back through the transpose and the reshape of _to4."""
-    if layout == _BNHD:
-        return t4
-    t = t4.transpose(1, 2)
-    return t.reshape(tuple(t.shape))
+    takes them back through the transpose of _to4."""
+    return t4 if layout == _BNHD else t4.transpose(1, 2)
 
 
 _empty_like = torch.empty_like
+_empty_strided = torch.empty_strided
 
 
 class _Fallback(Exception):
@@ -377,8 +375,9 @@ class _Fallback(Exception):
 
 
 class _Plan:
-    __slots__ = ("key", "layout", "options", "thread", "ctx", "device", "cuda", "params", "views", "vdo",
-                 "out_shape", "out_stride", "out_like_q", "grad_alloc", "do_stride", "lse_like", "fwd_ws", "bwd_ws")
+    __slots__ = ("key", "layout", "options", "thread", "ctx", "device", "index", "cuda", "params", "views", "vq", "vk",
+                 "vv", "vo", "vdq", "vdk", "vdv", "vdo", "out_shape", "out_stride", "out_like_q", "grad_alloc",
+                 "do_stride", "lse_like", "fwd_ws", "bwd_ws", "fwd_ws_like", "bwd_ws_like", "peer")
 
     def __init__(self, key, layout, q, k, v, softmax_scale, causal, window, softcap, deterministic):
         """q, k, v: tensors of the call being planned, in `layout`; the options as the full path resolves them."""
@@ -386,18 +385,20 @@ class _Plan:
         self.layout = layout
         self.options = (softmax_scale, causal, window, softcap, deterministic)
         self.thread = _get_ident()
+        self.peer = None  # the plan for this key of the last other thread that ran a backward of this plan's forward
         device = q.device
         self.device = device
         self.cuda = device.type == "cuda"
+        self.index = device.index  # a tensor's CUDA device always has one
         with _torch._device_guard(device):
             self.ctx = _torch._context(device)
         left, right = _core.window_pair(window)
         self.params = _core.make_params(softmax_scale=softmax_scale, causal=bool(causal), window=(left, right),
                                         softcap=float(softcap or 0.0), deterministic=bool(deterministic))
         # Tensors as the full path makes them, for this key: its (B, N, H, D) views of the inputs, out4 and the
-        # gradients' tensors, and what the caller gets (for SDPA transposed and reshaped: torch recomputes the strides
-        # of size-1 dimensions there). Each call allocates out and the gradients with those strides, by torch.empty_like
-        # of q, k, v where that gives them, and points these views at them.
+        # gradients' tensors, and what the caller gets (for SDPA transposed). Each call allocates out and the gradients
+        # with those strides, by torch.empty_like of q, k, v where that gives them (SDPA's usual inputs, transposes of
+        # (B, N, H, D) tensors, included), and points these views at them.
         q4, k4, v4 = (_to4(t, layout) for t in (q, k, v))
         out4 = torch.empty(q4.shape, dtype=q.dtype, device=device)
         grads4 = [torch.empty_like(t) for t in (q4, k4, v4)]
@@ -415,8 +416,10 @@ class _Plan:
                                                                                        q4.shape[1])
         # q, k, v, out, dq, dk, dv; dout's view is that of a dout laid out as out (set per call when autograd's is)
         self.views = [_torch._view(t) for t in (q4, k4, v4, out4)] + [_torch._view(g) for g in grads4]
+        self.vq, self.vk, self.vv, self.vo, self.vdq, self.vdk, self.vdv = self.views
         self.vdo = _torch._view(_to4(out, layout))
         self.fwd_ws = self.bwd_ws = 0
+        self.fwd_ws_like = self.bwd_ws_like = None
         lib = _lib.lib
         with _torch._device_guard(device):
             st = _core.supported_status(self.ctx, *self.views[:3], self.params)
@@ -430,6 +433,13 @@ class _Plan:
                 _lib.check(lib.flashc_backward_workspace_size(self.ctx.handle, *self.views[:3], self.params,
                                                               ctypes.byref(n)), "flashc_backward_workspace_size")
                 self.bwd_ws = n.value
+                # each call's workspace: torch.empty_like of these broadcast bytes (see lse_like) gives a new
+                # contiguous uint8 tensor of the size from torch's caching allocator, on the plan's device
+                one = torch.empty((1,), dtype=torch.uint8, device=device)
+                if self.fwd_ws:
+                    self.fwd_ws_like = one.expand(self.fwd_ws)
+                if self.bwd_ws:
+                    self.bwd_ws_like = one.expand(self.bwd_ws)
 
     def for_this_thread(self, q, k, v):
         """This thread's plan for the key (autograd may run a backward on another thread than its forward's), made
@@ -443,31 +453,31 @@ class _Plan:
                 return None
         return plan
 
-    def _cpu_context(self):
-        ctx = self.ctx
-        n = _lib._num_threads or _get_num_threads()  # as _lib.context sets it for the full path
-        if n != ctx._threads:
-            ctx.set_threads(n)
-        return ctx.handle
-
     def forward(self, q, k, v, want_lse):
         """(out, lse or None), or None when the library refused the call (nothing is returned then)."""
-        out = _empty_like(q) if self.out_like_q else torch.empty_strided(self.out_shape, self.out_stride,
-                                                                         dtype=q.dtype, device=self.device)
+        out = _empty_like(q) if self.out_like_q else _empty_strided(self.out_shape, self.out_stride, dtype=q.dtype,
+                                                                    device=self.device)
         lse = _empty_like(self.lse_like) if want_lse else None
-        vq, vk, vv, vo = self.views[:4]
+        vq, vk, vv, vo = self.vq, self.vk, self.vv, self.vo
         vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         lse_ptr = lse.data_ptr() if want_lse else None
         if self.cuda:
-            with torch.cuda.device(self.device):
+            prev = _exchange_device(self.index)
+            try:
                 ctx = self.ctx
-                ctx.set_stream(_raw_stream(self.device))
-                ws = torch.empty(self.fwd_ws, dtype=torch.uint8, device=self.device) if self.fwd_ws else None
+                ctx.set_stream(_current_raw_stream(self.index))
+                ws = _empty_like(self.fwd_ws_like) if self.fwd_ws else None
                 st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo, lse_ptr,
                                              ws.data_ptr() if ws is not None else None, self.fwd_ws)
                 del ws  # stream-ordered: reused only after the kernels queued so far
+            finally:
+                _restore_device(prev)
         else:
-            st = _lib.lib.flashc_forward(self._cpu_context(), vq, vk, vv, self.params, vo, lse_ptr, None, 0)
+            ctx = self.ctx
+            n = _lib._num_threads or _get_num_threads()  # as _lib.context sets it for the full path
+            if n != ctx._threads:
+                ctx.set_threads(n)
+            st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, self.params, vo, lse_ptr, None, 0)
         return (out, lse) if st == _OK else None
 
     def backward(self, dout, q, k, v, out, lse):
@@ -478,10 +488,11 @@ class _Plan:
             dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
         else:
             (sq, tq), (sk, tk), (sv, tv) = self.grad_alloc
-            dq = torch.empty_strided(sq, tq, dtype=q.dtype, device=self.device)
-            dk = torch.empty_strided(sk, tk, dtype=q.dtype, device=self.device)
-            dv = torch.empty_strided(sv, tv, dtype=q.dtype, device=self.device)
-        vq, vk, vv, vo, vdq, vdk, vdv = self.views
+            device = self.device
+            dq = _empty_strided(sq, tq, dtype=q.dtype, device=device)
+            dk = _empty_strided(sk, tk, dtype=q.dtype, device=device)
+            dv = _empty_strided(sv, tv, dtype=q.dtype, device=device)
+        vq, vk, vv, vo, vdq, vdk, vdv = self.vq, self.vk, self.vv, self.vo, self.vdq, self.vdk, self.vdv
         vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         vdq.data, vdk.data, vdv.data = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
         st = dout.stride()
@@ -494,29 +505,63 @@ class _Plan:
                 self.do_stride = st  # strides whose view is out's (they differ in size-1 dimensions only)
         # lse is the forward's own fp32 contiguous tensor (saved, never exposed to a layout change)
         if self.cuda:
-            with torch.cuda.device(self.device):
+            prev = _exchange_device(self.index)
+            try:
                 ctx = self.ctx
-                ctx.set_stream(_raw_stream(self.device))
-                ws = torch.empty(self.bwd_ws, dtype=torch.uint8, device=self.device) if self.bwd_ws else None
+                ctx.set_stream(_current_raw_stream(self.index))
+                ws = _empty_like(self.bwd_ws_like) if self.bwd_ws else None
                 st = _lib.lib.flashc_backward(ctx.handle, vq, vk, vv, vo, vdo, lse.data_ptr(), self.params, vdq, vdk,
                                               vdv, ws.data_ptr() if ws is not None else None, self.bwd_ws)
                 del ws
+            finally:
+                _restore_device(prev)
         else:
-            st = _lib.lib.flashc_backward(self._cpu_context(), vq, vk, vv, vo, vdo, lse.data_ptr(),
-                                          self.params, vdq, vdk, vdv, None, 0)
+            ctx = self.ctx
+            n = _lib._num_threads or _get_num_threads()
+            if n != ctx._threads:
+                ctx.set_threads(n)
+            st = _lib.lib.flashc_backward(ctx.handle, vq, vk, vv, vo, vdo, lse.data_ptr(), self.params, vdq, vdk, vdv,
+                                          None, 0)
         return (dq, dk, dv) if st == _OK else None
 
 
-def _raw_stream(device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+# torch.cuda.device(i)'s enter and exit without the context manager object (torch >= 2.1, below the 2.4 this module
+# needs): _exchange_device(i) makes device i current and returns the one that was, _restore_device(prev) puts it back;
+# both are C functions that leave a device that is already current alone. _current_raw_stream(i): the cudaStream_t of
+# torch's current stream on device i.
+_exchange_device = torch.cuda._exchange_device
+_restore_device = torch.cuda._maybe_exchange_device
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+# How _FastFunction keeps what its backward needs. ctx.save_for_backward wraps each tensor in a SavedVariable, and
+# unpacking out (an output) in the backward builds a new tensor: on small problems a visible share of the host time.
+# Where that machinery does nothing a plain reference would not (no saved-tensor hooks active, as checkpointing and
+# save_on_cpu push), the function holds the tensors itself and does SavedVariable's work by hand: it records their
+# versions and refuses a backward after an in-place change as autograd does, holds out through a detached alias (no
+# reference cycle through out's grad_fn; the alias shares out's version counter; a returned lse is not differentiable,
+# so it has no grad_fn), and lets go of them after a backward that does not keep the graph (retain_graph=False),
+# raising autograd's error on a second one.
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_HOLD = _keep_graph is not None and _default_hooks is not None
+_HELD_NAMES = ("q", "k", "v", "out", "softmax_lse")
+
+
+def _modified(name, t, was):
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: flashc "
+        "attention's %s (%s %s) is at version %d; expected version %d instead" % (name, t.dtype, tuple(t.shape),
+                                                                                  t._version, was))
 
 
 class _FastFunction(torch.autograd.Function):
     """flashc's autograd function for a planned call: the same library calls as _torch's, fewer Python steps. It
-    returns out alone unless the caller wants the lse (the lse is saved either way), so the common call has one
-    differentiable output and no lse gradient for autograd to fill with zeros."""
+    returns out alone unless the caller wants the lse (the lse is kept either way), so the common call has one
+    differentiable output and no lse gradient for autograd to fill with zeros. ctx.held is (plan,) when the tensors
+    went through ctx.save_for_backward, (plan, q, k, v, out alias, lse, their five versions) when held here, and
+    (plan, None) once let go."""
 
     # The plan is passed as an object, not its key: Function.apply walks tuple arguments with pytree, which for a key of
     # nested tuples costs more than the rest of apply.
@@ -526,8 +571,12 @@ class _FastFunction(torch.autograd.Function):
         if r is None:
             raise _Fallback()
         out, lse = r
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
+        if not _HOLD or _default_hooks(False) is not None:
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.held = (plan,)
+        else:
+            o = out.detach()
+            ctx.held = (plan, q, k, v, o, lse, q._version, k._version, v._version, o._version, lse._version)
         if not want_lse:
             return out
         ctx.mark_non_differentiable(lse)
@@ -536,17 +585,41 @@ class _FastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        held = ctx.held
+        plan = held[0]
+        if len(held) == 1:
+            q, k, v, out, lse = ctx.saved_tensors
+        elif len(held) == 2:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+                "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+                "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time "
+                "or if you need to access saved tensors after calling backward.")
+        else:
+            _, q, k, v, out, lse, vq, vk, vv, vo, vl = held
+            if q._version != vq or k._version != vk or v._version != vv or out._version != vo or lse._version != vl:
+                for name, t, was in zip(_HELD_NAMES, (q, k, v, out, lse), (vq, vk, vv, vo, vl)):
+                    if t._version != was:
+                        raise _modified(name, t, was)
+            if not _keep_graph():
+                ctx.held = (plan, None)
         if dout is None:  # what materialization would have passed
             dout = torch.zeros_like(out)
-        plan = ctx.plan
-        if plan.thread != _get_ident():
-            plan = plan.for_this_thread(q, k, v)
+        ident = _get_ident()
+        if plan.thread != ident:
+            # autograd runs CUDA backward passes on its own device threads: remember that thread's plan
+            peer = plan.peer
+            if peer is None or peer.thread != ident:
+                peer = plan.peer = plan.for_this_thread(q, k, v)
+            plan = peer
         grads = plan.backward(dout, q, k, v, out, lse) if plan is not None else None
         if grads is None:
             # the full path: raises the library's error, or copies a layout it refuses
-            grads = _full_backward(ctx.plan, dout, q, k, v, out, lse)
+            grads = _full_backward(held[0], dout, q, k, v, out, lse)
         return (None, None) + grads
+
+
+_fast_apply = _FastFunction.apply
 
 
 def _full_backward(plan, dout, q, k, v, out, lse):
@@ -579,51 +652,35 @@ _get_ident = threading.get_ident
 _MAX_PLANS = 256  # per thread; the cache is cleared when full (shapes that keep changing get no benefit)
 
 
-def _plain_eager(q, k, v):
-    """_eager's rule for three tensors, in its cheapest order: plain tensors (not Parameters: those take the full
-    path), no torch.compile, dispatch mode, torch.func transform or CUDA-graph capture."""
-    return (type(q) is _T and type(k) is _T and type(v) is _T and _EAGER_FAST_PATH and not _compiling()
-            and not _dispatch_stack_len() and not _functorch_active()
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
-
-
-def _lookup(key):
-    """(this thread's plans, the plan for key or None); key may be unhashable (an option given as a list)."""
-    try:
-        plans = _local.plans
-        return plans, plans.get(key)
-    except AttributeError:  # no plans on this thread yet
-        return _plans(), None
-    except TypeError:
-        return _local.plans, None
-
-
-def _run(plan, q, k, v, want_lse):
-    """(out, lse or None) through the plan, with autograd when q, k or v requires a gradient; None when the library
-    refused the call."""
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        try:
-            r = _FastFunction.apply(plan, want_lse, q, k, v)
-        except _Fallback:
-            return None
-        return r if want_lse else (r, None)
-    return plan.forward(q, k, v, want_lse)
-
-
+# The entry points below (fast_flash_attn_func, fast_attention, fast_sdpa) each spell out the same steps inline, since
+# at the shapes where host time matters every Python call level costs a visible share of the call: _eager's rule for
+# three tensors in its cheapest order (plain tensors, not Parameters, which take the full path; no torch.compile,
+# dispatch mode, torch.func transform or CUDA-graph capture), the key, this thread's plan for it (none yet: the call
+# takes the full path and plans the key for the next ones; an unhashable key, an option given as a list, never gets
+# one), then the plan with autograd when q, k or v requires a gradient, or its forward alone.
 def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
     """flash_attn_func's result for a plain eager call on (B, N, H, D) tensors with no tensor options, through this
     thread's plan for the call's key; None when the call must take the full path (not plain eager tensors, no plan
     yet, the library refused it)."""
-    if not _plain_eager(q, k, v):
+    if not (type(q) is _T and type(k) is _T and type(v) is _T and _EAGER_FAST_PATH and not _compiling()
+            and not _dispatch_stack_len() and not _functorch_active()
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap, deterministic)
-    plans, plan = _lookup(key)
-    if plan is None:
+    try:
+        plan = _local.plans[key]
+    except (AttributeError, KeyError, TypeError):
         # this call takes the full path (its checks, its errors); the next ones with this key the plan
-        _build(plans, key, q, k, v)
+        _build(_plans(), key, q, k, v)
         return None
-    r = _run(plan, q, k, v, return_attn_probs)
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        try:
+            r = _fast_apply(plan, return_attn_probs, q, k, v)
+        except _Fallback:
+            return None
+        return (r[0], r[1], None) if return_attn_probs else r
+    r = plan.forward(q, k, v, return_attn_probs)
     if r is None:
         return None
     return (r[0], r[1], None) if return_attn_probs else r[0]
@@ -634,15 +691,23 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
     no dropout, through this thread's plan for the call's key; None when the call must take the full path. The key
     and the plan are flash_attn_func's: the same library call on the same views, out and lse laid out alike (the full
     paths of both are _torch.apply), so either function's calls plan the key for the other."""
-    if not _plain_eager(q, k, v):
+    if not (type(q) is _T and type(k) is _T and type(v) is _T and _EAGER_FAST_PATH and not _compiling()
+            and not _dispatch_stack_len() and not _functorch_active()
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap, deterministic)
-    plans, plan = _lookup(key)
-    if plan is None:
-        _build(plans, key, q, k, v)
+    try:
+        plan = _local.plans[key]
+    except (AttributeError, KeyError, TypeError):
+        _build(_plans(), key, q, k, v)
         return None
-    return _run(plan, q, k, v, True)
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        try:
+            return _fast_apply(plan, True, q, k, v)
+        except _Fallback:
+            return None
+    return plan.forward(q, k, v, True)
 
 
 def _build(plans, key, q, k, v):
@@ -674,15 +739,23 @@ _SDPA = "sdpa"  # the last element of an SDPA key (its keys never equal flash_at
 def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
     """flashc.scaled_dot_product_attention's result for a plain eager call on 4-d (B, H, N, D) tensors without
     attn_mask or dropout, through this thread's plan for the call's key; None when the call must take the full path."""
-    if not _plain_eager(query, key, value):
+    if not (type(query) is _T and type(key) is _T and type(value) is _T and _EAGER_FAST_PATH and not _compiling()
+            and not _dispatch_stack_len() and not _functorch_active()
+            and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
         return None
     k = (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
          value.dtype, query.get_device(), key.get_device(), value.get_device(), scale, is_causal, enable_gqa, _SDPA)
-    plans, plan = _lookup(k)
-    if plan is None:
-        _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa)
+    try:
+        plan = _local.plans[k]
+    except (AttributeError, KeyError, TypeError):
+        _build_sdpa(_plans(), k, query, key, value, is_causal, scale, enable_gqa)
         return None
-    r = _run(plan, query, key, value, False)
+    if _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        try:
+            return _fast_apply(plan, False, query, key, value)
+        except _Fallback:
+            return None
+    r = plan.forward(query, key, value, False)
     return None if r is None else r[0]
 
 

@@ -1328,6 +1328,101 @@ def test_plan_errors_unchanged(gen):
             out.sum().backward()
 
 
+def _planned_grad_fn(fn, q, k, v):
+    """fn on fresh leaves of q, k, v, called until the call runs the per-shape plan: (leaves, out, out.grad_fn)."""
+    from flashc import ops
+
+    for _ in range(3):
+        a = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*a)
+        o = out[0] if isinstance(out, tuple) else out
+        if isinstance(o.grad_fn, ops._FastFunction._backward_cls):
+            return a, out, o.grad_fn
+    raise AssertionError("the plan never ran")
+
+
+PLAN_APIS = {
+    "flash_attn_func": lambda *t: flashc.flash_attn_func(*t, causal=True),
+    "attention": lambda *t: flashc.attention(*t, causal=True),
+    "sdpa": lambda *t: flashc.scaled_dot_product_attention(*(x.transpose(1, 2) for x in t), is_causal=True),
+}
+
+
+@pytest.mark.parametrize("api", sorted(PLAN_APIS))
+def test_plan_holds_saved_tensors_as_autograd_would(api, gen):
+    """The planned autograd function keeps q, k, v, out and lse itself (no SavedVariables) when no saved-tensor hooks
+    are active: an in-place change of any of them before the backward raises autograd's error, retain_graph=True
+    backward passes repeat the same gradients, a second backward without it raises autograd's error, and after a
+    backward that does not keep the graph the node holds none of them."""
+    fn = PLAN_APIS[api]
+    q, k, v, do = (torch.randn(2, 11, 4, 16) for _ in range(4))
+    if api == "sdpa":
+        do = do.transpose(1, 2)
+    with _full_path():
+        b = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fn(*b)
+        want = torch.autograd.grad(o[0] if isinstance(o, tuple) else o, b, do)
+    a, out, node = _planned_grad_fn(fn, q, k, v)
+    o = out[0] if isinstance(out, tuple) else out
+    assert len(node.held) == 11  # (plan, q, k, v, out, lse, five versions): held, not saved
+    g1 = torch.autograd.grad(o, a, do, retain_graph=True)
+    g2 = torch.autograd.grad(o, a, do)
+    for x, y, w in zip(g1, g2, want):
+        assert torch.equal(x, w) and torch.equal(y, w) and x.stride() == w.stride()
+    assert len(node.held) == 2  # let go after the backward that did not keep the graph
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(o, a, do)
+    # in-place changes of an input, of out and (flashc.attention) of the returned lse
+    victims = ["q", "k", "v", "out"] + (["lse"] if api == "attention" else [])
+    for name in victims:
+        a, out, node = _planned_grad_fn(fn, q, k, v)
+        o = out[0] if isinstance(out, tuple) else out
+        t = {"q": a[0], "k": a[1], "v": a[2], "out": o, "lse": out[1] if isinstance(out, tuple) else None}[name]
+        with torch.no_grad():
+            t.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(o, a, do)
+
+
+def test_plan_saves_through_hooks(gen):
+    """Under saved-tensor hooks (torch.autograd.graph.save_on_cpu, non-reentrant checkpointing) the planned function
+    saves its tensors with ctx.save_for_backward, so the hooks see them: the gradients are the plain call's bits."""
+    import torch.utils.checkpoint as checkpoint
+
+    fn = PLAN_APIS["flash_attn_func"]
+    q, k, v, do = (torch.randn(1, 20, 2, 32) for _ in range(4))
+    _planned_grad_fn(fn, q, k, v)  # plan the key
+    b = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(fn(*b), b, do)
+    with torch.autograd.graph.save_on_cpu():
+        a, out, node = _planned_grad_fn(fn, q, k, v)
+    assert len(node.held) == 1  # (plan,): saved with save_for_backward
+    for x, y in zip(torch.autograd.grad(out, a, do), want):
+        assert torch.equal(x, y)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = checkpoint.checkpoint(fn, *a, use_reentrant=False)
+    for x, y in zip(torch.autograd.grad(out, a, do), want):
+        assert torch.equal(x, y)
+
+
+def test_sdpa_layouts_like_torch(gen):
+    """SDPA on (B, N, H, D) storage seen as (B, H, N, D) (a model's q.view(...).transpose(1, 2)): out and the
+    gradients are laid out as torch.empty_like of the inputs, batch stride included when B is 1, on the full path and
+    through the plan (which then allocates them with torch.empty_like)."""
+    from flashc import ops
+
+    for b in (1, 3):
+        q, k, v, do = (torch.randn(b, 14, 4, 32).transpose(1, 2) for _ in range(4))
+        for _ in range(3):
+            a = [t.clone().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+            out = flashc.scaled_dot_product_attention(*a, is_causal=True)
+            assert out.stride() == torch.empty_like(q).stride()
+            for x, t in zip(torch.autograd.grad(out, a, do), a):
+                assert x.stride() == torch.empty_like(t).stride()
+        plans = [p for key, p in ops._local.plans.items() if key[-1] == "sdpa" and key[0] == q.shape]
+        assert plans and all(p.out_like_q and p.grad_alloc is None for p in plans)
+
+
 @pytest.mark.parametrize("api", ["sdpa", "flash_attn_func"])
 def test_plan_backward_fallback(api, gen, monkeypatch):
     """When the library refuses a planned backward, the full path's backward runs on the planned forward's tensors:
