@@ -10,12 +10,22 @@ the arithmetic is a few microseconds, the rest is Python, torch and library over
              (torch's default CPU choice, its flash kernel for these inputs) on the (B, H, N, D) views of the same data
   fwd+bwd    the same with q, k, v requiring grad, then torch.autograd.grad of the output
   sdpa fwd, sdpa fwd+bwd   the same with flashc.scaled_dot_product_attention on the (B, H, N, D) views
+On CUDA the table also has forward + backward rows: flash_attn_func, flashc.attention and
+flashc.scaled_dot_product_attention with q, k, v requiring grad, then torch.autograd.grad of the output, beside SDPA's
+flash and cuDNN backends doing the same (host time of the whole step: autograd runs CUDA backward passes on its own
+device thread, which the calling thread waits for).
 Every row is timed in several rounds taken in turns (flashc, torch, flashc, ...), so that a noisy machine (a VM
 shared with other jobs) affects both alike; the table gives the median round and the min.
 
     FLASHC_LIBRARY=build/libflashc.so python3 bench/host_overhead.py [--device cpu] [--threads 1] [--rounds 7] [--profile]
+                                                                     [--clock thread]
 
 --threads 1 takes OpenMP's fork and join out of the CPU numbers (and its sensitivity to other jobs on the cores).
+--clock thread (CPU only) times with the calling thread's CPU time instead of the wall clock: on a VM whose cores other
+jobs use, time spent waiting for a core no longer counts (a CPU call runs its autograd backward on the calling thread,
+so nothing of the call is missed; flashc's OpenMP workers would be, hence --threads 1 with it).
+--profile prints a cProfile of flashc's forward and of its forward + backward (CPU: flash_attn_func at N 16; CUDA:
+attention_backward, and flash_attn_func's forward + backward).
 """
 import argparse
 import contextlib
@@ -39,15 +49,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+_clock = time.perf_counter  # --clock thread: time.thread_time
+
+
 def host_us(fn, device, n):
     """Mean host microseconds per call over n calls (after a warm-up)."""
     for _ in range(20):
         fn()
     sync(device)
-    t0 = time.perf_counter()
+    t0 = _clock()
     for _ in range(n):
         fn()
-    t1 = time.perf_counter()
+    t1 = _clock()
     sync(device)
     return (t1 - t0) / n * 1e6
 
@@ -95,12 +108,19 @@ def main():
     ap.add_argument("--threads", type=int, default=0,
                     help="torch.set_num_threads (flashc's CPU calls follow torch's count); 0 leaves it")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="wall: time.perf_counter; thread: the calling thread's CPU time (--device cpu only)")
     args = ap.parse_args()
+    if args.clock == "thread":
+        if args.device != "cpu":
+            ap.error("--clock thread times the calling thread only: CUDA backward passes run on autograd's device "
+                     "thread, so it is for --device cpu")
+        global _clock
+        _clock = time.thread_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    print("torch %s, flashc %s (%s), %s, %d torch threads" % (torch.__version__, flashc.__version__,
-                                                               flashc.library_path, args.device,
-                                                               torch.get_num_threads()))
+    print("torch %s, flashc %s (%s), %s, %d torch threads, %s clock" % (
+        torch.__version__, flashc.__version__, flashc.library_path, args.device, torch.get_num_threads(), args.clock))
     if args.device == "cpu":
         cpu_table(args)
     else:
@@ -120,21 +140,45 @@ def cpu_table(args):
             print("B%d N%d H%d D%d f32 causal        %-12s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
                   % (*shape, name, mo, min(t_ours), mp, min(t_peer), mo / mp))
     if args.profile:
-        fwd = rows_cpu(1, 16, 2, 32, torch.float32)[0][1]
-        profile(fwd, "cpu")
+        rows = rows_cpu(1, 16, 2, 32, torch.float32)
+        for name, ours, _ in rows[:2]:
+            print("\ncProfile of flash_attn_func, %s (B1 N16 H2 D32 f32 causal):" % name)
+            profile(ours, "cpu")
 
 
-def cuda_table(args):
-    q, k, v, g = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+def cuda_table(args, device="cuda", backends=(("torch-flash", SDPBackend.FLASH_ATTENTION),
+                                              ("cuDNN", SDPBackend.CUDNN_ATTENTION))):
+    q, k, v, g = (torch.randn(1, 128, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(4))
     out, lse = flashc.attention(q, k, v, causal=True)
     qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
     gt = g.transpose(1, 2)
+
+    def fa_fwd_bwd():
+        o = flashc.flash_attn_func(ql, kl, vl, causal=True)
+        return torch.autograd.grad(o, (ql, kl, vl), g)
+
+    def attention_fwd_bwd():
+        o, _ = flashc.attention(ql, kl, vl, causal=True)
+        return torch.autograd.grad(o, (ql, kl, vl), g)
+
+    def fc_sdpa_fwd_bwd():
+        o = flashc.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        return torch.autograd.grad(o, (qt, kt, vt), gt)
+
+    def sdpa_fwd_bwd():
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        return torch.autograd.grad(o, (qt, kt, vt), gt)
+
     # (name, call, the context it is timed under: a torch forward picks its backend when it runs)
     rows = [("flashc forward", lambda: flashc.attention(q, k, v, causal=True), contextlib.nullcontext),
             ("flashc flash_attn_func", lambda: flashc.flash_attn_func(q, k, v, causal=True), contextlib.nullcontext),
             ("flashc backward", lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=True),
-             contextlib.nullcontext)]
-    for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+             contextlib.nullcontext),
+            ("flash_attn_func fwd+bwd", fa_fwd_bwd, contextlib.nullcontext),
+            ("attention fwd+bwd", attention_fwd_bwd, contextlib.nullcontext),
+            ("flashc sdpa fwd+bwd", fc_sdpa_fwd_bwd, contextlib.nullcontext)]
+    for name, backend in backends:
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
         rows.append((name + " forward", lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
@@ -142,16 +186,20 @@ def cuda_table(args):
         rows.append((name + " backward",
                      (lambda o: lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True))(o),
                      contextlib.nullcontext))
+        rows.append((name + " fwd+bwd", sdpa_fwd_bwd, (lambda b: lambda: sdpa_kernel(b))(backend)))
     times = {name: [] for name, _, _ in rows}
     for _ in range(args.rounds):
         for name, fn, context in rows:
             with context():
-                times[name].append(host_us(fn, "cuda", min(args.calls, 300)))
+                times[name].append(host_us(fn, device, min(args.calls, 300)))
     for name, _, _ in rows:
         print("%-24s %7.1f us of host time per call (median of %d rounds, min %.1f)"
               % (name, statistics.median(times[name]), args.rounds, min(times[name])))
     if args.profile:
-        profile(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=True), "cuda")
+        print("\ncProfile of attention_backward:")
+        profile(lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=True), device)
+        print("\ncProfile of flash_attn_func's forward + backward:")
+        profile(fa_fwd_bwd, device)
 
 
 def profile(fn, device):
