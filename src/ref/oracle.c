@@ -410,14 +410,22 @@ int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag) 
             gather(&o, &p->dout, tb, q0, nq, h, D, o.dout);
             scores_and_probs(&o, b, h, nq, nk);
             for (int64_t i = 0; i < nq; i++) {
-                /* d sink = -P_sink D_i, P_sink = exp(sink - lse_i), D_i = sum_j P_ij dP_ij, dP_ij = dO_i . V_j */
+                /* d sink = -P_sink D_i, P_sink = exp(sink - lse_i), D_i = sum_j P_ij dP_ij, dP_ij = dO_i . V_j.
+                 * mag: the same sum over the products' absolute values, the scale of D_i's rounding (D_i cancels:
+                 * a library forms it as dO_i . O_i from rounded values) */
                 const double *pr = o.pm + i * nk;
-                double di = 0.0; /* with dropout D_i = sum_j P_ij Z_ij dP_ij = dO_i . O_i */
+                double di = 0.0, dabs = 0.0; /* with dropout D_i = sum_j P_ij Z_ij dP_ij = dO_i . O_i */
                 for (int64_t j = 0; j < nk; j++)
-                    if (pr[j] != 0.0) di += pr[j] * dropout_z(p, b, h, i, j) * dot(&o, o.dout + i * D, o.v + j * D, D);
-                const double term = exp((double)p->sinks[h] - o.lse[i]) * di;
-                dsinks[h] -= term;
-                if (mag) mag[h] += fabs(term);
+                    if (pr[j] != 0.0) {
+                        const double pz = pr[j] * dropout_z(p, b, h, i, j);
+                        const double *dr = o.dout + i * D, *vr = o.v + j * D;
+                        di += pz * dot(&o, dr, vr, D);
+                        if (mag)
+                            for (int64_t d = 0; d < D; d++) dabs += fabs(pz * dr[d] * vr[d]);
+                    }
+                const double ps = exp((double)p->sinks[h] - o.lse[i]);
+                dsinks[h] -= ps * di;
+                if (mag) mag[h] += ps * dabs;
             }
         }
     }

@@ -35,8 +35,9 @@ extern "C" {
  */
 int flashc_ref_forward(const flashc_problem *p, flashc_dtype round, double *out, double *lse);
 int flashc_ref_backward(const flashc_problem *p, flashc_dtype round, double *dq, double *dk, double *dv);
-/* With attention sinks: dL/dsinks (H doubles, fp64) for the problem's dout, and (mag, may be NULL) the sum of its
- * terms' magnitudes per head, the scale of its rounding error. Returns -1 without sinks. */
+/* With attention sinks: dL/dsinks (H doubles, fp64) for the problem's dout, and (mag, may be NULL) per head the
+ * scale of its rounding error: its terms P_sink,i D_i with each D_i = sum_j P_ij dO_i . V_j taken over the products'
+ * absolute values (D_i cancels). Returns -1 without sinks. */
 int flashc_ref_sinks_grad(const flashc_problem *p, double *dsinks, double *mag);
 
 /* Layout of the test tensors. */
