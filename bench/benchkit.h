@@ -1,7 +1,8 @@
 /*
- * benchkit.h - the small pieces the C benchmarks share (cpu_speed.c, cpu_bwd_ab.c): a fixed-seed generator of
- * uniform [-1, 1) inputs, float -> bf16 rounding to nearest even, a qsort comparator for medians, and "a,b,c"
- * integer lists from the command line. Header-only (static), so each program stays one file to compile.
+ * benchkit.h - the small pieces the C benchmarks share (cpu_speed.c, cpu_bwd_ab.c, decode_ab.c): a fixed-seed
+ * generator of uniform [-1, 1) inputs, float -> bf16 rounding to nearest even, a qsort comparator for medians, and
+ * "a,b,c" integer lists from the command line. Header-only (static), so each program stays one file to compile
+ * (benchlib.h: the A/B programs' library loading).
  */
 #ifndef FLASHC_BENCHKIT_H
 #define FLASHC_BENCHKIT_H

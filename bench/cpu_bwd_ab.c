@@ -18,6 +18,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "flashc.h"
 #include "benchkit.h"
+#include "benchlib.h"
 
 #include <dlfcn.h>
 #include <stdint.h>
@@ -25,63 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-typedef struct lib {
-    const char *path;
-    flashc_status (*context_create)(flashc_context_t *, flashc_backend, int);
-    void (*context_destroy)(flashc_context_t);
-    flashc_status (*set_threads)(flashc_context_t, int);
-    const char *(*last_error)(flashc_context_t);
-    flashc_params (*params_default)(void);
-    flashc_tensor (*tensor_contiguous)(void *, flashc_dtype, int64_t, int64_t, int64_t, int64_t);
-    flashc_status (*fwd_ws)(flashc_context_t, const flashc_tensor *, const flashc_tensor *, const flashc_tensor *,
-                            const flashc_params *, size_t *);
-    flashc_status (*bwd_ws)(flashc_context_t, const flashc_tensor *, const flashc_tensor *, const flashc_tensor *,
-                            const flashc_params *, size_t *);
-    flashc_status (*forward)(flashc_context_t, const flashc_tensor *, const flashc_tensor *, const flashc_tensor *,
-                             const flashc_params *, const flashc_tensor *, float *, void *, size_t);
-    flashc_status (*backward)(flashc_context_t, const flashc_tensor *, const flashc_tensor *, const flashc_tensor *,
-                              const flashc_tensor *, const flashc_tensor *, const float *, const flashc_params *,
-                              const flashc_tensor *, const flashc_tensor *, const flashc_tensor *, void *, size_t);
-    flashc_context_t ctx;
-} lib;
-
-static int cpu_clock, nthreads = 2;
-static double now(void) {
-    struct timespec t;
-    clock_gettime(cpu_clock ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &t);
-    return ((double)t.tv_sec + 1e-9 * (double)t.tv_nsec) / (cpu_clock ? nthreads : 1);
-}
-
-#define SYM(field, name)                                                                                              \
-    if (!(*(void **)&l->field = dlsym(h, name))) {                                                                    \
-        fprintf(stderr, "%s: no %s\n", l->path, name);                                                                \
-        return 1;                                                                                                     \
-    }
-static int lib_open(lib *l) {
-    void *h = dlopen(l->path, RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-        fprintf(stderr, "cpu_bwd_ab: %s\n", dlerror());
-        return 1;
-    }
-    SYM(context_create, "flashc_context_create")
-    SYM(context_destroy, "flashc_context_destroy")
-    SYM(set_threads, "flashc_context_set_threads")
-    SYM(last_error, "flashc_context_last_error")
-    SYM(params_default, "flashc_params_default")
-    SYM(tensor_contiguous, "flashc_tensor_contiguous")
-    SYM(fwd_ws, "flashc_forward_workspace_size")
-    SYM(bwd_ws, "flashc_backward_workspace_size")
-    SYM(forward, "flashc_forward")
-    SYM(backward, "flashc_backward")
-    if (l->context_create(&l->ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK ||
-        l->set_threads(l->ctx, nthreads) != FLASHC_STATUS_OK) {
-        fprintf(stderr, "%s: cannot set up a CPU context\n", l->path);
-        return 1;
-    }
-    return 0;
-}
-#undef SYM
 
 #define MAX_LIBS 4
 #define MAX_REPS 15
@@ -91,6 +35,7 @@ int main(int argc, char **argv) {
     int heads = 8, reps = 5, dt_f32 = 1, dt_bf16 = 1, nlibs = 0, nq_fixed = 0, warmup = 1;
     lib libs[MAX_LIBS];
     memset(libs, 0, sizeof libs);
+    nthreads = 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--cpu-time")) cpu_clock = 1;
         else if (!strcmp(argv[i], "--ns") && i + 1 < argc) nns = parse_list(argv[++i], ns, 16);
@@ -117,7 +62,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     for (int li = 0; li < nlibs; li++)
-        if (lib_open(&libs[li])) return 1;
+        if (lib_open(&libs[li], nthreads, "cpu_bwd_ab")) return 1;
     printf("backward GFLOP/s, B 1, H %d, %d threads, median of %d runs in turns (%s)\n", heads, nthreads, reps,
            cpu_clock ? "CPU time per thread" : "wall clock");
     for (int li = 0; li < nlibs; li++) printf("  lib %d: %s\n", li, libs[li].path);

@@ -22,6 +22,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "flashc.h"
 #include "benchkit.h"
+#include "benchlib.h"
 
 #include <dlfcn.h>
 #include <math.h>
@@ -30,54 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-typedef struct lib {
-    const char *path;
-    flashc_status (*context_create)(flashc_context_t *, flashc_backend, int);
-    flashc_status (*set_threads)(flashc_context_t, int);
-    const char *(*last_error)(flashc_context_t);
-    flashc_params (*params_default)(void);
-    flashc_tensor (*tensor_contiguous)(void *, flashc_dtype, int64_t, int64_t, int64_t, int64_t);
-    flashc_status (*fwd_ws)(flashc_context_t, const flashc_tensor *, const flashc_tensor *, const flashc_tensor *,
-                            const flashc_params *, size_t *);
-    flashc_status (*forward)(flashc_context_t, const flashc_tensor *, const flashc_tensor *, const flashc_tensor *,
-                             const flashc_params *, const flashc_tensor *, float *, void *, size_t);
-    flashc_context_t ctx;
-} lib;
-
-static int cpu_clock, nthreads = 1;
-static double now(void) {
-    struct timespec t;
-    clock_gettime(cpu_clock ? CLOCK_PROCESS_CPUTIME_ID : CLOCK_MONOTONIC, &t);
-    return ((double)t.tv_sec + 1e-9 * (double)t.tv_nsec) / (cpu_clock ? nthreads : 1);
-}
-
-#define SYM(field, name)                                                                                              \
-    if (!(*(void **)&l->field = dlsym(h, name))) {                                                                    \
-        fprintf(stderr, "%s: no %s\n", l->path, name);                                                                \
-        return 1;                                                                                                     \
-    }
-static int lib_open(lib *l, int threads) {
-    void *h = dlopen(l->path, RTLD_NOW | RTLD_LOCAL);
-    if (!h) {
-        fprintf(stderr, "decode_ab: %s\n", dlerror());
-        return 1;
-    }
-    SYM(context_create, "flashc_context_create")
-    SYM(set_threads, "flashc_context_set_threads")
-    SYM(last_error, "flashc_context_last_error")
-    SYM(params_default, "flashc_params_default")
-    SYM(tensor_contiguous, "flashc_tensor_contiguous")
-    SYM(fwd_ws, "flashc_forward_workspace_size")
-    SYM(forward, "flashc_forward")
-    if (l->context_create(&l->ctx, FLASHC_BACKEND_CPU, 0) != FLASHC_STATUS_OK ||
-        l->set_threads(l->ctx, threads) != FLASHC_STATUS_OK) {
-        fprintf(stderr, "%s: cannot set up a CPU context\n", l->path);
-        return 1;
-    }
-    return 0;
-}
-#undef SYM
 
 /* dst = src over n floats, memcpy of one contiguous chunk per thread on `threads` threads (libc's large copies use
  * streaming stores, which a plain loop's write-allocate would not): the machine's copy bandwidth. */
@@ -137,7 +90,7 @@ int main(int argc, char **argv) {
     }
     const int threads = nthreads;
     for (int li = 0; li < nlibs; li++)
-        if (lib_open(&libs[li], threads)) return 1;
+        if (lib_open(&libs[li], threads, "decode_ab")) return 1;
     const int64_t copy_n = (int64_t)copy_mb << 18; /* floats */
     float *csrc = malloc(sizeof(float) * (size_t)copy_n), *cdst = malloc(sizeof(float) * (size_t)copy_n);
     for (int64_t i = 0; i < copy_n; i++) csrc[i] = (float)(i & 1023), cdst[i] = 0.0f;
