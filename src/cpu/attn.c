@@ -41,9 +41,6 @@
 #include "cpu.h"
 
 #include <string.h>
-#ifdef _OPENMP
-#  include <omp.h>
-#endif
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 static int imin(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
@@ -413,68 +410,78 @@ static int task_group(const flashc_problem *p, const layout *L, int64_t task, in
     return 1;
 }
 
-void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
-    const layout L = make_layout(p, 0, nthreads);
-    const int64_t ntasks = p->B * p->H * L.ngq, splits = kv_splits(p, &L, nthreads);
-    float *base = flashc_cpu_align64(workspace), *partials = base + (size_t)nthreads * L.per_thread;
-    const size_t pf = partial_floats(&L);
-#ifdef _OPENMP
-#  pragma omp parallel num_threads(nthreads)
-#endif
-    {
-#ifdef _OPENMP
-        const int tid = omp_get_thread_num();
-#else
-        const int tid = 0;
-#endif
-        tile_bufs t = carve(base + (size_t)tid * L.per_thread, &L, 0);
+/* What the forward's team shares. */
+typedef struct forward_job {
+    const flashc_problem *p;
+    const flashc_cpu_kernels *kern;
+    layout L;
+    int64_t ntasks, splits;
+    float *base, *partials;
+    size_t pf;
+} forward_job;
+
+/* One thread's part of the forward: the tasks (pieces of them with split-KV), then the pieces' merge. */
+static void forward_body(void *arg, int tid) {
+    const forward_job *J = arg;
+    const flashc_problem *p = J->p;
+    const layout *L = &J->L;
+    const int64_t ntasks = J->ntasks, splits = J->splits;
+    const size_t pf = J->pf;
+    tile_bufs t = carve(J->base + (size_t)tid * L->per_thread, L, 0);
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t work = 0; work < ntasks * splits; work++) {
-            const int64_t task = work / splits, s = work % splits;
-            if (splits == 1) {
-                int64_t b, h, i0;
-                int n;
-                if (!task_group(p, &L, task, &b, &h, &i0, &n)) continue;
-                int64_t q0, nq, k0, nk;
-                flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-                forward_group(p, kern, &L, &t, b, h, i0, n, 0, nk);
-                for (int g = 0; g < n; g++) {
-                    const query_block q = group_block(&L, &t, g);
-                    const int64_t ig = i0 + (int64_t)g * L.br;
-                    flashc_cpu_forward_store(p, L.dp, q.o, q.m, q.l, b, h, ig, imin(L.br, nq - ig));
-                }
-                continue;
+    for (int64_t work = 0; work < ntasks * splits; work++) {
+        const int64_t task = work / splits, s = work % splits;
+        if (splits == 1) {
+            int64_t b, h, i0;
+            int n;
+            if (!task_group(p, L, task, &b, &h, &i0, &n)) continue;
+            int64_t q0, nq, k0, nk;
+            flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+            forward_group(p, J->kern, L, &t, b, h, i0, n, 0, nk);
+            for (int g = 0; g < n; g++) {
+                const query_block q = group_block(L, &t, g);
+                const int64_t ig = i0 + (int64_t)g * L->br;
+                flashc_cpu_forward_store(p, L->dp, q.o, q.m, q.l, b, h, ig, imin(L->br, nq - ig));
             }
-            /* Piece s of the visible key range of one block (groups are of one here), cut at key-block
-             * boundaries. */
+            continue;
+        }
+        /* Piece s of the visible key range of one block (groups are of one here), cut at key-block boundaries. */
+        int64_t b, h, i0, lo, hi;
+        int rows;
+        if (!task_rows(p, L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
+        const int64_t nblk = hi > lo ? (hi - lo + L->bc - 1) / L->bc : 0, per = (nblk + splits - 1) / splits;
+        const int64_t jlo = lo + s * per * L->bc, jhi = jlo + per * L->bc < hi ? jlo + per * L->bc : hi;
+        forward_group(p, J->kern, L, &t, b, h, i0, 1, jlo, jhi > jlo ? jhi : jlo);
+        float *part = J->partials + (size_t)work * pf;
+        memcpy(part, t.o, sizeof(float) * (size_t)rows * L->dp);
+        memcpy(part + (size_t)L->br * L->dp, t.m, sizeof(float) * (size_t)rows);
+        memcpy(part + (size_t)L->br * L->dp + L->br, t.l, sizeof(float) * (size_t)rows);
+    }
+    if (splits > 1) {
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t task = 0; task < ntasks; task++) {
             int64_t b, h, i0, lo, hi;
             int rows;
-            if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
-            const int64_t nblk = hi > lo ? (hi - lo + L.bc - 1) / L.bc : 0, per = (nblk + splits - 1) / splits;
-            const int64_t jlo = lo + s * per * L.bc, jhi = jlo + per * L.bc < hi ? jlo + per * L.bc : hi;
-            forward_group(p, kern, &L, &t, b, h, i0, 1, jlo, jhi > jlo ? jhi : jlo);
-            float *part = partials + (size_t)work * pf;
-            memcpy(part, t.o, sizeof(float) * (size_t)rows * L.dp);
-            memcpy(part + (size_t)L.br * L.dp, t.m, sizeof(float) * (size_t)rows);
-            memcpy(part + (size_t)L.br * L.dp + L.br, t.l, sizeof(float) * (size_t)rows);
-        }
-        if (splits > 1) {
-#ifdef _OPENMP
-#  pragma omp for schedule(dynamic, 1)
-#endif
-            for (int64_t task = 0; task < ntasks; task++) {
-                int64_t b, h, i0, lo, hi;
-                int rows;
-                if (!task_rows(p, &L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
-                flashc_cpu_merge_pieces(partials + (size_t)task * splits * pf, pf, splits, L.br, rows, (int)p->D,
-                                        L.dp, t.o, t.m, t.l);
-                flashc_cpu_forward_store(p, L.dp, t.o, t.m, t.l, b, h, i0, rows);
-            }
+            if (!task_rows(p, L, task, &b, &h, &i0, &rows, &lo, &hi)) continue;
+            flashc_cpu_merge_pieces(J->partials + (size_t)task * splits * pf, pf, splits, L->br, rows, (int)p->D,
+                                    L->dp, t.o, t.m, t.l);
+            flashc_cpu_forward_store(p, L->dp, t.o, t.m, t.l, b, h, i0, rows);
         }
     }
-    (void)nthreads;
+}
+
+void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
+    forward_job J = {.p = p, .kern = kern, .L = make_layout(p, 0, nthreads)};
+    J.ntasks = p->B * p->H * J.L.ngq;
+    J.splits = kv_splits(p, &J.L, nthreads);
+    J.base = flashc_cpu_align64(workspace);
+    J.partials = J.base + (size_t)nthreads * J.L.per_thread;
+    J.pf = partial_floats(&J.L);
+    flashc_cpu_team(nthreads, J.ntasks * J.splits, forward_body, &J); /* the merge loop has fewer (ntasks) */
 }
 
 /* ---- backward --------------------------------------------------------------------------------------------- */
@@ -883,76 +890,87 @@ static void sinks_grad(const flashc_problem *p, const float *dvec) {
     }
 }
 
-void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
-    const layout L = make_layout(p, 1, nthreads);
-    const int single = single_pass(p, nthreads);
-    float *dvec = flashc_cpu_align64(workspace);
-    float *base = dvec + di_floats(p);
-    float *extra = base + (size_t)nthreads * L.per_thread; /* single pass: per-thread dQ, then per-head dK, dV */
-    float *dkv_heads = single && p->H != p->Hkv ? extra + (size_t)nthreads * dq_seq_floats(p, &L) : NULL;
-#ifdef _OPENMP
-#  pragma omp parallel num_threads(nthreads)
-#endif
-    {
-#ifdef _OPENMP
-        const int tid = omp_get_thread_num();
-#else
-        const int tid = 0;
-#endif
-        tile_bufs t = carve(base + (size_t)tid * L.per_thread, &L, 1);
-        if (p->block_table) { /* paged: dk, dv are whole pools, 0 where no used key lies (the rows below overwrite) */
-            float *zero = t.dv;
-            memset(zero, 0, sizeof(float) * (size_t)L.dp);
+/* What the backward's team shares. */
+typedef struct backward_job {
+    const flashc_problem *p;
+    const flashc_cpu_kernels *kern;
+    layout L;
+    int single;
+    float *dvec, *base, *extra, *dkv_heads;
+} backward_job;
+
+/* One thread's part of the backward: the paged pools' zeroing, D, then one mode's tasks, then unused keys. */
+static void backward_body(void *arg, int tid) {
+    const backward_job *J = arg;
+    const flashc_problem *p = J->p;
+    const flashc_cpu_kernels *kern = J->kern;
+    const layout *L = &J->L;
+    const int single = J->single;
+    float *dvec = J->dvec;
+    tile_bufs t = carve(J->base + (size_t)tid * L->per_thread, L, 1);
+    if (p->block_table) { /* paged: dk, dv are whole pools, 0 where no used key lies (the rows below overwrite) */
+        float *zero = t.dv;
+        memset(zero, 0, sizeof(float) * (size_t)L->dp);
 #ifdef _OPENMP
 #  pragma omp for schedule(static)
 #endif
-            for (int64_t w = 0; w < p->num_pages * p->page_size; w++)
-                for (int64_t hk = 0; hk < p->Hkv; hk++) {
-                    flashc_cpu_store_rows(&p->dk, w / p->page_size, w % p->page_size, 1, hk, p->D, zero, 0, 1.0f);
-                    flashc_cpu_store_rows(&p->dv, w / p->page_size, w % p->page_size, 1, hk, p->D, zero, 0, 1.0f);
-                }
-        }
+        for (int64_t w = 0; w < p->num_pages * p->page_size; w++)
+            for (int64_t hk = 0; hk < p->Hkv; hk++) {
+                flashc_cpu_store_rows(&p->dk, w / p->page_size, w % p->page_size, 1, hk, p->D, zero, 0, 1.0f);
+                flashc_cpu_store_rows(&p->dv, w / p->page_size, w % p->page_size, 1, hk, p->D, zero, 0, 1.0f);
+            }
+    }
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t bh = 0; bh < p->B * p->H; bh++) dvec_task(p, kern, dvec, t.qbuf, t.dobuf, bh / p->H, bh % p->H);
+    if (single) {
+        float *dq_seq = J->extra + (size_t)tid * dq_seq_floats(p, L);
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
         for (int64_t bh = 0; bh < p->B * p->H; bh++)
-            dvec_task(p, kern, dvec, t.qbuf, t.dobuf, bh / p->H, bh % p->H);
-        if (single) {
-            float *dq_seq = extra + (size_t)tid * dq_seq_floats(p, &L);
-#ifdef _OPENMP
-#  pragma omp for schedule(dynamic, 1)
-#endif
-            for (int64_t bh = 0; bh < p->B * p->H; bh++)
-                head_task(p, kern, &L, &t, dvec, dq_seq, dkv_heads, bh / p->H, bh % p->H);
-            if (dkv_heads) {
-#ifdef _OPENMP
-#  pragma omp for schedule(dynamic, 1)
-#endif
-                for (int64_t bh = 0; bh < p->B * p->Hkv; bh++)
-                    reduce_group(p, &L, dkv_heads, dq_seq, bh / p->Hkv, bh % p->Hkv);
-            }
-        }
-#ifdef _OPENMP
-#  pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t task = 0; task < (single ? 0 : p->B * p->Hkv * L.nkb); task++) {
-            const int64_t kb = task % L.nkb, bh = task / L.nkb;
-            dkdv_task(p, kern, &L, &t, dvec, bh / p->Hkv, bh % p->Hkv, kb);
-        }
-#ifdef _OPENMP
-#  pragma omp for schedule(dynamic, 1)
-#endif
-        for (int64_t task = 0; task < (single ? 0 : p->B * p->H * L.nqb); task++) dq_task(p, kern, &L, &t, dvec, task);
-        if (p->seqused_k && !p->block_table) { /* keys past a sequence's used ones get no gradient (paged: zeroed) */
-            float *zero = t.dk;
-            memset(zero, 0, sizeof(float) * (size_t)L.dp);
+            head_task(p, kern, L, &t, dvec, dq_seq, J->dkv_heads, bh / p->H, bh % p->H);
+        if (J->dkv_heads) {
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
             for (int64_t bh = 0; bh < p->B * p->Hkv; bh++)
-                unused_keys_zero(p, zero, bh / p->Hkv, bh % p->Hkv);
+                reduce_group(p, L, J->dkv_heads, dq_seq, bh / p->Hkv, bh % p->Hkv);
         }
     }
-    if (p->dsinks) sinks_grad(p, dvec);
-    (void)nthreads;
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t task = 0; task < (single ? 0 : p->B * p->Hkv * L->nkb); task++) {
+        const int64_t kb = task % L->nkb, bh = task / L->nkb;
+        dkdv_task(p, kern, L, &t, dvec, bh / p->Hkv, bh % p->Hkv, kb);
+    }
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t task = 0; task < (single ? 0 : p->B * p->H * L->nqb); task++) dq_task(p, kern, L, &t, dvec, task);
+    if (p->seqused_k && !p->block_table) { /* keys past a sequence's used ones get no gradient (paged: zeroed) */
+        float *zero = t.dk;
+        memset(zero, 0, sizeof(float) * (size_t)L->dp);
+#ifdef _OPENMP
+#  pragma omp for schedule(dynamic, 1)
+#endif
+        for (int64_t bh = 0; bh < p->B * p->Hkv; bh++) unused_keys_zero(p, zero, bh / p->Hkv, bh % p->Hkv);
+    }
+}
+
+static int64_t imax64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
+    backward_job J = {.p = p, .kern = kern, .L = make_layout(p, 1, nthreads), .single = single_pass(p, nthreads)};
+    J.dvec = flashc_cpu_align64(workspace);
+    J.base = J.dvec + di_floats(p);
+    J.extra = J.base + (size_t)nthreads * J.L.per_thread; /* single pass: per-thread dQ, then per-head dK, dV */
+    J.dkv_heads = J.single && p->H != p->Hkv ? J.extra + (size_t)nthreads * dq_seq_floats(p, &J.L) : NULL;
+    /* the longest of backward_body's loops (the others, over B * Hkv, are no longer) */
+    int64_t pieces = J.single ? p->B * p->H : imax64(p->B * p->Hkv * J.L.nkb, p->B * p->H * J.L.nqb);
+    if (p->block_table) pieces = imax64(pieces, p->num_pages * p->page_size);
+    flashc_cpu_team(nthreads, pieces, backward_body, &J);
+    if (p->dsinks) sinks_grad(p, J.dvec);
 }

@@ -114,19 +114,27 @@ const flashc_cpu_kernels *flashc_cpu_select_kernels(void) {
 
 /* Never more than 4 threads per processor this process may run on (and FLASHC_MAX_THREADS): libgomp exits the
  * process when it cannot start the threads a parallel region asks for, so no user-given count reaches OpenMP
- * unbounded. A few per processor still lets tests run more threads than cores. */
-static int thread_limit(void) {
+ * unbounded. A few per processor still lets tests run more threads than cores. Taken once per process: libgomp's
+ * omp_get_num_procs asks the kernel for the thread's affinity mask at every call, and the limit ICV is fixed at
+ * start-up. */
+static int thread_limit_value = 1;
+static pthread_once_t thread_limit_once = PTHREAD_ONCE_INIT;
+static void thread_limit_init(void) {
 #ifdef _OPENMP
-    int procs = omp_get_num_procs(), lim = procs > 0 ? (procs < FLASHC_MAX_THREADS / 4 ? 4 * procs : FLASHC_MAX_THREADS) : 1;
-    const int tl = omp_get_thread_limit();
+    const int procs = omp_get_num_procs(), tl = omp_get_thread_limit();
+    int lim = procs > 0 ? (procs < FLASHC_MAX_THREADS / 4 ? 4 * procs : FLASHC_MAX_THREADS) : 1;
     if (tl > 0 && tl < lim) lim = tl;
-    return lim;
-#else
-    return 1;
+    thread_limit_value = lim;
 #endif
 }
 
-/* The context holds the count asked for (0: OpenMP's default); the cap is applied here, where it is known. */
+static int thread_limit(void) {
+    pthread_once(&thread_limit_once, thread_limit_init);
+    return thread_limit_value;
+}
+
+/* The context holds the count asked for (0: OpenMP's default, read at every call since omp_set_num_threads - which
+ * torch.set_num_threads calls - changes it); the cap is applied here, where it is known. */
 static int cpu_threads(const struct flashc_context *ctx) {
 #ifdef _OPENMP
     const int n = ctx->threads > 0 ? ctx->threads : omp_get_max_threads(), lim = thread_limit();
@@ -135,6 +143,22 @@ static int cpu_threads(const struct flashc_context *ctx) {
     (void)ctx;
     return 1;
 #endif
+}
+
+/* Inside a caller's active parallel region body runs in a region of its own even on one thread (nested, so
+ * normally inactive: a team of one), since its orphaned loops would otherwise bind to the caller's team and share
+ * their iterations with the caller's other threads. */
+void flashc_cpu_team(int threads, int64_t pieces, flashc_cpu_body body, void *arg) {
+    const int n = pieces < threads ? (pieces > 1 ? (int)pieces : 1) : threads;
+#ifdef _OPENMP
+    if (n > 1 || omp_in_parallel()) {
+#  pragma omp parallel num_threads(n)
+        body(arg, omp_get_thread_num());
+        return;
+    }
+#endif
+    (void)n;
+    body(arg, 0);
 }
 
 /* ---- the table ----------------------------------------------------------------------------------------- */

@@ -256,6 +256,18 @@ void flashc_cpu_block_key_range(const flashc_problem *p, int64_t i0, int rows, i
                                 int64_t *hi);
 
 /*
+ * backend.c: a driver's parallel part is one function body(arg, tid) whose loops are orphaned `omp for` constructs
+ * (their implicit barriers order the loops). flashc_cpu_team runs it on min(threads, pieces) threads, pieces being
+ * the most iterations any of its loops has (tid: 0 .. that count - 1, each with its own per-thread workspace). On
+ * one thread, outside any active parallel region, it calls body(arg, 0) directly: no region is opened, the loops
+ * bind to no team and run every iteration in order on the caller, with no barrier - an OpenMP runtime would
+ * otherwise make a wake-up syscall at each barrier even in a team of one. The loops hand out the same iterations
+ * either way, and every iteration writes its own outputs, so the results are the same bits.
+ */
+typedef void (*flashc_cpu_body)(void *arg, int tid);
+void flashc_cpu_team(int threads, int64_t pieces, flashc_cpu_body body, void *arg);
+
+/*
  * attn.c: the drivers on a validated problem whose host-memory inputs backend.c has checked, with threads
  * OpenMP threads and workspace of at least the size the matching function gives for the same thread count.
  */

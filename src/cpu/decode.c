@@ -33,9 +33,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#  include <omp.h>
-#endif
 
 enum {
     DEC_MAX_NQ = 16,        /* query rows per sequence this path takes */
@@ -359,58 +356,67 @@ static void store_block(const flashc_problem *p, const dec_layout *L, float *st,
     }
 }
 
-void flashc_cpu_decode(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, int64_t splits,
-                       void *workspace) {
-    const dec_layout L = make_layout(p, splits);
-    float *base = flashc_cpu_align64(workspace);
-    float *parts = base + (size_t)nthreads * L.per_thread;
-    const int64_t nunits = (int64_t)units_of(p, &L), per_piece = L.nhb * L.nrb;
-#ifdef _OPENMP
-#  pragma omp parallel num_threads(nthreads)
-#endif
-    {
-#ifdef _OPENMP
-        const int tid = omp_get_thread_num();
-#else
-        const int tid = 0;
-#endif
-        dec_bufs t = carve(base + (size_t)tid * L.per_thread, &L);
-        /* unit u = ((b * splits + s) * nhb + kv-head block) * nrb + rb */
+/* What the decode's team shares. */
+typedef struct decode_job {
+    const flashc_problem *p;
+    const flashc_cpu_kernels *kern;
+    dec_layout L;
+    float *base, *parts;
+    int64_t nunits;
+} decode_job;
+
+/* One thread's part of the decode: the units (pieces of them with split-KV), then the pieces' merge. */
+static void decode_body(void *arg, int tid) {
+    const decode_job *J = arg;
+    const flashc_problem *p = J->p;
+    const dec_layout *L = &J->L;
+    const int64_t per_piece = L->nhb * L->nrb;
+    dec_bufs t = carve(J->base + (size_t)tid * L->per_thread, L);
+    /* unit u = ((b * splits + s) * nhb + kv-head block) * nrb + rb */
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-        for (int64_t u = 0; u < nunits; u++) {
-            const int64_t b = u / (L.splits * per_piece), s = u / per_piece % L.splits, hk0 = u / L.nrb % L.nhb * L.hb,
-                          rb = u % L.nrb;
-            const int nh = (int)(p->Hkv - hk0 < L.hb ? p->Hkv - hk0 : L.hb);
-            const int n = decode_unit(p, kern, &L, &t, b, s, hk0, nh, rb);
-            if (n == 0) continue;
-            if (L.splits == 1) {
-                for (int j = 0; j < nh; j++) store_block(p, &L, t.st + (size_t)j * L.hs, b, hk0 + j, rb, n);
-                continue;
-            }
-            memcpy(parts + (size_t)u * L.part, t.st, sizeof(float) * (size_t)nh * L.hs);
+    for (int64_t u = 0; u < J->nunits; u++) {
+        const int64_t b = u / (L->splits * per_piece), s = u / per_piece % L->splits, hk0 = u / L->nrb % L->nhb * L->hb,
+                      rb = u % L->nrb;
+        const int nh = (int)(p->Hkv - hk0 < L->hb ? p->Hkv - hk0 : L->hb);
+        const int n = decode_unit(p, J->kern, L, &t, b, s, hk0, nh, rb);
+        if (n == 0) continue;
+        if (L->splits == 1) {
+            for (int j = 0; j < nh; j++) store_block(p, L, t.st + (size_t)j * L->hs, b, hk0 + j, rb, n);
+            continue;
         }
-        if (L.splits > 1) {
-            /* the pieces of (b, hk, rb): head hk % hb of units ((b * splits + s) * nhb + hk / hb) * nrb + rb */
+        memcpy(J->parts + (size_t)u * L->part, t.st, sizeof(float) * (size_t)nh * L->hs);
+    }
+    if (L->splits > 1) {
+        /* the pieces of (b, hk, rb): head hk % hb of units ((b * splits + s) * nhb + hk / hb) * nrb + rb */
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
 #endif
-            for (int64_t w = 0; w < p->B * p->Hkv * L.nrb; w++) {
-                const int64_t b = w / (p->Hkv * L.nrb), hk = w / L.nrb % p->Hkv, rb = w % L.nrb;
-                int64_t q0, nq, k0, nk;
-                flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
-                const int64_t total = L.G * nq, r0 = rb * DEC_MAX_ROWS;
-                if (r0 >= total) continue;
-                const int n = (int)(total - r0 < DEC_MAX_ROWS ? total - r0 : DEC_MAX_ROWS);
-                const size_t u0 = (size_t)(((b * L.splits) * L.nhb + hk / L.hb) * L.nrb + rb);
-                const float *first = parts + u0 * L.part + (size_t)(hk % L.hb) * L.hs;
-                float *o = t.st, *m = o + (size_t)L.cap * L.dp, *l = m + L.cap;
-                flashc_cpu_merge_pieces(first, (size_t)per_piece * L.part, L.splits, L.cap, n, (int)p->D, L.dp, o, m,
-                                        l);
-                store_block(p, &L, t.st, b, hk, rb, n);
-            }
+        for (int64_t w = 0; w < p->B * p->Hkv * L->nrb; w++) {
+            const int64_t b = w / (p->Hkv * L->nrb), hk = w / L->nrb % p->Hkv, rb = w % L->nrb;
+            int64_t q0, nq, k0, nk;
+            flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
+            const int64_t total = L->G * nq, r0 = rb * DEC_MAX_ROWS;
+            if (r0 >= total) continue;
+            const int n = (int)(total - r0 < DEC_MAX_ROWS ? total - r0 : DEC_MAX_ROWS);
+            const size_t u0 = (size_t)(((b * L->splits) * L->nhb + hk / L->hb) * L->nrb + rb);
+            const float *first = J->parts + u0 * L->part + (size_t)(hk % L->hb) * L->hs;
+            float *o = t.st, *m = o + (size_t)L->cap * L->dp, *l = m + L->cap;
+            flashc_cpu_merge_pieces(first, (size_t)per_piece * L->part, L->splits, L->cap, n, (int)p->D, L->dp, o, m,
+                                    l);
+            store_block(p, L, t.st, b, hk, rb, n);
         }
     }
-    (void)nthreads;
+}
+
+void flashc_cpu_decode(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, int64_t splits,
+                       void *workspace) {
+    decode_job J = {.p = p, .kern = kern, .L = make_layout(p, splits)};
+    J.base = flashc_cpu_align64(workspace);
+    J.parts = J.base + (size_t)nthreads * J.L.per_thread;
+    J.nunits = (int64_t)units_of(p, &J.L);
+    /* the longer of decode_body's two loops */
+    const int64_t merges = J.L.splits > 1 ? p->B * p->Hkv * J.L.nrb : 0;
+    flashc_cpu_team(nthreads, J.nunits > merges ? J.nunits : merges, decode_body, &J);
 }

@@ -8,10 +8,6 @@
  */
 #include "cpu.h"
 
-#ifdef _OPENMP
-#  include <omp.h>
-#endif
-
 /* Below this many elements one thread does it all: an OpenMP region costs more than the copy. */
 #define MERGE_MIN_PARALLEL (1 << 16)
 
@@ -47,21 +43,35 @@ static void merge_row(const flashc_tensor *out_a, int64_t oa, const flashc_tenso
               flashc_merge_value(wa, load(out_a->data, t, oa + d * sa), wb, load(out_b->data, t, ob + d * sb)));
 }
 
-void flashc_cpu_merge(const flashc_tensor *out_a, const float *lse_a, const flashc_tensor *out_b,
-                      const float *lse_b, const flashc_tensor *out, float *lse, int threads) {
-    const int64_t B = out->shape[0], N = out->shape[1], H = out->shape[2], D = out->shape[3], rows = B * N * H;
-    const int parallel = threads > 1 && rows * D >= MERGE_MIN_PARALLEL;
-    (void)parallel;
+/* What the merge's team shares. */
+typedef struct merge_job {
+    const flashc_tensor *out_a, *out_b, *out;
+    const float *lse_a, *lse_b;
+    float *lse;
+} merge_job;
+
+static void merge_body(void *arg, int tid) {
+    const merge_job *J = arg;
+    const flashc_tensor *out_a = J->out_a, *out_b = J->out_b, *out = J->out;
+    const int64_t N = out->shape[1], H = out->shape[2], D = out->shape[3], rows = out->shape[0] * N * H;
+    (void)tid;
 #ifdef _OPENMP
-#  pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+#  pragma omp for schedule(static)
 #endif
     for (int64_t r = 0; r < rows; r++) { /* r = (b * N + i) * H + h: out's rows in memory order */
         const int64_t h = r % H, i = r / H % N, b = r / (H * N), l = (b * H + h) * N + i;
         float wa, wb;
-        const float m = flashc_merge_weights(lse_a[l], lse_b[l], &wa, &wb);
+        const float m = flashc_merge_weights(J->lse_a[l], J->lse_b[l], &wa, &wb);
 #define OFFSET(t) (b * (t)->stride[0] + i * (t)->stride[1] + h * (t)->stride[2])
         merge_row(out_a, OFFSET(out_a), out_b, OFFSET(out_b), out, OFFSET(out), D, wa, wb);
 #undef OFFSET
-        if (lse) lse[l] = m;
+        if (J->lse) J->lse[l] = m;
     }
+}
+
+void flashc_cpu_merge(const flashc_tensor *out_a, const float *lse_a, const flashc_tensor *out_b,
+                      const float *lse_b, const flashc_tensor *out, float *lse, int threads) {
+    const int64_t rows = out->shape[0] * out->shape[1] * out->shape[2];
+    merge_job J = {.out_a = out_a, .out_b = out_b, .out = out, .lse_a = lse_a, .lse_b = lse_b, .lse = lse};
+    flashc_cpu_team(rows * out->shape[3] >= MERGE_MIN_PARALLEL ? threads : 1, rows, merge_body, &J);
 }
