@@ -11,6 +11,8 @@
  *       mistake, and is "" after its own successful call. The contract: flashc_context_last_error(ctx) returns
  *       the message of the calling thread's last call on ctx.
  *
+ *   (d) four threads of the caller's own OpenMP parallel region, each calling at one library thread on its own
+ *       context: every result is bitwise a plain call's (the library's loops stay its own).
  * Threads per call inside the library: flashc_context_set_threads(ctx, T), T from FLASHC_TEST_OMP_THREADS
  * (default 2; `make tsan` may set 1). Iterations scale with FLASHC_TEST_ITERS (default 40).
  * Prints one line per check, then "test_threads: N passed, M failed"; exits non-zero on a failure.
@@ -18,6 +20,9 @@
 #define _POSIX_C_SOURCE 200809L
 #include "flashc.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -449,12 +454,62 @@ static void part_c(void) {
     flashc_context_destroy(ctx);
 }
 
+/* ---- (d) called from inside the caller's OpenMP parallel region ------------------------------------------- */
+
+/* Four threads of the caller's own parallel region each run a forward and a backward at one library thread on a
+ * context of their own: each result is bitwise the one a plain call gives. (A one-thread call runs without a region
+ * of its own; inside the caller's region it must still not share its loops with the caller's threads.) */
+static void part_d(void) {
+#ifdef _OPENMP
+    enum { NT = 4 };
+    result want[4];
+    for (int v = 0; v < 4; v++) {
+        problem p;
+        problem_init(&p, v, 4000u + (uint32_t)v);
+        flashc_context_t ctx = new_context();
+        flashc_context_set_threads(ctx, 1);
+        if (run_forward(ctx, &p, NULL, 0) != FLASHC_STATUS_OK || run_backward(ctx, &p, NULL, 0) != FLASHC_STATUS_OK) {
+            check(0, "(d) reference call: %s", flashc_context_last_error(ctx));
+            exit(1);
+        }
+        result_alloc(&want[v]);
+        save(&want[v], &p);
+        flashc_context_destroy(ctx);
+        problem_free(&p);
+    }
+    const char *bad[NT] = {0};
+    int status[NT] = {0};
+#pragma omp parallel num_threads(NT)
+    {
+        const int t = omp_get_thread_num();
+        problem p;
+        problem_init(&p, t % 4, 4000u + (uint32_t)(t % 4));
+        flashc_context_t ctx = new_context();
+        flashc_context_set_threads(ctx, 1);
+        for (int it = 0; it < 4 && !bad[t] && !status[t]; it++) {
+            status[t] = run_forward(ctx, &p, NULL, 0);
+            if (!status[t]) status[t] = run_backward(ctx, &p, NULL, 0);
+            if (!status[t]) bad[t] = differs(&want[t % 4], &p, 1);
+        }
+        flashc_context_destroy(ctx);
+        problem_free(&p);
+    }
+    for (int t = 0; t < NT; t++)
+        check(!status[t] && !bad[t], "(d) inside the caller's parallel region, thread %d: %s", t,
+              status[t] ? "a call failed" : bad[t] ? bad[t] : "forward and backward bitwise as a plain call");
+    for (int v = 0; v < 4; v++) result_free(&want[v]);
+#else
+    printf("(d) skipped: built without OpenMP\n");
+#endif
+}
+
 int main(void) {
     g_omp_threads = env_int("FLASHC_TEST_OMP_THREADS", 2, 0, 64);
     g_iters = env_int("FLASHC_TEST_ITERS", 40, 1, 1000000);
     part_a(); /* first: the process has not called flashc yet */
     part_b();
     part_c();
+    part_d();
     printf("test_threads: %d passed, %d failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }
