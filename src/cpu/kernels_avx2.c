@@ -289,7 +289,7 @@ AI void dots_block(const int R, const int kt, int D, const float *q, int64_t ldq
  */
 AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int64_t ldk,
                   float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
-    const size_t es = kt == FLASHC_CPU_KV_BF16 ? 2 : 4;
+    const int64_t es = kt == FLASHC_CPU_KV_BF16 ? 2 : 4; /* signed: ldk may be negative */
     pf_cursor cur = {pf, 0, 0, 0};
     int per = 0; /* lines to prefetch per pass */
     if (pf) {
@@ -304,7 +304,7 @@ AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64
         const int n8 = cols - c8 < 8 ? cols - c8 : 8;
         const void *kp[8];
         for (int j = 0; j < 8; j++)
-            kp[j] = (const char *)k + (size_t)((int64_t)(c8 + (j < n8 ? j : n8 - 1)) * ldk) * es;
+            kp[j] = (const char *)k + (int64_t)(c8 + (j < n8 ? j : n8 - 1)) * ldk * es;
         int r = 0;
         /* fp32 K: one row against eight keys measured faster than blocks of four (the kernel alone, D 32, 4 rows, K
          * in L2, 1 thread: 5.1-5.6 against 6.1 ns per key and kv head), the eight K rows' loads folding into the

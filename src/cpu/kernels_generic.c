@@ -100,13 +100,13 @@ static void dots_kv_generic(int rows, int cols, int D, const float *q, int64_t l
 
 static void pv_generic(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
                        int vt, int64_t ldv, float *o, int64_t ldo) {
-    const size_t es = vt == FLASHC_CPU_KV_BF16 ? 2 : 4;
+    const int64_t es = vt == FLASHC_CPU_KV_BF16 ? 2 : 4; /* signed: ldv may be negative */
     for (int r = 0; r < rows; r++) {
         float *restrict orow = o + (int64_t)r * ldo;
         for (int d = 0; d < D; d++) orow[d] *= alpha[r];
         for (int c = 0; c < cols; c++) {
             const float prc = p[(int64_t)r * ldp + c];
-            const char *vc = (const char *)v + (size_t)((int64_t)c * ldv) * es;
+            const char *vc = (const char *)v + (int64_t)c * ldv * es;
             if (vt == FLASHC_CPU_KV_BF16)
                 for (int d = 0; d < D; d++) orow[d] += prc * flashc_bf16_to_f32(((const uint16_t *)vc)[d]);
             else
