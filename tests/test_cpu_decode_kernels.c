@@ -32,19 +32,6 @@ static float frand(void) {
     return (float)((state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
 }
 
-static uint16_t bf16_of(float f) { /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static float f32_of(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* rows x ld K-like rows of random values in [-1, 1) for d < D, NaN past D, as fp32 (kt 0) or bf16 (kt 1); vals
  * receives the values as fp32 (what the kernels must see). */
 static void *kv_rows(int kt, int rows, int D, int ld, float *vals) {
@@ -53,8 +40,8 @@ static void *kv_rows(int kt, int rows, int D, int ld, float *vals) {
         for (int d = 0; d < ld; d++) {
             const float f = d < D ? frand() : NAN;
             if (kt) {
-                ((uint16_t *)x)[r * ld + d] = bf16_of(f);
-                vals[r * ld + d] = f32_of(bf16_of(f));
+                ((uint16_t *)x)[r * ld + d] = flashc_f32_to_bf16(f);
+                vals[r * ld + d] = flashc_bf16_to_f32(flashc_f32_to_bf16(f));
             } else {
                 ((float *)x)[r * ld + d] = f;
                 vals[r * ld + d] = f;
