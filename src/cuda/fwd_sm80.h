@@ -141,7 +141,10 @@ __host__ __device__ constexpr fc_tile fc_tile_dec(int d) { return FC_TILE_DEC(d)
 
 /* Shared memory of one block: Q tile + st stages of (K tile, V tile), rows padded by 16 bytes so that the
  * eight rows one ldmatrix phase reads fall in distinct bank groups ((d + 8) / 8 is odd for every d % 16 == 0). */
-__host__ __device__ constexpr int fc_smem_row(int d) { return d + 8; }
+#ifndef FC_SMEM_PAD
+#define FC_SMEM_PAD 8 /* elements of padding per row (a lab build may set another in its tiles file) */
+#endif
+__host__ __device__ constexpr int fc_smem_row(int d) { return d + FC_SMEM_PAD; }
 __host__ __device__ constexpr size_t fc_fwd_smem_bytes(fc_tile t) {
     return (size_t)2 * fc_smem_row(t.d) * (t.br + 2 * t.st * t.bc);
 }

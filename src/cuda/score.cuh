@@ -98,20 +98,29 @@ static __device__ __forceinline__ void fc_bm_mask_row(const Args &a, Frag &x, in
     }
 }
 
+/* The score fields fc_score reads, with the softcap known at compile time where CAP says so (0: off, 1: on,
+ * 2: as a has it): fc_score's test then folds, and no tanh is issued, predicated off, where it is not used. */
+template <int CAP>
+struct fc_score_view {
+    float score_mul, softcap2;
+    template <typename Args>
+    __device__ __forceinline__ explicit fc_score_view(const Args &a)
+        : score_mul(a.score_mul), softcap2(CAP == 0 ? 0.f : a.softcap2) {}
+};
+
 /*
- * The forward's element step on row hf of fragment x (keys n0 + 8 j + 2 tig + e) of query row i, for the kernels'
- * generic path (a score modifier, or a block mask that cuts the tile): the base-2 score (fc_score), minus ALiBi
- * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the
- * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. The softmax then
- * takes the scores with smul 1.
+ * fc_score_row's element step with what it applies fixed at compile time: MASK (the band, the keys and, where
+ * part, the block mask), CAP (fc_score_view) and ALIBI (0: off, 1: on, 2: where a.alibi is set).
  */
-template <typename Args, typename Frag>
-static __device__ __forceinline__ void fc_score_row(const Args &a, Frag &x, int hf, int i, int n0, int tig, int diag,
-                                                    int nq, int nk, float slope2, bool mask, bool part,
-                                                    const uint8_t *bmbase) {
-    int jlo, jhi;
-    fc_row_keys(a, i, diag, nk, jlo, jhi);
-    const uint8_t *bmr = part && i < nq ? fc_bm_row(a, bmbase, i) : NULL;
+template <bool MASK, int CAP, int ALIBI, typename Args, typename Frag>
+static __device__ __forceinline__ void fc_score_row_as(const Args &a, Frag &x, int hf, int i, int n0, int tig,
+                                                       int diag, int nq, int nk, float slope2, bool part,
+                                                       const uint8_t *bmbase) {
+    int jlo = 0, jhi = 0;
+    if (MASK) fc_row_keys(a, i, diag, nk, jlo, jhi);
+    const uint8_t *bmr = MASK && part && i < nq ? fc_bm_row(a, bmbase, i) : NULL;
+    const fc_score_view<CAP> sv(a);
+    const bool alibi = ALIBI == 1 || (ALIBI == 2 && a.alibi);
     /* i + diag - j at j = 0, e = 0, once per row in float: the element's distance is then that minus a constant
      * (8 nt + e), with no int-to-float conversion per element (conversions share the special-function units'
      * quarter rate with ex2 on sm_90; integers below 2^24 are exact either way). */
@@ -122,15 +131,39 @@ static __device__ __forceinline__ void fc_score_row(const Args &a, Frag &x, int 
         for (int e = 0; e < 2; ++e) {
             const int j = n0 + nt * 8 + tig * 2 + e;
             float dcap;
-            float v = fc_score<fc_fast_math>(a, fc_frag(x, nt, 2 * hf + e), dcap);
-            if (a.alibi) v -= fc_alibi(slope2, jdf - (float)(nt * 8 + e));
-            if (mask) {
+            float v = fc_score<fc_fast_math>(sv, fc_frag(x, nt, 2 * hf + e), dcap);
+            if (alibi) v -= fc_alibi(slope2, jdf - (float)(nt * 8 + e));
+            if (MASK) {
                 bool vis = j >= jlo && j <= jhi;
                 if (part) vis = vis && bmr && fc_bm_keeps(a, bmr, j);
                 if (!vis) v = -INFINITY;
             }
             fc_frag(x, nt, 2 * hf + e) = v;
         }
+}
+
+/*
+ * The forward's element step on row hf of fragment x (keys n0 + 8 j + 2 tig + e) of query row i, for the kernels'
+ * generic path (a score modifier, or a block mask that cuts the tile): the base-2 score (fc_score), minus ALiBi
+ * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the
+ * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. The softmax then
+ * takes the scores with smul 1.
+ * A tile that no mask cuts (most of a row's tiles) branches once on the modifiers: tested per element, they were
+ * predicated, and every element issued the tanh, the bias and the band test whether it used them or not (twice
+ * the plain kernel's instructions under ALiBi alone, lab/LOG.md).
+ */
+template <typename Args, typename Frag>
+static __device__ __forceinline__ void fc_score_row(const Args &a, Frag &x, int hf, int i, int n0, int tig, int diag,
+                                                    int nq, int nk, float slope2, bool mask, bool part,
+                                                    const uint8_t *bmbase) {
+    if (mask)
+        fc_score_row_as<true, 2, 2>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+    else if (a.softcap2 != 0.f)
+        fc_score_row_as<false, 1, 2>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+    else if (a.alibi)
+        fc_score_row_as<false, 0, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+    else
+        fc_score_row_as<false, 0, 0>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
 }
 
 /* ---- the forward's online softmax -------------------------------------------------------------------------- */
