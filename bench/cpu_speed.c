@@ -164,6 +164,7 @@ typedef struct kernel_case {
     int64_t ldc;
     int softmax;
     float *m_run, *l_run, *alpha;
+    const uint16_t *a16, *b16; /* the bf16 products (kernels with bf16): k counts pairs */
 } kernel_case;
 
 static int run_kernel(void *arg) {
@@ -172,6 +173,8 @@ static int run_kernel(void *arg) {
         if (c->softmax) {
             for (int r = 0; r < c->n; r++) c->m_run[r] = -INFINITY, c->l_run[r] = 0.0f;
             c->k->softmax(c->m, c->n, c->c, c->ldc, c->m_run, c->l_run, c->alpha);
+        } else if (c->a16) {
+            c->k->bf16->gemm(c->m, c->n, c->kk, c->a16, c->rs_a, c->cs_a, c->b16, c->ldb, c->c, c->ldc, 1.0f, 1);
         } else {
             c->k->gemm(c->m, c->n, c->kk, c->a, c->rs_a, c->cs_a, c->b, c->ldb, c->c, c->ldc, 1);
         }
@@ -198,9 +201,9 @@ static void kernel_report(void) {
         for (int i = 0; i < D * ld; i++) qt[i] = frand();
         for (int i = 0; i < br * D; i++) o[i] = frand();
         for (int i = 0; i < bc * ld; i++) st[i] = frand();
-        kernel_case s = {k, bc, br, D, kt, qt, D, 1, ld, st, ld, 0, NULL, NULL, NULL};
-        kernel_case pv = {k, br, D, bc, st, v, 1, ld, D, o, D, 0, NULL, NULL, NULL};
-        kernel_case sm = {k, bc, br, 0, NULL, NULL, 0, 0, 0, st, ld, 1, m, l, al};
+        kernel_case s = {k, bc, br, D, kt, qt, D, 1, ld, st, ld, 0, NULL, NULL, NULL, NULL, NULL};
+        kernel_case pv = {k, br, D, bc, st, v, 1, ld, D, o, D, 0, NULL, NULL, NULL, NULL, NULL};
+        kernel_case sm = {k, bc, br, 0, NULL, NULL, 0, 0, 0, st, ld, 1, m, l, al, NULL, NULL};
         double ts = time_median(run_kernel, &s, 7) / 50, tp = time_median(run_kernel, &pv, 7) / 50;
         for (int i = 0; i < bc * ld; i++) st[i] = frand() * 8.0f;
         double tm = time_median(run_kernel, &sm, 7) / 50;
@@ -212,6 +215,21 @@ static void kernel_report(void) {
         printf("%-32s %5d %5d %5d %10.1f\n", name, br, D, bc, f / tp * 1e-9);
         printf("  online softmax of the %dx%d tile: %.2f us, %.0f%% of the tile's time (products %.2f us)\n", bc, br,
                tm * 1e6, 100.0 * tm / (ts + tp + tm), (ts + tp) * 1e6);
+        if (k->bf16) { /* the same products on bf16 pairs (operand layouts as attn.c passes them) */
+            uint16_t *k16 = calloc((size_t)bc * D, 2), *q2 = calloc((size_t)D * ld, 2);
+            uint16_t *p2 = calloc((size_t)bc * ld, 2), *v2 = calloc((size_t)bc * D, 2);
+            for (int i = 0; i < bc * D; i++) k16[i] = flashc_f32_to_bf16(frand()), v2[i] = flashc_f32_to_bf16(frand());
+            for (int i = 0; i < D * ld; i++) q2[i] = flashc_f32_to_bf16(frand());
+            for (int i = 0; i < bc * ld; i++) p2[i] = flashc_f32_to_bf16(frand());
+            kernel_case s16 = {k, bc, br, D / 2, NULL, NULL, D, 2, 2 * ld, st, ld, 0, NULL, NULL, NULL, k16, q2};
+            kernel_case pv16 = {k, br, D, bc / 2, NULL, NULL, 2, 2 * ld, 2 * D, o, D, 0, NULL, NULL, NULL, p2, v2};
+            const double ts16 = time_median(run_kernel, &s16, 7) / 50, tp16 = time_median(run_kernel, &pv16, 7) / 50;
+            snprintf(name, sizeof name, "bf16 S^T = K Q^T    D=%d", D);
+            printf("%-32s %5d %5d %5d %10.1f\n", name, bc, br, D, f / ts16 * 1e-9);
+            snprintf(name, sizeof name, "bf16 O += P V       D=%d", D);
+            printf("%-32s %5d %5d %5d %10.1f\n", name, br, D, bc, f / tp16 * 1e-9);
+            free(k16), free(q2), free(p2), free(v2);
+        }
         free(kt), free(qt), free(st), free(v), free(o), free(m), free(l), free(al);
     }
 }

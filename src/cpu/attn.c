@@ -54,6 +54,7 @@ typedef struct tile_bufs {
     float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
     float *dk, *dv;     /* bc x dp, one per key block of the backward's group */
     float *z;           /* bc x ld: the backward's dropout factors (0 or 1 / (1 - p)); NULL without dropout */
+    uint16_t *p2;       /* forward, bf16 inputs: P's pair rows (bc / 2 + 1 of them, leading dim 2 ld bf16) */
     float *m, *l, *alpha, *lse2, *di; /* br */
 } tile_bufs;
 
@@ -65,11 +66,18 @@ typedef struct layout {
     int64_t ngq; /* forward: query groups per (sequence, head), ceil(nqb / gq) */
     int gk;      /* backward, one task per head: key blocks per pass over the queries (flashc_cpu_key_group); else 1 */
     int dropout;       /* the backward keeps a tile of dropout factors */
+    int pairs;         /* the forward keeps P's pair rows (bf16 inputs, for the bf16 products) */
+    int bf16;          /* the forward's products run on the kernels' bf16 products (flashc_cpu_forward sets it) */
     size_t per_thread; /* floats */
 } layout;
 
 /* The backward's single pass per (sequence, head) when that alone fills the threads. */
 static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p->H >= nthreads; }
+
+/* q, k and v in bf16: what the bf16 products take (the front checked that they share one dtype). */
+static int bf16_inputs(const flashc_problem *p) {
+    return p->q.dtype == FLASHC_DTYPE_BF16 && p->k.dtype == FLASHC_DTYPE_BF16 && p->v.dtype == FLASHC_DTYPE_BF16;
+}
 
 /* Tiles of the forward (backward = 0) or backward run on nthreads threads. */
 static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
@@ -100,6 +108,9 @@ static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
         L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * gk * bc * dp + 2 * br * dp + 2 * br;
     L.dropout = backward && p->dropout_p > 0.0f;
     if (L.dropout) L.per_thread += bc * ld;
+    L.pairs = !backward && bf16_inputs(p);
+    if (L.pairs) L.per_thread += (bc / 2 + 1) * ld; /* floats: a pair row of ld queries is 2 ld bf16 */
+    L.bf16 = 0;
     return L;
 }
 
@@ -118,6 +129,7 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
         TAKE(b.m, gq * br);
         TAKE(b.l, gq * br);
         TAKE(b.alpha, br);
+        if (L->pairs) b.p2 = (uint16_t *)x, x += (bc / 2 + 1) * ld;
     } else {
         TAKE(b.dot, dp * ld);
         TAKE(b.dq, br * dp);
@@ -192,18 +204,74 @@ static int tile_row_ranges(const flashc_problem *p, int64_t nq, int64_t nk, int6
 }
 
 /*
+ * The two products of a tile, on fp32 operands or, with the kernels' bf16 products (layout bf16), on bf16 ones.
+ * score_operands: st[c][r] = alpha sum_d k[c][d] qt[d][r], k rows and qt query-major in fp32 (alpha 1: the scale is
+ * in qt), or k's bf16 rows and qt's pair rows (k16, qt2; alpha the Q scale, applied to the fp32 sums since Q stays
+ * the caller's bf16, exact).
+ */
+typedef struct score_operands {
+    const float *k, *qt;
+    const uint16_t *k16, *qt2;
+    int64_t ldk, ldq; /* k's row stride; qt's leading dim in queries */
+    int D;
+    float alpha;
+} score_operands;
+
+static score_operands f32_scores(const float *k, int64_t ldk, const float *qt, int64_t ldq, int D) {
+    score_operands s = {k, qt, NULL, NULL, ldk, ldq, D, 1.0f};
+    return s;
+}
+
+/* st[c][r] for keys [c0, c1) and rows [r0, r1). */
+static void score_product(const flashc_cpu_kernels *kern, const score_operands *s, int c0, int c1, int r0, int r1,
+                          float *st, int64_t ld) {
+    float *c = st + (size_t)c0 * ld + r0;
+    if (s->k16)
+        kern->bf16->gemm(c1 - c0, r1 - r0, (s->D + 1) / 2, s->k16 + (int64_t)c0 * s->ldk, s->ldk, 2,
+                         s->qt2 + 2 * (int64_t)r0, 2 * s->ldq, c, ld, s->alpha, 0);
+    else
+        kern->gemm(c1 - c0, r1 - r0, s->D, s->k + (int64_t)c0 * s->ldk, s->ldk, 1, s->qt + r0, s->ldq, c, ld, 0);
+}
+
+/*
+ * pv_operands: O += P V with P key-major in fp32 (st) and V's fp32 rows, or P's and V's pair rows (p2, v2), the tile's
+ * key c in pair (c + lead) / 2 (lead 1: the tile starts on the second key of a pair of the K/V block, whose first
+ * P is 0).
+ */
+typedef struct pv_operands {
+    const float *st, *v;
+    const uint16_t *p2, *v2;
+    int64_t ld, ldv; /* st's and p2's leading dim in queries; v's row stride (v2: 2 dp) */
+    int lead, D;
+} pv_operands;
+
+/* O rows [r0, r1) (o: row r0, leading dim dp) += P V over the tile's keys [k0, k1); the bf16 form widens the keys to
+ * whole pairs, whose extra P are 0. */
+static void pv_product(const flashc_cpu_kernels *kern, const pv_operands *v, int r0, int r1, int k0, int k1, float *o,
+                       int dp) {
+    if (v->p2) {
+        const int p0 = (k0 + v->lead) / 2, p1 = (k1 + v->lead + 1) / 2;
+        kern->bf16->gemm(r1 - r0, v->D, p1 - p0, v->p2 + (int64_t)p0 * 2 * v->ld + 2 * r0, 2, 2 * v->ld,
+                         v->v2 + (int64_t)p0 * v->ldv, v->ldv, o, dp, 1.0f, 1);
+    } else {
+        kern->gemm(r1 - r0, v->D, k1 - k0, v->st + (size_t)k0 * v->ld + r0, 1, v->ld, v->v + (int64_t)k0 * v->ldv,
+                   v->ldv, o, dp, 1);
+    }
+}
+
+/*
  * S^T = K (scale Q)^T and O += P V on a tile that only part of each row sees (causal diagonal, window edges), in
  * strips of ch keys (for S) and ch query rows (for P V), each product over the rows / keys some element of the strip
  * sees: on a causal 64 x 64 diagonal block about 3/4 of the masked triangle is not computed where the whole tile
  * computes all of it. Scores left out are masked ones, which the epilogue overwrites with -inf; P is exactly 0
- * there, so the P V strips leave out only zero terms (and no NaN of a masked key's V reaches O). Padding rows
- * (rows .. br) get their scores as in a whole tile.
- * edge_scores: st[c][r] = sum_d k[c][d] qt[d][r] for the (key, row) pairs the strips cover; the backward's dP^T
- * (v and dO^T in place of k and Q^T) takes the same strips.
+ * there, so the P V strips leave out only zero terms (and no NaN of a masked key's V reaches O, except, with the bf16
+ * products, a key that shares its pair with a visible one). Padding rows (rows .. br) get their scores as in a whole
+ * tile.
+ * edge_scores: st[c][r] for the (key, row) pairs the strips cover; the backward's dP^T (v and dO^T in place of k and
+ * Q^T) takes the same strips.
  */
-static void edge_scores(const flashc_cpu_kernels *kern, int br, int rows, int D, const int *lo, const int *hi,
-                        const float *k, int64_t ldk, const float *qt, int64_t ldq, int cols, float *st, int64_t ld,
-                        int ch) {
+static void edge_scores(const flashc_cpu_kernels *kern, int br, int rows, const int *lo, const int *hi,
+                        const score_operands *s, int cols, float *st, int64_t ld, int ch) {
     const int nr = kern->nr;
     for (int c0 = 0; c0 < cols; c0 += ch) {
         const int c1 = c0 + ch < cols ? c0 + ch : cols;
@@ -214,39 +282,90 @@ static void edge_scores(const flashc_cpu_kernels *kern, int br, int rows, int D,
         rs = rs / nr * nr;
         re = (re + nr - 1) / nr * nr;
         if (re > br) re = br;
-        if (re > rs)
-            kern->gemm(c1 - c0, re - rs, D, k + (int64_t)c0 * ldk, ldk, 1, qt + rs, ldq, st + (size_t)c0 * ld + rs,
-                       ld, 0);
+        if (re > rs) score_product(kern, s, c0, c1, rs, re, st, ld);
     }
 }
 
-static void edge_pv(const flashc_cpu_kernels *kern, const layout *L, int D, const query_block *q, const int *lo,
-                    const int *hi, const float *v, int64_t ldv, int cols, const float *st, int ch) {
-    const int ld = L->ld, rows = q->rows;
+static void edge_pv(const flashc_cpu_kernels *kern, const layout *L, const query_block *q, const int *lo,
+                    const int *hi, const pv_operands *v, int cols, int ch) {
+    const int rows = q->rows;
     for (int r0 = 0; r0 < rows; r0 += ch) {
         const int r1 = r0 + ch < rows ? r0 + ch : rows;
         const int k0 = lo[r0], k1 = hi[r1 - 1] < cols ? hi[r1 - 1] : cols;
-        if (k1 > k0)
-            kern->gemm(r1 - r0, D, k1 - k0, st + (size_t)k0 * ld + r0, 1, ld, v + (int64_t)k0 * ldv, ldv,
-                       q->o + (size_t)r0 * L->dp, L->dp, 1);
+        if (k1 > k0) pv_product(kern, v, r0, r1, k0, k1, q->o + (size_t)r0 * L->dp, L->dp);
     }
 }
 
 /*
+ * A K/V block as the tile products read it: fp32 rows (in place or converted), or for the bf16 products K's bf16
+ * rows and V's pair rows (2 dp bf16 each: V[2p][d], V[2p + 1][d] side by side).
+ */
+typedef struct kv_block {
+    const float *k, *v;
+    const uint16_t *k16, *v2;
+    int64_t ldk, ldv;
+} kv_block;
+
+static kv_block load_kv_block(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
+                              int64_t b, int64_t row0, int cols, int64_t hk) {
+    kv_block kv;
+    memset(&kv, 0, sizeof kv);
+    const int dp = L->dp;
+    if (!L->bf16) {
+        kv.k = flashc_cpu_kv_rows(kern, p, &p->k, b, row0, cols, hk, t->kbuf, dp, &kv.ldk);
+        kv.v = flashc_cpu_kv_rows(kern, p, &p->v, b, row0, cols, hk, t->vbuf, dp, &kv.ldv);
+        return kv;
+    }
+    /* vbuf holds bc x dp floats: V's pair rows take its first half, V rows copied from a strided view the second */
+    uint16_t *v2 = (uint16_t *)t->vbuf, *vrows = v2 + (size_t)L->bc * dp;
+    int64_t ldv;
+    kv.k16 = flashc_cpu_kv_rows_bf16(p, &p->k, b, row0, cols, hk, (uint16_t *)t->kbuf, dp, &kv.ldk);
+    const uint16_t *v = flashc_cpu_kv_rows_bf16(p, &p->v, b, row0, cols, hk, vrows, dp, &ldv);
+    kern->bf16->pairs_bf16(cols, (int)p->D, v, ldv, v2, 2 * (int64_t)dp);
+    kv.v2 = v2;
+    kv.ldv = 2 * (int64_t)dp;
+    return kv;
+}
+
+/* The tile's operands: keys from off (within the K/V block) on, against query block q. */
+static score_operands tile_scores(const flashc_problem *p, const layout *L, const query_block *q,
+                                  const kv_block *kv, int off) {
+    if (!L->bf16) return f32_scores(kv->k + off * kv->ldk, kv->ldk, q->qt, L->ld, (int)p->D);
+    score_operands s = {NULL, NULL, kv->k16 + off * kv->ldk, (const uint16_t *)q->qt, kv->ldk, L->ld, (int)p->D,
+                        flashc_cpu_qscale(p)};
+    return s;
+}
+
+static pv_operands tile_pv(const flashc_problem *p, const layout *L, const tile_bufs *t, const kv_block *kv,
+                           int off) {
+    pv_operands v = {t->st, NULL, NULL, NULL, L->ld, kv->ldv, 0, (int)p->D};
+    if (!L->bf16) {
+        v.v = kv->v + off * kv->ldv;
+        return v;
+    }
+    v.p2 = t->p2;
+    v.lead = off % 2;
+    v.v2 = kv->v2 + (off / 2) * kv->ldv;
+    return v;
+}
+
+/*
  * One step of the online softmax (FlashAttention-2, Algorithm 1, lines 8-10) for query block q against keys
- * [j0, j0 + cols): S^T = K (scale Q)^T, the score epilogue, m and l, O rescaled by alpha, O += P V.
+ * [j0, j0 + cols), which start at row off of the K/V block kv: S^T = K (scale Q)^T, the score epilogue, m and l, O
+ * rescaled by alpha, O += P V. With the bf16 products P is rounded to bf16 for P V (its pair rows), as flash-attn
+ * does on the GPU; l sums the fp32 P.
  */
 static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                         const query_block *q, int64_t b, int64_t h, int64_t nq, int64_t nk, const float *k,
-                         int64_t ldk, const float *v, int64_t ldv, int64_t j0, int cols,
-                         const flashc_cpu_dropout *drop) {
+                         const query_block *q, int64_t b, int64_t h, int64_t nq, int64_t nk, const kv_block *kv,
+                         int off, int64_t j0, int cols, const flashc_cpu_dropout *drop) {
     const int D = (int)p->D, dp = L->dp, br = L->br, ld = L->ld, rows = q->rows;
     /* strips of the edge products: whole register tiles of the microkernel, about 16 rows */
     const int ch = (16 + kern->mr - 1) / kern->mr * kern->mr;
     int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
     const int edge = tile_row_ranges(p, nq, nk, q->i0, rows, j0, cols, lo, hi);
-    if (edge) edge_scores(kern, br, rows, D, lo, hi, k, ldk, q->qt, ld, cols, t->st, ld, ch);
-    else kern->gemm(cols, br, D, k, ldk, 1, q->qt, ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
+    const score_operands s = tile_scores(p, L, q, kv, off);
+    if (edge) edge_scores(kern, br, rows, lo, hi, &s, cols, t->st, ld, ch);
+    else score_product(kern, &s, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
     if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
     kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
@@ -257,8 +376,10 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
         }
     /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
     if (drop) kern->dropout(cols, br, t->st, ld, drop, q->i0, j0);
-    if (edge) edge_pv(kern, L, D, q, lo, hi, v, ldv, cols, t->st, ch);
-    else kern->gemm(rows, D, cols, t->st, 1, ld, v, ldv, q->o, dp, 1); /* O += P V */
+    const pv_operands v = tile_pv(p, L, t, kv, off);
+    if (v.p2) kern->bf16->pairs_f32(cols, v.lead, br, t->st, ld, t->p2, 2 * (int64_t)ld);
+    if (edge) edge_pv(kern, L, q, lo, hi, &v, cols, ch);
+    else pv_product(kern, &v, 0, rows, 0, cols, q->o, dp); /* O += P V */
 }
 
 /*
@@ -292,7 +413,8 @@ static void forward_group(const flashc_problem *p, const flashc_cpu_kernels *ker
             if (q->lo < glo) glo = q->lo;
             if (q->hi > ghi) ghi = q->hi;
         }
-        flashc_cpu_load_t(kern, q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D, flashc_cpu_qscale(p));
+        if (L->bf16) flashc_cpu_load_pairs_t((uint16_t *)q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D);
+        else flashc_cpu_load_t(kern, q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D, flashc_cpu_qscale(p));
         memset(q->o, 0, sizeof(float) * (size_t)br * dp);
         for (int r = 0; r < br; r++) {
             q->m[r] = -INFINITY;
@@ -301,18 +423,18 @@ static void forward_group(const flashc_problem *p, const flashc_cpu_kernels *ker
     }
     for (int64_t j0 = glo; j0 < ghi; j0 += bc) {
         const int cols = imin(bc, ghi - j0);
-        const float *k = NULL, *v = NULL;
-        int64_t ldk = 0, ldv = 0;
+        kv_block kv;
+        int loaded = 0;
         for (int g = 0; g < n; g++) {
             const query_block *q = &qb[g];
             const int64_t a = q->lo > j0 ? q->lo : j0, e = q->hi < j0 + cols ? q->hi : j0 + cols;
             if (e <= a || !flashc_cpu_tile_visible(p, b, h, q->i0, q->rows, a, (int)(e - a))) continue;
-            if (!k) { /* the first block that needs these keys loads them */
-                k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
-                v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
+            if (!loaded) { /* the first block that needs these keys loads them */
+                kv = load_kv_block(p, kern, L, t, b, k0 + j0, cols, hk);
+                loaded = 1;
             }
-            forward_tile(p, kern, L, t, q, b, h, nq, nk, k + (a - j0) * ldk, ldk, v + (a - j0) * ldv, ldv, a,
-                         (int)(e - a), dropout ? &drop : NULL);
+            forward_tile(p, kern, L, t, q, b, h, nq, nk, &kv, (int)(a - j0), a, (int)(e - a),
+                         dropout ? &drop : NULL);
         }
     }
 }
@@ -476,6 +598,7 @@ static void forward_body(void *arg, int tid) {
 
 void flashc_cpu_forward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     forward_job J = {.p = p, .kern = kern, .L = make_layout(p, 0, nthreads)};
+    J.L.bf16 = J.L.pairs && kern->bf16 != NULL;
     J.ntasks = p->B * p->H * J.L.ngq;
     J.splits = kv_splits(p, &J.L, nthreads);
     J.base = flashc_cpu_align64(workspace);
@@ -574,12 +697,14 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     const int br = L->br, ld = L->ld, D = (int)p->D;
     e->ch = (16 + kern->mr - 1) / kern->mr * kern->mr; /* whole register tiles of the microkernel, about 16 rows */
     e->on = tile_row_ranges(p, nq, nk, i0, rows, j0, cols, e->lo, e->hi);
-    if (e->on) edge_scores(kern, br, rows, D, e->lo, e->hi, k, ldk, qs->qt, qs->ld, cols, t->st, ld, e->ch);
+    const score_operands s_ops = f32_scores(k, ldk, qs->qt, qs->ld, D);
+    const score_operands dp_ops = f32_scores(v, ldv, qs->dot, qs->ld, D);
+    if (e->on) edge_scores(kern, br, rows, e->lo, e->hi, &s_ops, cols, t->st, ld, e->ch);
     else kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
     if (e->on || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
     kern->exp2_sub(cols, br, t->st, ld, qs->lse2); /* P = 2^(S - lse) */
-    if (e->on) edge_scores(kern, br, rows, D, e->lo, e->hi, v, ldv, qs->dot, qs->ld, cols, t->dpt, ld, e->ch);
+    if (e->on) edge_scores(kern, br, rows, e->lo, e->hi, &dp_ops, cols, t->dpt, ld, e->ch);
     else kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, ld, 0); /* dP^T = V dO^T */
     flashc_cpu_dropout drop;
     if (flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop)) {

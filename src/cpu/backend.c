@@ -20,7 +20,8 @@
  */
 #if defined(FLASHC_CPU_X86)
 #  include <cpuid.h>
-enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64 };
+enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64,
+       CPU_AVX512BF16 = 128 };
 static unsigned detect_x86(void) {
     unsigned a, b, c, d, f = 0;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
@@ -41,6 +42,11 @@ static unsigned detect_x86(void) {
         if ((b7 >> 5 & 1) && avx_os) f |= CPU_AVX2;
         if ((b7 >> 16 & 1) && avx512_os) f |= CPU_AVX512F;
         if ((b7 >> 30 & 1) && avx512_os) f |= CPU_AVX512BW;
+        if (a7 >= 1) { /* subleaf 1, EAX bit 5: AVX512_BF16 (vdpbf16ps, vcvtne2ps2bf16, vcvtneps2bf16) */
+            unsigned a71, b71, c71, d71;
+            __cpuid_count(7, 1, a71, b71, c71, d71);
+            if ((a71 >> 5 & 1) && avx512_os) f |= CPU_AVX512BF16;
+        }
     }
     return f;
 }
@@ -54,12 +60,33 @@ static struct {
 } cpu_info;
 static pthread_once_t cpu_info_once = PTHREAD_ONCE_INIT;
 
+/*
+ * The "avx512bf16" set: the AVX-512 table with the bf16 products on vdpbf16ps (kernels_avx512bf16.c), put together
+ * once: its fp32 kernels are the AVX-512 set's, so only what differs is written twice.
+ */
+#if defined(FLASHC_CPU_X86) && defined(FLASHC_CPU_AVX512BF16)
+static flashc_cpu_kernels kernels_avx512bf16;
+static pthread_once_t avx512bf16_once = PTHREAD_ONCE_INIT;
+static void avx512bf16_init(void) {
+    kernels_avx512bf16 = flashc_cpu_kernels_avx512;
+    kernels_avx512bf16.name = "avx512bf16_12x32";
+    kernels_avx512bf16.bf16 = &flashc_cpu_bf16_kernels_avx512;
+}
+#endif
+
 static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name) {
     if (!strcmp(name, "generic")) return &flashc_cpu_kernels_generic;
 #if defined(FLASHC_CPU_X86)
     const unsigned avx2 = CPU_AVX2 | CPU_FMA | CPU_F16C, avx512 = CPU_AVX512F | CPU_FMA | CPU_F16C;
     if (!strcmp(name, "avx2") && (x86 & avx2) == avx2) return &flashc_cpu_kernels_avx2;
     if (!strcmp(name, "avx512") && (x86 & avx512) == avx512) return &flashc_cpu_kernels_avx512;
+#  if defined(FLASHC_CPU_AVX512BF16)
+    const unsigned bf16 = avx512 | CPU_AVX512BF16;
+    if (!strcmp(name, "avx512bf16") && (x86 & bf16) == bf16) {
+        pthread_once(&avx512bf16_once, avx512bf16_init);
+        return &kernels_avx512bf16;
+    }
+#  endif
 #endif
     (void)x86;
     return NULL;
@@ -73,7 +100,7 @@ static void cpu_info_init(void) {
     cpu_info.x86 = f;
     static const struct { unsigned bit; const char *name; } names[] = {
         {CPU_SSE42, "sse4.2"}, {CPU_AVX, "avx"}, {CPU_AVX2, "avx2"}, {CPU_FMA, "fma"}, {CPU_F16C, "f16c"},
-        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}};
+        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}, {CPU_AVX512BF16, "avx512bf16"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (f & names[i].bit) strcat(buf, names[i].name), strcat(buf, " ");
 #elif defined(__aarch64__)
@@ -87,8 +114,9 @@ static void cpu_info_init(void) {
     else strcpy(buf, "generic");
 
     const flashc_cpu_kernels *k = NULL;
-    const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512, when this CPU runs it */
+    const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512 | avx512bf16, when this CPU runs it */
     if (force) k = kernels_by_name(cpu_info.x86, force);
+    if (!k) k = kernels_by_name(cpu_info.x86, "avx512bf16");
     if (!k) k = kernels_by_name(cpu_info.x86, "avx512");
     if (!k) k = kernels_by_name(cpu_info.x86, "avx2");
     if (!k) k = &flashc_cpu_kernels_generic;

@@ -100,6 +100,33 @@ typedef struct flashc_cpu_dropout {
 typedef void (*flashc_cpu_dropout_fn)(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d,
                                       int64_t i0, int64_t j0);
 
+/*
+ * bf16 products on dot-product instructions (AVX512-BF16 vdpbf16ps: per f32 lane, c += a0 b0 + a1 b1 over a pair of
+ * bf16, accumulated in f32). The reduction index runs in pairs: k counts pairs, and the operands hold both members
+ * of a pair side by side.
+ *   C[i][j] (+)= alpha * sum_{p < k} (A(i, 2p) B[2p][j] + A(i, 2p + 1) B[2p + 1][j])
+ * A's pair (i, p) is two adjacent bf16 at a + i * rs_a + p * cs_a (bf16 elements; a K row read in place has rs_a its
+ * row stride, cs_a = 2); B's pair row p lies at b + p * ldb as (B[2p][j], B[2p + 1][j]) at 2j, 2j + 1 (the "VNNI"
+ * layout). accumulate = 0 overwrites C.
+ */
+typedef void (*flashc_cpu_gemm_bf16_fn)(int m, int n, int k, const uint16_t *a, int64_t rs_a, int64_t cs_a,
+                                        const uint16_t *b, int64_t ldb, float *c, int64_t ldc, float alpha,
+                                        int accumulate);
+/*
+ * Pair rows from rows: dst[p][2j + e] = x(2p + e - lead, j) for p < (rows + lead + 1) / 2, j < n, e in {0, 1}, where
+ * x(r, j) = src[r * lds + j] for 0 <= r < rows and 0 otherwise (lead: 0 or 1 zero rows in front). pairs_f32 rounds
+ * fp32 to bf16 (to nearest even: P before P V), pairs_bf16 moves bf16 bits as they are (V rows).
+ */
+typedef void (*flashc_cpu_pairs_f32_fn)(int rows, int lead, int n, const float *src, int64_t lds, uint16_t *dst,
+                                        int64_t ldd);
+typedef void (*flashc_cpu_pairs_bf16_fn)(int rows, int n, const uint16_t *src, int64_t lds, uint16_t *dst,
+                                         int64_t ldd);
+typedef struct flashc_cpu_bf16_kernels {
+    flashc_cpu_gemm_bf16_fn gemm;
+    flashc_cpu_pairs_f32_fn pairs_f32;
+    flashc_cpu_pairs_bf16_fn pairs_bf16;
+} flashc_cpu_bf16_kernels;
+
 typedef struct flashc_cpu_kernels {
     const char *name; /* e.g. "avx2_6x16" */
     int mr, nr;       /* register tile of gemm */
@@ -114,12 +141,19 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_dropout_fn dropout;
     flashc_cpu_dots_kv_fn dots_kv; /* decode.c */
     flashc_cpu_pv_fn pv;           /* decode.c */
+    /* bf16 forward products on dot-product instructions (register tile mr x nr as gemm's); NULL: bf16 inputs are
+     * widened to fp32 and go through gemm */
+    const flashc_cpu_bf16_kernels *bf16;
 } flashc_cpu_kernels;
 
 extern const flashc_cpu_kernels flashc_cpu_kernels_generic;
 #if defined(FLASHC_CPU_X86)
 extern const flashc_cpu_kernels flashc_cpu_kernels_avx2;
 extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
+#  if defined(FLASHC_CPU_AVX512BF16)
+/* kernels_avx512bf16.c: the bf16 products that the "avx512bf16" set adds to the AVX-512 table (backend.c). */
+extern const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512;
+#  endif
 /* The AVX2 decode kernels, which the AVX-512 table shares (every AVX-512 CPU has AVX2; decode streams K and V at
  * memory speed, where the wider vectors have little to add). */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
@@ -136,10 +170,10 @@ void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const fl
 /* The portable dropout (kernels_generic.c): the definition the SIMD ones must match bit for bit. */
 void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
                                 int64_t j0);
-/* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512 forces a
- * choice). */
+/* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512|avx512bf16 forces
+ * a choice). */
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void);
-/* Kernels by name ("generic", "avx2", "avx512"); NULL when not built in or this CPU lacks the ISA. */
+/* Kernels by name ("generic", "avx2", "avx512", "avx512bf16"); NULL when not built in or this CPU lacks the ISA. */
 const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name);
 
 /* Tile sizes: query rows resident per task (a multiple of 16, at most FLASHC_CPU_MAX_BR), key rows streamed per
@@ -205,6 +239,18 @@ void flashc_cpu_kv_store_rows(const flashc_problem *p, const flashc_tensor *t, i
 /* Transposed load dst[d][r] = scale * t(row0 + r, d) for r < rows, zero for rows <= r < pad_rows. */
 void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, const flashc_tensor *t, int64_t b,
                        int64_t row0, int rows, int pad_rows, int64_t h, int64_t D, float scale);
+/*
+ * The bf16 operands of the dot-product kernels (a bf16 view: its elements are copied as they are, never rounded).
+ * kv_rows_bf16: K-like rows [row0, row0 + rows) of sequence b, head h as flashc_cpu_kv_rows counts them, as bf16 rows
+ * whose pairs (d, d + 1) are adjacent: in place where the view has unit stride along D, D is even and (paged) the rows
+ * lie on one page, else copied into buf (leading dim buf_ld >= D + 1), an odd D padded with a zero.
+ * load_pairs_t: the query rows as pair rows, dst[(d / 2) * 2 ld + 2 r + d % 2] = t(row0 + r, d) for r < rows and d < D,
+ * zero for rows <= r < pad_rows and for d = D when D is odd (the B operand of S^T = K Q^T).
+ */
+const uint16_t *flashc_cpu_kv_rows_bf16(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0,
+                                        int rows, int64_t h, uint16_t *buf, int64_t buf_ld, int64_t *ld);
+void flashc_cpu_load_pairs_t(uint16_t *dst, int64_t ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
+                             int pad_rows, int64_t h, int64_t D);
 /* Stores scale * src[r][0..D) into rows [row0, row0 + rows) of head h, converting to the view's dtype. */
 void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
                            const float *src, int64_t ld, float scale);

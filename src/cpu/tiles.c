@@ -212,6 +212,45 @@ void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, c
         for (int r = rows; r < pad_rows; r++) dst[(size_t)d * ld + r] = 0.0f;
 }
 
+/* ---- bf16 operands of the dot-product kernels ------------------------------------------------------------- */
+
+/* Element offset of K-like row `row` (flashc_seq_key_rows' counting) of sequence b, head h: through the block table
+ * when there is one. */
+static int64_t kv_row_offset(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row, int64_t h) {
+    const int64_t tb = flashc_cpu_tensor_batch(p, b);
+    return p->block_table ? flashc_kv_offset(p, t, b, tb, row, h) : flashc_cpu_offset(t, tb, row, h);
+}
+
+const uint16_t *flashc_cpu_kv_rows_bf16(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0,
+                                        int rows, int64_t h, uint16_t *buf, int64_t buf_ld, int64_t *ld) {
+    const int64_t D = p->D, sd = t->stride[3];
+    const uint16_t *data = (const uint16_t *)t->data;
+    const int one_page = !p->block_table || row0 / p->page_size == (row0 + rows - 1) / p->page_size;
+    if (sd == 1 && D % 2 == 0 && one_page) { /* a pair never reaches past its row */
+        *ld = t->stride[1];
+        return data + kv_row_offset(p, t, b, row0, h);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int64_t off = kv_row_offset(p, t, b, row0 + r, h);
+        uint16_t *dst = buf + (size_t)r * buf_ld;
+        for (int64_t d = 0; d < D; d++) dst[d] = data[off + d * sd];
+        if (D % 2) dst[D] = 0;
+    }
+    *ld = buf_ld;
+    return buf;
+}
+
+void flashc_cpu_load_pairs_t(uint16_t *dst, int64_t ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
+                             int pad_rows, int64_t h, int64_t D) {
+    const uint16_t *data = (const uint16_t *)t->data;
+    const int64_t sd = t->stride[3], pairs = (D + 1) / 2;
+    for (int r = 0; r < pad_rows; r++) {
+        const int64_t off = r < rows ? flashc_cpu_offset(t, b, row0 + r, h) : 0;
+        for (int64_t d = 0; d < 2 * pairs; d++)
+            dst[(d / 2) * 2 * ld + 2 * r + d % 2] = r < rows && d < D ? data[off + d * sd] : 0;
+    }
+}
+
 /* One row of D values at element offset off of t, scaled and converted to its dtype. */
 static void store_row(const flashc_tensor *t, int64_t off, int64_t D, const float *row, float scale) {
     const int64_t sd = t->stride[3];
