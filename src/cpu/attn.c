@@ -55,6 +55,7 @@ typedef struct tile_bufs {
     float *dk, *dv;     /* bc x dp, one per key block of the backward's group */
     float *z;           /* bc x ld: the backward's dropout factors (0 or 1 / (1 - p)); NULL without dropout */
     uint16_t *p2;       /* forward, bf16 inputs: P's pair rows (bc / 2 + 1 of them, leading dim 2 ld bf16) */
+    uint16_t *p16, *ds16, *ds2; /* backward, bf16 inputs: P and dS in bf16 (bc x ld), dS's pair rows (as p2) */
     float *m, *l, *alpha, *lse2, *di; /* br */
 } tile_bufs;
 
@@ -66,8 +67,8 @@ typedef struct layout {
     int64_t ngq; /* forward: query groups per (sequence, head), ceil(nqb / gq) */
     int gk;      /* backward, one task per head: key blocks per pass over the queries (flashc_cpu_key_group); else 1 */
     int dropout;       /* the backward keeps a tile of dropout factors */
-    int pairs;         /* the forward keeps P's pair rows (bf16 inputs, for the bf16 products) */
-    int bf16;          /* the forward's products run on the kernels' bf16 products (flashc_cpu_forward sets it) */
+    int pairs;         /* bf16 inputs: tiles for the bf16 products' operands */
+    int bf16;          /* the products run on the kernels' bf16 products (flashc_cpu_forward / _backward set it) */
     size_t per_thread; /* floats */
 } layout;
 
@@ -108,8 +109,8 @@ static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
         L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * gk * bc * dp + 2 * br * dp + 2 * br;
     L.dropout = backward && p->dropout_p > 0.0f;
     if (L.dropout) L.per_thread += bc * ld;
-    L.pairs = !backward && bf16_inputs(p);
-    if (L.pairs) L.per_thread += (bc / 2 + 1) * ld; /* floats: a pair row of ld queries is 2 ld bf16 */
+    L.pairs = bf16_inputs(p);
+    if (L.pairs) L.per_thread += (backward ? bc * ld : 0) + (bc / 2 + 1) * ld; /* floats: 2 bf16 each */
     L.bf16 = 0;
     return L;
 }
@@ -142,6 +143,11 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
         TAKE(b.lse2, br);
         TAKE(b.di, br);
         if (L->dropout) TAKE(b.z, bc * ld);
+        if (L->pairs) {
+            b.p16 = (uint16_t *)x, x += bc * ld / 2;
+            b.ds16 = (uint16_t *)x, x += bc * ld / 2;
+            b.ds2 = (uint16_t *)x, x += (bc / 2 + 1) * ld;
+        }
     }
 #undef TAKE
     return b;
@@ -643,34 +649,88 @@ size_t flashc_cpu_backward_workspace(const flashc_problem *p, int nthreads) {
     return SADD(SMUL(floats, sizeof(float)), 64);
 }
 
-/* The query side of a backward tile: (scale Q)^T and dO^T (D x br, leading dim ld), lse in log2 units (+inf on
- * padding rows) and D_i, for br rows. */
+/* The query side of a backward tile: (scale Q)^T and dO^T (D x br, leading dim ld), or for the bf16 products Q's
+ * and dO's pair rows along D (qt2, dot2: ((D + 1) / 2) x 2 ld bf16, Q unscaled), lse in log2 units (+inf on padding
+ * rows) and D_i, for br rows. */
 typedef struct query_side {
     const float *qt, *dot, *lse2, *di;
+    const uint16_t *qt2, *dot2;
     int64_t ld;
 } query_side;
 
 /* Fills the query side of rows [i0, i0 + rows) of (b, h) into qt, dot (leading dim ld), lse2 and di, padding to
  * pad_rows; the whole sequence at once in the single-pass mode, one block otherwise. */
-static query_side load_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, float *qt, float *dot,
-                                  float *lse2, float *di, int64_t ld, const float *dvec, int64_t b, int64_t h,
-                                  int64_t q0, int64_t i0, int rows, int pad_rows) {
+static query_side load_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, float *qt,
+                                  float *dot, float *lse2, float *di, int64_t ld, const float *dvec, int64_t b,
+                                  int64_t h, int64_t q0, int64_t i0, int rows, int pad_rows) {
     const int64_t tb = flashc_cpu_tensor_batch(p, b);
-    flashc_cpu_load_t(kern, qt, ld, &p->q, tb, q0 + i0, rows, pad_rows, h, p->D, flashc_cpu_qscale(p));
-    flashc_cpu_load_t(kern, dot, ld, &p->dout, tb, q0 + i0, rows, pad_rows, h, p->D, 1.0f);
+    query_side qs = {qt, dot, lse2, di, NULL, NULL, ld};
+    if (L->bf16) {
+        flashc_cpu_load_pairs_t((uint16_t *)qt, ld, &p->q, tb, q0 + i0, rows, pad_rows, h, p->D);
+        flashc_cpu_load_pairs_t((uint16_t *)dot, ld, &p->dout, tb, q0 + i0, rows, pad_rows, h, p->D);
+        qs.qt = qs.dot = NULL;
+        qs.qt2 = (const uint16_t *)qt, qs.dot2 = (const uint16_t *)dot;
+    } else {
+        flashc_cpu_load_t(kern, qt, ld, &p->q, tb, q0 + i0, rows, pad_rows, h, p->D, flashc_cpu_qscale(p));
+        flashc_cpu_load_t(kern, dot, ld, &p->dout, tb, q0 + i0, rows, pad_rows, h, p->D, 1.0f);
+    }
     const int64_t off = flashc_cpu_lse_offset(p, b, h, q0) + i0;
     for (int r = 0; r < pad_rows; r++) {
         lse2[r] = r < rows ? p->lse[off + r] * FLASHC_LOG2E : INFINITY;
         di[r] = r < rows ? dvec[off + r] : 0.0f;
     }
-    query_side qs = {qt, dot, lse2, di, ld};
+    return qs;
+}
+
+/* The query side from row i0 on of one loaded for a whole sequence. */
+static query_side query_side_at(const query_side *w, int64_t i0) {
+    query_side qs = *w;
+    qs.lse2 += i0, qs.di += i0;
+    if (w->qt2) qs.qt2 += 2 * i0, qs.dot2 += 2 * i0;
+    else qs.qt += i0, qs.dot += i0;
     return qs;
 }
 
 static query_side block_query_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
                                    tile_bufs *t, const float *dvec, int64_t b, int64_t h, int64_t q0, int64_t i0,
                                    int rows) {
-    return load_query_side(p, kern, t->qt, t->dot, t->lse2, t->di, L->ld, dvec, b, h, q0, i0, rows, L->br);
+    return load_query_side(p, kern, L, t->qt, t->dot, t->lse2, t->di, L->ld, dvec, b, h, q0, i0, rows, L->br);
+}
+
+/*
+ * A key block as the backward's products read it: fp32 K and V rows, or for the bf16 products K's and V's bf16 rows
+ * (k16, v16) and K's pair rows along the keys (k2, 2 dp bf16 each: the B operand of dQ += dS K).
+ */
+typedef struct key_side {
+    const float *k, *v;
+    const uint16_t *k16, *v16, *k2;
+    int64_t ldk, ldv;
+} key_side;
+
+/* Keys [row0, row0 + cols) of (b, kv head hk) into the slots kbuf, vbuf (bc x dp floats each); fp32 rows packed
+ * contiguous with pack (pack_rows). */
+static const float *pack_rows(const float *src, int64_t *ld, int rows, int D, float *buf, int dp);
+static key_side load_key_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, float *kbuf,
+                              float *vbuf, int64_t b, int64_t row0, int cols, int64_t hk, int pack) {
+    key_side ks;
+    memset(&ks, 0, sizeof ks);
+    const int dp = L->dp;
+    if (!L->bf16) {
+        ks.k = flashc_cpu_kv_rows(kern, p, &p->k, b, row0, cols, hk, kbuf, dp, &ks.ldk);
+        ks.v = flashc_cpu_kv_rows(kern, p, &p->v, b, row0, cols, hk, vbuf, dp, &ks.ldv);
+        if (pack) {
+            ks.k = pack_rows(ks.k, &ks.ldk, cols, (int)p->D, kbuf, dp);
+            ks.v = pack_rows(ks.v, &ks.ldv, cols, (int)p->D, vbuf, dp);
+        }
+        return ks;
+    }
+    /* a slot is 2 bc dp bf16: the copied rows in its first half, K's pair rows in the second */
+    uint16_t *k16 = (uint16_t *)kbuf, *k2 = k16 + (size_t)L->bc * dp;
+    ks.k16 = flashc_cpu_kv_rows_bf16(p, &p->k, b, row0, cols, hk, k16, dp, &ks.ldk);
+    ks.v16 = flashc_cpu_kv_rows_bf16(p, &p->v, b, row0, cols, hk, (uint16_t *)vbuf, dp, &ks.ldv);
+    kern->bf16->pairs_bf16(cols, (int)p->D, ks.k16, ks.ldk, k2, 2 * (int64_t)dp);
+    ks.k2 = k2;
+    return ks;
 }
 
 /*
@@ -692,20 +752,24 @@ typedef struct tile_edge {
  * O = (P o Z) V, so dS = P o (Z o dP - D) and st leaves as P o Z, what dV = (P o Z)^T dO needs. Fills e.
  */
 static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, tile_bufs *t,
-                    const query_side *qs, const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t b,
-                    int64_t h, int64_t nq, int64_t nk, int64_t i0, int rows, int64_t j0, int cols, tile_edge *e) {
+                    const query_side *qs, const key_side *ks, int64_t b, int64_t h, int64_t nq, int64_t nk, int64_t i0,
+                    int rows, int64_t j0, int cols, tile_edge *e) {
     const int br = L->br, ld = L->ld, D = (int)p->D;
     e->ch = (16 + kern->mr - 1) / kern->mr * kern->mr; /* whole register tiles of the microkernel, about 16 rows */
     e->on = tile_row_ranges(p, nq, nk, i0, rows, j0, cols, e->lo, e->hi);
-    const score_operands s_ops = f32_scores(k, ldk, qs->qt, qs->ld, D);
-    const score_operands dp_ops = f32_scores(v, ldv, qs->dot, qs->ld, D);
+    score_operands s_ops = f32_scores(ks->k, ks->ldk, qs->qt, qs->ld, D);
+    score_operands dp_ops = f32_scores(ks->v, ks->ldv, qs->dot, qs->ld, D);
+    if (L->bf16) {
+        s_ops = (score_operands){NULL, NULL, ks->k16, qs->qt2, ks->ldk, qs->ld, D, flashc_cpu_qscale(p)};
+        dp_ops = (score_operands){NULL, NULL, ks->v16, qs->dot2, ks->ldv, qs->ld, D, 1.0f};
+    }
     if (e->on) edge_scores(kern, br, rows, e->lo, e->hi, &s_ops, cols, t->st, ld, e->ch);
-    else kern->gemm(cols, br, D, k, ldk, 1, qs->qt, qs->ld, t->st, ld, 0); /* S^T = K (scale Q)^T */
+    else score_product(kern, &s_ops, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
     if (e->on || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
     kern->exp2_sub(cols, br, t->st, ld, qs->lse2); /* P = 2^(S - lse) */
     if (e->on) edge_scores(kern, br, rows, e->lo, e->hi, &dp_ops, cols, t->dpt, ld, e->ch);
-    else kern->gemm(cols, br, D, v, ldv, 1, qs->dot, qs->ld, t->dpt, ld, 0); /* dP^T = V dO^T */
+    else score_product(kern, &dp_ops, 0, cols, 0, br, t->dpt, ld); /* dP^T = V dO^T */
     flashc_cpu_dropout drop;
     if (flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop)) {
         for (int c = 0; c < cols; c++)
@@ -738,6 +802,13 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
             const float *tc = t->t + (size_t)c * ld;
             for (int r = r0; r < (r1 < rows ? r1 : rows); r++) dsc[r] *= 1.0f - tc[r] * tc[r];
         }
+    }
+    if (L->bf16) { /* P and dS rounded to bf16 for the products that take them, as flash-attn does on the GPU */
+        for (int c = 0; c < cols; c++) {
+            kern->bf16->to_bf16(br, t->st + (size_t)c * ld, t->p16 + (size_t)c * ld);
+            kern->bf16->to_bf16(br, t->dpt + (size_t)c * ld, t->ds16 + (size_t)c * ld);
+        }
+        kern->bf16->pairs_f32(cols, 0, br, t->dpt, ld, t->ds2, 2 * (int64_t)ld);
     }
 }
 
@@ -783,15 +854,34 @@ static const float *pack_rows(const float *src, int64_t *ld, int rows, int D, fl
 }
 
 /* The fp32 rows of q and dO of one query block: in place, or converted into the thread's buffers; with pack always
- * there. */
+ * there. For the bf16 products their pair rows along the queries instead (q2, do2: 2 dp bf16 each, zero past
+ * rows), the B operands of dK += dS^T Q and dV += P^T dO. */
 typedef struct query_rows {
     const float *q, *dout;
+    const uint16_t *q2, *do2;
     int64_t ldq, ldo;
 } query_rows;
+
+/* The pair rows of rows [row0, row0 + rows) of t into buf (br x dp floats: the pairs in its first half, rows copied
+ * from a strided view in the second). */
+static const uint16_t *query_pairs(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
+                                   const flashc_tensor *t, int64_t tb, int64_t h, int64_t row0, int rows, float *buf) {
+    uint16_t *pairs = (uint16_t *)buf, *copy = pairs + (size_t)L->br * L->dp;
+    int64_t ld;
+    const uint16_t *src = flashc_cpu_rows_bf16(t, tb, row0, rows, h, p->D, copy, L->dp, &ld);
+    kern->bf16->pairs_bf16(rows, (int)p->D, src, ld, pairs, 2 * (int64_t)L->dp);
+    return pairs;
+}
 
 static query_rows load_query_rows(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
                                   tile_bufs *t, int64_t tb, int64_t h, int64_t row0, int rows, int pack) {
     query_rows qr;
+    memset(&qr, 0, sizeof qr);
+    if (L->bf16) {
+        qr.q2 = query_pairs(p, kern, L, &p->q, tb, h, row0, rows, t->qbuf);
+        qr.do2 = query_pairs(p, kern, L, &p->dout, tb, h, row0, rows, t->dobuf);
+        return qr;
+    }
     qr.q = flashc_cpu_rows(kern, &p->q, tb, row0, rows, h, p->D, t->qbuf, L->dp, &qr.ldq);
     qr.dout = flashc_cpu_rows(kern, &p->dout, tb, row0, rows, h, p->D, t->dobuf, L->dp, &qr.ldo);
     if (pack) {
@@ -803,11 +893,25 @@ static query_rows load_query_rows(const flashc_problem *p, const flashc_cpu_kern
 
 /* dV += P^T dO and dK += dS^T Q (dk, dv: cols x dp) for one tile whose P (st) and dS (dpt) tile_ds has just
  * computed. */
+/* The bf16 form of accumulate_dkdv's products over keys [c0, c1) and rows [r0, r1), widened to whole pairs of rows
+ * (P and dS are 0 on the rows a strip leaves out, and on the padding row of an odd count). */
+static void dkdv_bf16(const flashc_cpu_kernels *kern, const layout *L, const tile_bufs *t, const query_rows *qr, int D,
+                      int c0, int c1, int r0, int r1, float *dk, float *dv) {
+    const int dp = L->dp, ld = L->ld, p0 = r0 / 2, p1 = (r1 + 1) / 2;
+    const size_t a = (size_t)c0 * ld + 2 * (size_t)p0, bo = (size_t)p0 * 2 * dp, co = (size_t)c0 * dp;
+    kern->bf16->gemm(c1 - c0, D, p1 - p0, t->p16 + a, ld, 2, qr->do2 + bo, 2 * dp, dv + co, dp, 1.0f, 1);
+    kern->bf16->gemm(c1 - c0, D, p1 - p0, t->ds16 + a, ld, 2, qr->q2 + bo, 2 * dp, dk + co, dp, 1.0f, 1);
+}
+
 static void accumulate_dkdv(const flashc_cpu_kernels *kern, const layout *L, const tile_bufs *t, const tile_edge *e,
                             const query_rows *qr, int D, int rows, int cols, float *dk, float *dv) {
     const int dp = L->dp, ld = L->ld;
     const float *q = qr->q, *dout = qr->dout;
     const int64_t ldq = qr->ldq, ldo = qr->ldo;
+    if (!e->on && qr->q2) {
+        dkdv_bf16(kern, L, t, qr, D, 0, cols, 0, rows, dk, dv); /* dV += P^T dO, dK += dS^T Q */
+        return;
+    }
     if (!e->on) {
         kern->gemm(cols, D, rows, t->st, ld, 1, dout, ldo, dv, dp, 1); /* dV += P^T dO */
         kern->gemm(cols, D, rows, t->dpt, ld, 1, q, ldq, dk, dp, 1);   /* dK += dS^T Q */
@@ -819,26 +923,43 @@ static void accumulate_dkdv(const flashc_cpu_kernels *kern, const layout *L, con
         while (rs < rows && e->hi[rs] <= c0) rs++;
         while (re > rs && e->lo[re - 1] >= c1) re--;
         if (re <= rs) continue;
+        if (qr->q2) {
+            dkdv_bf16(kern, L, t, qr, D, c0, c1, rs, re, dk, dv);
+            continue;
+        }
         const size_t off = (size_t)c0 * ld + rs;
         kern->gemm(c1 - c0, D, re - rs, t->st + off, ld, 1, dout + rs * ldo, ldo, dv + (size_t)c0 * dp, dp, 1);
         kern->gemm(c1 - c0, D, re - rs, t->dpt + off, ld, 1, q + rs * ldq, ldq, dk + (size_t)c0 * dp, dp, 1);
     }
 }
 
-/* dQ += dS K for one tile (dq: its rows, leading dim dp). */
-static void accumulate_dq(const flashc_cpu_kernels *kern, const layout *L, const tile_edge *e, const float *dpt,
-                          const float *k, int64_t ldk, int D, int rows, int cols, float *dq) {
+/* dQ rows [r0, r1) += dS K over keys [k0, k1) (dq: the tile's row 0, leading dim dp); the bf16 form widens the keys
+ * to whole pairs (dS is 0 on the keys a strip leaves out, K's pair rows 0 past the block). */
+static void dq_product(const flashc_cpu_kernels *kern, const layout *L, const tile_bufs *t, const key_side *ks, int D,
+                       int r0, int r1, int k0, int k1, float *dq) {
     const int dp = L->dp, ld = L->ld;
+    float *c = dq + (size_t)r0 * dp;
+    if (ks->k2) {
+        const int p0 = k0 / 2, p1 = (k1 + 1) / 2;
+        kern->bf16->gemm(r1 - r0, D, p1 - p0, t->ds2 + (size_t)p0 * 2 * ld + 2 * (size_t)r0, 2, 2 * ld,
+                         ks->k2 + (size_t)p0 * 2 * dp, 2 * dp, c, dp, 1.0f, 1);
+    } else {
+        kern->gemm(r1 - r0, D, k1 - k0, t->dpt + (size_t)k0 * ld + r0, 1, ld, ks->k + (int64_t)k0 * ks->ldk, ks->ldk,
+                   c, dp, 1);
+    }
+}
+
+/* dQ += dS K for one tile (dq: its rows, leading dim dp). */
+static void accumulate_dq(const flashc_cpu_kernels *kern, const layout *L, const tile_bufs *t, const tile_edge *e,
+                          const key_side *ks, int D, int rows, int cols, float *dq) {
     if (!e->on) {
-        kern->gemm(rows, D, cols, dpt, 1, ld, k, ldk, dq, dp, 1);
+        dq_product(kern, L, t, ks, D, 0, rows, 0, cols, dq);
         return;
     }
     for (int r0 = 0; r0 < rows; r0 += e->ch) { /* rows [r0, r1) over the keys [k0, k1) one of them sees */
         const int r1 = r0 + e->ch < rows ? r0 + e->ch : rows;
         const int k0 = e->lo[r0], k1 = e->hi[r1 - 1];
-        if (k1 > k0)
-            kern->gemm(r1 - r0, D, k1 - k0, dpt + (size_t)k0 * ld + r0, 1, ld, k + (int64_t)k0 * ldk, ldk,
-                       dq + (size_t)r0 * dp, dp, 1);
+        if (k1 > k0) dq_product(kern, L, t, ks, D, r0, r1, k0, k1, dq);
     }
 }
 
@@ -850,9 +971,7 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     if (j0 >= nk) return;
     const int cols = imin(L->bc, nk - j0), dp = L->dp, br = L->br;
     const int64_t tb = flashc_cpu_tensor_batch(p, b), group = p->H / p->Hkv;
-    int64_t ldk, ldv;
-    const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
-    const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
+    const key_side ks = load_key_side(p, kern, L, t->kbuf, t->vbuf, b, k0 + j0, cols, hk, 0);
     memset(t->dk, 0, sizeof(float) * (size_t)cols * dp);
     memset(t->dv, 0, sizeof(float) * (size_t)cols * dp);
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
@@ -861,7 +980,7 @@ static void dkdv_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
             if (!tile_meets(p, b, h, nq, nk, i0, rows, j0, cols)) continue;
             const query_side qs = block_query_side(p, kern, L, t, dvec, b, h, q0, i0, rows);
             tile_edge e;
-            tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols, &e);
+            tile_ds(p, kern, L, t, &qs, &ks, b, h, nq, nk, i0, rows, j0, cols, &e);
             const query_rows qr = load_query_rows(p, kern, L, t, tb, h, q0 + i0, rows, 0);
             accumulate_dkdv(kern, L, t, &e, &qr, (int)p->D, rows, cols, t->dk, t->dv);
         }
@@ -884,12 +1003,10 @@ static void dq_task(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     for (int64_t j0 = lo; j0 < hi; j0 += bc) {
         const int cols = imin(bc, hi - j0);
         if (!flashc_cpu_tile_visible(p, b, h, i0, rows, j0, cols)) continue;
-        int64_t ldk, ldv;
-        const float *k = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &ldk);
-        const float *v = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &ldv);
+        const key_side ks = load_key_side(p, kern, L, t->kbuf, t->vbuf, b, k0 + j0, cols, hk, 0);
         tile_edge e;
-        tile_ds(p, kern, L, t, &qs, k, ldk, v, ldv, b, h, nq, nk, i0, rows, j0, cols, &e);
-        accumulate_dq(kern, L, &e, t->dpt, k, ldk, D, rows, cols, t->dq); /* dQ += dS K */
+        tile_ds(p, kern, L, t, &qs, &ks, b, h, nq, nk, i0, rows, j0, cols, &e);
+        accumulate_dq(kern, L, t, &e, &ks, D, rows, cols, t->dq); /* dQ += dS K */
     }
     flashc_cpu_store_rows(&p->dq, tb, q0 + i0, rows, h, D, t->dq, dp, p->scale);
 }
@@ -915,26 +1032,22 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
     float *dq_seq = seq, *qt = dq_seq + (size_t)npad * dp, *dot = qt + (size_t)ldq * dp;
     float *lse2 = dot + (size_t)ldq * dp, *di = lse2 + npad;
     const int padded = (int)((nq + br - 1) / br * br);
-    const query_side whole = load_query_side(p, kern, qt, dot, lse2, di, ldq, dvec, b, h, q0, 0, (int)nq, padded);
+    const query_side whole = load_query_side(p, kern, L, qt, dot, lse2, di, ldq, dvec, b, h, q0, 0, (int)nq, padded);
     memset(dq_seq, 0, sizeof(float) * (size_t)nq * dp);
     const size_t tile = (size_t)bc * dp; /* one key block's K, V, dK or dV slot */
     for (int64_t jg = 0; jg < nk; jg += (int64_t)L->gk * bc) {
         const int n = imin(L->gk, (nk - jg + bc - 1) / bc); /* key blocks in this group */
-        const float *k[FLASHC_CPU_MAX_GK], *v[FLASHC_CPU_MAX_GK];
-        int64_t ldk[FLASHC_CPU_MAX_GK], ldv[FLASHC_CPU_MAX_GK];
+        key_side ks[FLASHC_CPU_MAX_GK];
         for (int g = 0; g < n; g++) {
             const int64_t j0 = jg + (int64_t)g * bc;
             const int cols = imin(bc, nk - j0);
-            k[g] = flashc_cpu_kv_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf + g * tile, dp, &ldk[g]);
-            v[g] = flashc_cpu_kv_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf + g * tile, dp, &ldv[g]);
-            k[g] = pack_rows(k[g], &ldk[g], cols, D, t->kbuf + g * tile, dp);
-            v[g] = pack_rows(v[g], &ldv[g], cols, D, t->vbuf + g * tile, dp);
+            ks[g] = load_key_side(p, kern, L, t->kbuf + g * tile, t->vbuf + g * tile, b, k0 + j0, cols, hk, 1);
         }
         memset(t->dk, 0, sizeof(float) * n * tile);
         memset(t->dv, 0, sizeof(float) * n * tile);
         for (int64_t i0 = 0; i0 < nq; i0 += br) {
             const int rows = imin(br, nq - i0);
-            const query_side qs = {whole.qt + i0, whole.dot + i0, whole.lse2 + i0, whole.di + i0, whole.ld};
+            const query_side qs = query_side_at(&whole, i0);
             query_rows qr;
             int loaded = 0;
             for (int g = 0; g < n; g++) {
@@ -946,10 +1059,10 @@ static void head_task(const flashc_problem *p, const flashc_cpu_kernels *kern, c
                     loaded = 1;
                 }
                 tile_edge e;
-                tile_ds(p, kern, L, t, &qs, k[g], ldk[g], v[g], ldv[g], b, h, nq, nk, i0, rows, j0, cols, &e);
+                tile_ds(p, kern, L, t, &qs, &ks[g], b, h, nq, nk, i0, rows, j0, cols, &e);
                 accumulate_dkdv(kern, L, t, &e, &qr, D, rows, cols, t->dk + g * tile, t->dv + g * tile);
                 /* dQ += dS K */
-                accumulate_dq(kern, L, &e, t->dpt, k[g], ldk[g], D, rows, cols, dq_seq + (size_t)i0 * dp);
+                accumulate_dq(kern, L, t, &e, &ks[g], D, rows, cols, dq_seq + (size_t)i0 * dp);
             }
         }
         for (int g = 0; g < n; g++) {
@@ -1089,6 +1202,7 @@ static int64_t imax64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern, int nthreads, void *workspace) {
     backward_job J = {.p = p, .kern = kern, .L = make_layout(p, 1, nthreads), .single = single_pass(p, nthreads)};
+    J.L.bf16 = J.L.pairs && kern->bf16 != NULL;
     J.dvec = flashc_cpu_align64(workspace);
     J.base = J.dvec + di_floats(p);
     J.extra = J.base + (size_t)nthreads * J.L.per_thread; /* single pass: per-thread dQ, then per-head dK, dV */

@@ -121,10 +121,13 @@ typedef void (*flashc_cpu_pairs_f32_fn)(int rows, int lead, int n, const float *
                                         int64_t ldd);
 typedef void (*flashc_cpu_pairs_bf16_fn)(int rows, int n, const uint16_t *src, int64_t lds, uint16_t *dst,
                                          int64_t ldd);
+/* dst[i] = bf16(src[i]) for n values, rounded to nearest even (the backward's P and dS, kept key-major). */
+typedef void (*flashc_cpu_to_bf16_fn)(int n, const float *src, uint16_t *dst);
 typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_gemm_bf16_fn gemm;
     flashc_cpu_pairs_f32_fn pairs_f32;
     flashc_cpu_pairs_bf16_fn pairs_bf16;
+    flashc_cpu_to_bf16_fn to_bf16;
 } flashc_cpu_bf16_kernels;
 
 typedef struct flashc_cpu_kernels {
@@ -141,8 +144,8 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_dropout_fn dropout;
     flashc_cpu_dots_kv_fn dots_kv; /* decode.c */
     flashc_cpu_pv_fn pv;           /* decode.c */
-    /* bf16 forward products on dot-product instructions (register tile mr x nr as gemm's); NULL: bf16 inputs are
-     * widened to fp32 and go through gemm */
+    /* bf16 products on dot-product instructions (register tile mr x nr as gemm's); NULL: bf16 inputs are widened
+     * to fp32 and go through gemm */
     const flashc_cpu_bf16_kernels *bf16;
 } flashc_cpu_kernels;
 
@@ -241,12 +244,15 @@ void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, c
                        int64_t row0, int rows, int pad_rows, int64_t h, int64_t D, float scale);
 /*
  * The bf16 operands of the dot-product kernels (a bf16 view: its elements are copied as they are, never rounded).
+ * rows_bf16: rows [row0, row0 + rows) of head h (any view), in place with unit stride along D, else copied into buf.
  * kv_rows_bf16: K-like rows [row0, row0 + rows) of sequence b, head h as flashc_cpu_kv_rows counts them, as bf16 rows
  * whose pairs (d, d + 1) are adjacent: in place where the view has unit stride along D, D is even and (paged) the rows
  * lie on one page, else copied into buf (leading dim buf_ld >= D + 1), an odd D padded with a zero.
  * load_pairs_t: the query rows as pair rows, dst[(d / 2) * 2 ld + 2 r + d % 2] = t(row0 + r, d) for r < rows and d < D,
  * zero for rows <= r < pad_rows and for d = D when D is odd (the B operand of S^T = K Q^T).
  */
+const uint16_t *flashc_cpu_rows_bf16(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
+                                     uint16_t *buf, int64_t buf_ld, int64_t *ld);
 const uint16_t *flashc_cpu_kv_rows_bf16(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0,
                                         int rows, int64_t h, uint16_t *buf, int64_t buf_ld, int64_t *ld);
 void flashc_cpu_load_pairs_t(uint16_t *dst, int64_t ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,

@@ -139,9 +139,17 @@ static void pairs_bf16_avx512(int rows, int n, const uint16_t *src, int64_t lds,
     }
 }
 
+static void to_bf16_avx512(int n, const float *src, uint16_t *dst) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < n; i++) dst[i] = flashc_f32_to_bf16(src[i]);
+}
+
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .gemm = gemm_bf16_avx512,
     .pairs_f32 = pairs_f32_avx512,
     .pairs_bf16 = pairs_bf16_avx512,
+    .to_bf16 = to_bf16_avx512,
 };
 #endif

@@ -221,6 +221,22 @@ static int64_t kv_row_offset(const flashc_problem *p, const flashc_tensor *t, in
     return p->block_table ? flashc_kv_offset(p, t, b, tb, row, h) : flashc_cpu_offset(t, tb, row, h);
 }
 
+const uint16_t *flashc_cpu_rows_bf16(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
+                                     uint16_t *buf, int64_t buf_ld, int64_t *ld) {
+    const uint16_t *data = (const uint16_t *)t->data;
+    const int64_t sd = t->stride[3];
+    if (sd == 1) {
+        *ld = t->stride[1];
+        return data + flashc_cpu_offset(t, b, row0, h);
+    }
+    for (int r = 0; r < rows; r++) {
+        const int64_t off = flashc_cpu_offset(t, b, row0 + r, h);
+        for (int64_t d = 0; d < D; d++) buf[(size_t)r * buf_ld + d] = data[off + d * sd];
+    }
+    *ld = buf_ld;
+    return buf;
+}
+
 const uint16_t *flashc_cpu_kv_rows_bf16(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0,
                                         int rows, int64_t h, uint16_t *buf, int64_t buf_ld, int64_t *ld) {
     const int64_t D = p->D, sd = t->stride[3];
