@@ -358,6 +358,31 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     return c;
 }
 
+/*
+ * fc90b_probs' element step on a tile that neither the band, the end of the keys nor the block mask cuts, under a
+ * score modifier: fc_bwd_elem on every element with the softcap fixed at compile time (CAP, fc_score_view) and
+ * ALiBi's distance i + diag - key stepped in float from dist0 (the thread's first element's), so that no element
+ * issues a tanh, a band test or an int-to-float conversion it does not use (tested per element they were
+ * predicated, not skipped).
+ */
+template <int CAP, bool ALIBI, int N>
+static __device__ __forceinline__ void fc90b_elems_open(const flashc_bwd_args &a, float (&s)[N], float (&dp)[N],
+                                                        const float *lse2, const float *dvec, float slope2,
+                                                        float dist0, int tig) {
+    const fc_score_view<CAP> sv(a);
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float l = lse2[8 * j + 2 * tig + e], dd = dvec[8 * j + 2 * tig + e];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const float al = ALIBI ? fc_alibi(slope2, dist0 + (float)(8 * j + e - 8 * hf)) : 0.f;
+                fc_bwd_elem<fc_fast_math>(sv, s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, al, true);
+            }
+        }
+}
+
 /* A step (head h of the group, query tile mt, first row m0, in ring slot `slot`, qoff its offset in
  * descriptor units), the part every consumer shares: S^T and dP^T issued, then P^T into s and dS^T into dp
  * (times the keep bits' 1 / (1 - p) under dropout). Tiles that the band, the end of the keys or the block mask
@@ -432,6 +457,9 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
         fc90_pin(dp);
         if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
         const float slope2 = fc_alibi_slope2(a, b, h);
+        if (!DROP && !cut && !part && a.softcap2 == 0.f) /* ALiBi alone on a tile no mask cuts */
+            fc90b_elems_open<0, true>(a, s, dp, lse2, dvec, slope2, (float)(m0 + q0 + 2 * tig + diag - key0), tig);
+        else
 #pragma unroll
         for (int j = 0; j < SN / 8; ++j)
 #pragma unroll
