@@ -276,8 +276,8 @@ static void test_direct(const flashc_cpu_kernels *kern) {
 }
 
 /*
- * The backward's fp32 gradients before the store (dq, dk, dv switched to fp32 views, out to the forward's fp32 O so that
- * D_i = rowsum(dO o O) is not the rounded output's), on the bf16 products, against the fp64 oracle. P and dS are
+ * The backward's fp32 gradients before the store (dq, dk, dv switched to fp32 views, out to the forward's fp32 O so
+ * that D_i = rowsum(dO o O) is not the rounded output's), on the bf16 products, against the fp64 oracle. P and dS are
  * rounded to bf16 (relative error <= 2^-8 each) and D_i comes from an O whose P was rounded (error <= 2^-8 A_i,
  * A_i = sum_j P_ij a_ij, a_ij = sum_d |dO_id V_jd|), the rest is fp32, so to first order, per element,
  *   |dV - ref| <= 2^-8 sum_i P_ij |dO_i|,   |dK - ref| <= 2^-8 scale sum_i m_ij |Q_i|,
@@ -335,7 +335,10 @@ static double grad_excess(const float *ours, const double *ref, const double *ma
 }
 
 static void test_direct_backward(const flashc_cpu_kernels *kern) {
-    static const struct { int64_t n, D; int causal, threads; } shapes[] = {{300, 64, 0, 1}, {257, 128, 1, 2}, {161, 59, 1, 1}};
+    static const struct {
+        int64_t n, D;
+        int causal, threads;
+    } shapes[] = {{300, 64, 0, 1}, {257, 128, 1, 2}, {161, 59, 1, 1}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t n = shapes[si].n, D = shapes[si].D;
         const int causal = shapes[si].causal, threads = shapes[si].threads;
@@ -354,7 +357,6 @@ static void test_direct_backward(const flashc_cpu_kernels *kern) {
         }
         flashc_tensor t[5], tg[3];
         for (int i = 0; i < 5; i++) t[i] = flashc_tensor_contiguous(x[i], BF16, 1, n, 1, D);
-        for (int i = 0; i < 3; i++) tg[i] = flashc_tensor_contiguous(x[4], BF16, 1, n, 1, D);
         flashc_params prm = flashc_params_default();
         prm.causal = causal;
         flashc_problem pf, pb;
@@ -364,9 +366,12 @@ static void test_direct_backward(const flashc_cpu_kernels *kern) {
         void *ws = ok ? malloc(flashc_cpu_forward_workspace(&pf, threads)) : NULL;
         if (ok) flashc_cpu_forward(&pf, kern, threads, ws);
         free(ws);
-        /* the gradient views share one bf16 buffer for the front's checks (they are switched to fp32 below) */
+        /* bf16 gradient views for the front's checks, switched to fp32 ones below */
         uint16_t *gbuf[3];
-        for (int i = 0; i < 3; i++) gbuf[i] = malloc(2 * ne), tg[i] = flashc_tensor_contiguous(gbuf[i], BF16, 1, n, 1, D);
+        for (int i = 0; i < 3; i++) {
+            gbuf[i] = malloc(2 * ne);
+            tg[i] = flashc_tensor_contiguous(gbuf[i], BF16, 1, n, 1, D);
+        }
         ok = ok && flashc_problem_build(NULL, FLASHC_OP_BACKWARD, &t[0], &t[1], &t[2], &prm, &t[4], lse, &t[3], &tg[0],
                                         &tg[1], &tg[2], &pb) == FLASHC_STATUS_OK &&
              flashc_ref_backward(&pb, FLASHC_DTYPE_F32, ref[0], ref[1], ref[2]) == 0;
@@ -374,7 +379,7 @@ static void test_direct_backward(const flashc_cpu_kernels *kern) {
             CHECK(0, "direct backward n %lld D %lld: could not set up (%s)", (long long)n, (long long)D,
                   flashc_context_last_error(NULL));
         } else {
-            pb.out = pf.out;
+            pb.out = pf.out; /* the forward's fp32 O: D_i then carries only the forward's P rounding */
             pb.dq = flashc_tensor_contiguous(g32[0], FLASHC_DTYPE_F32, 1, n, 1, D);
             pb.dk = flashc_tensor_contiguous(g32[1], FLASHC_DTYPE_F32, 1, n, 1, D);
             pb.dv = flashc_tensor_contiguous(g32[2], FLASHC_DTYPE_F32, 1, n, 1, D);

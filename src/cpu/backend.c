@@ -81,7 +81,7 @@ static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name)
     if (!strcmp(name, "avx2") && (x86 & avx2) == avx2) return &flashc_cpu_kernels_avx2;
     if (!strcmp(name, "avx512") && (x86 & avx512) == avx512) return &flashc_cpu_kernels_avx512;
 #  if defined(FLASHC_CPU_AVX512BF16)
-    const unsigned bf16 = avx512 | CPU_AVX512BF16;
+    const unsigned bf16 = avx512 | CPU_AVX512BW | CPU_AVX512BF16;
     if (!strcmp(name, "avx512bf16") && (x86 & bf16) == bf16) {
         pthread_once(&avx512bf16_once, avx512bf16_init);
         return &kernels_avx512bf16;

@@ -5,7 +5,8 @@
  * with vdpbf16ps in place of the FMA: each instruction takes a pair of the reduction index, 32 bf16 products into 16
  * f32 lanes, so a k step of the loop covers two of the fp32 kernel's. A's pair is one 32-bit broadcast; B is in pair
  * rows (cpu.h, flashc_cpu_gemm_bf16_fn). pairs: two rows of a tile interleaved into one pair row, fp32 rounded to
- * bf16 by vcvtneps2bf16 (to nearest even, as flash-attn rounds P on the GPU).
+ * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P on the GPU) and zipped by vpermw (AVX512BW, which
+ * every CPU with AVX512-BF16 has; backend.c checks both).
  */
 #include "cpu.h"
 
@@ -108,18 +109,24 @@ AI const float *row_f32(const float *src, int64_t lds, int rows, int r) {
     return r >= 0 && r < rows ? src + (int64_t)r * lds : NULL;
 }
 
-AI __m256i round_bf16(const float *x, __mmask16 m) {
-    return x ? (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x)) : _mm256_setzero_si256();
-}
+AI __m512 load_or_zero(const float *x, __mmask16 m) { return x ? _mm512_maskz_loadu_ps(m, x) : _mm512_setzero_ps(); }
 
+/*
+ * vcvtne2ps2bf16 rounds both rows into one register (x0 in the low 16 words, x1 in the high), and vpermw puts each
+ * x1 word beside its x0 word: two instructions per 16 pairs, where widening each half to 32 bits and merging took six
+ * (P's pair rows are a pass over every score tile).
+ */
 static void pairs_f32_avx512(int rows, int lead, int n, const float *src, int64_t lds, uint16_t *dst, int64_t ldd) {
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int p = 0; 2 * p < rows + lead; p++) {
         const float *x0 = row_f32(src, lds, rows, 2 * p - lead), *x1 = row_f32(src, lds, rows, 2 * p + 1 - lead);
         uint16_t *d = dst + (int64_t)p * ldd;
         for (int j = 0; j < n; j += 16) {
             const __mmask16 m = first(n - j);
-            const __m512i v = interleave(round_bf16(x0 ? x0 + j : NULL, m), round_bf16(x1 ? x1 + j : NULL, m));
-            _mm512_mask_storeu_epi32(d + 2 * j, m, v);
+            const __m512bh both = _mm512_cvtne2ps_pbh(load_or_zero(x1 ? x1 + j : NULL, m),
+                                                      load_or_zero(x0 ? x0 + j : NULL, m));
+            _mm512_mask_storeu_epi32(d + 2 * j, m, _mm512_permutexvar_epi16(zip, (__m512i)both));
         }
     }
 }

@@ -260,6 +260,15 @@ void flashc_cpu_load_pairs_t(uint16_t *dst, int64_t ld, const flashc_tensor *t, 
                              int pad_rows, int64_t h, int64_t D) {
     const uint16_t *data = (const uint16_t *)t->data;
     const int64_t sd = t->stride[3], pairs = (D + 1) / 2;
+    if (sd == 1 && D % 2 == 0) { /* each pair is a 32-bit word of its row: a transpose of words */
+        const uint32_t zero = 0;
+        for (int r = 0; r < pad_rows; r++) {
+            const uint16_t *row = r < rows ? data + flashc_cpu_offset(t, b, row0 + r, h) : NULL;
+            for (int64_t q = 0; q < pairs; q++)
+                memcpy(dst + 2 * (q * ld + r), row ? (const void *)(row + 2 * q) : (const void *)&zero, 4);
+        }
+        return;
+    }
     for (int r = 0; r < pad_rows; r++) {
         const int64_t off = r < rows ? flashc_cpu_offset(t, b, row0 + r, h) : 0;
         for (int64_t d = 0; d < 2 * pairs; d++)
