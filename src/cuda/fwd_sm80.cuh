@@ -477,7 +477,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
         /* Without softcap, ALiBi or a cutting block mask the raw scores stay: the scale folds into the exponent's
          * FFMA (max(c s) = c max(s), c > 0), and the band only needs each row's kept column range. */
         const bool raw = score_plain && !part;
-        const float smul = raw ? a.score_mul : 1.f;
+        float smul = raw ? a.score_mul : 1.f; /* or fc_score_row's factor */
         if (raw && need_mask) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -494,7 +494,7 @@ __global__ void __launch_bounds__((DEC ? fc_tile_dec(D) : fc_tile_for(D, FC_SM90
                 for (int hf = 0; hf < 2; ++hf) {
                     /* Row i keeps keys of the band; the block mask, when it cuts the tile, per key. */
                     const int i = m0 + wr0 + mt * 16 + g + hf * 8;
-                    fc_score_row(a, s[mt], hf, i, n0, tig, diag, nq, nk, slope2, need_mask, part, bmrow);
+                    smul = fc_score_row(a, s[mt], hf, i, n0, tig, diag, nq, nk, slope2, need_mask, part, bmrow);
                 }
         }
 

@@ -225,25 +225,27 @@ static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_s
  * thread's first row). Plain scores (generic false) stay raw, the scale folded into the softmax's exponent, and
  * only the elements outside the band or past the end of the keys go to -inf, when either cuts the tile. With a
  * score modifier (softcap, ALiBi: generic) every element takes score.cuh's fc_score_row, and the softmax takes
- * the scores with smul 1. BMASK: where the block mask cuts the tile (part; bmbase: fc_bm_base of the tile's
+ * the scores with the factor it returns. Returns the softmax's factor for the tile: smul (the raw path's scale),
+ * or fc_score_row's. BMASK: where the block mask cuts the tile (part; bmbase: fc_bm_base of the tile's
  * sequence and head) the blocks it drops go to -inf too (fc_bm_mask_row, or fc_score_row's element test).
  */
 template <int BC, bool BMASK>
-static __device__ __forceinline__ void fc90_scores(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
-                                                   int n0, int nq, int nk, int diag, int tig, bool generic,
-                                                   float slope2, bool part, const uint8_t *bmbase) {
+static __device__ __forceinline__ float fc90_scores(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
+                                                    int n0, int nq, int nk, int diag, int tig, bool generic,
+                                                    float slope2, bool part, const uint8_t *bmbase, float smul) {
     const bool cut = fc_band_cuts(a, w0, w0 + 63, n0, n0 + BC - 1, diag, nk);
     part = BMASK && part;
     if (generic) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-            fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut || part, part, bmbase);
+            smul = fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut || part, part, bmbase);
     } else {
         if (cut) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
         if (part)
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) fc_bm_mask_row(a, s, hf, bmbase, i0 + 8 * hf, n0, nq, nk, tig);
     }
+    return smul;
 }
 
 /* The ping-pong's turn (FA3 section 3.1), a round robin over the NC consumers: consumer cw waits for its turn
@@ -445,8 +447,9 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(s);
     sm.kr.release(kv_it);
     if (PERSIST && ntiles == 1) sm.qr.release(nt);
-    fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2, part_of(ktile), bmbase);
-    fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
+    fc90_online_p<BC>(s, row_m, row_l, alpha,
+                      fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2,
+                                             part_of(ktile), bmbase, smul));
     if (DROP) fc_drop_apply(s, keep, 1.f);
     fc90_pack_p<BC, BF>(pa, s);
     if (DROP && ntiles > 1) fc_drop_bits_rows<BC / 8>(drop, wrow0, (tb + 1) * BC, threadIdx.x % 32, keep);
@@ -471,9 +474,9 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(s);
         sm.kr.release(kt);
         if (PERSIST && it == ntiles - 1) sm.qr.release(nt);
-        fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2, part_of(ktile),
-                               bmbase);
-        fc90_online_p<BC>(s, row_m, row_l, alpha, smul);
+        fc90_online_p<BC>(s, row_m, row_l, alpha,
+                          fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2,
+                                                 part_of(ktile), bmbase, smul));
         if (DROP) fc_drop_apply(s, keep, 1.f);
         fc90_block_end(s, row_l[0]);
         fc90_wgmma_wait<0>();

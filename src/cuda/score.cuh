@@ -99,13 +99,14 @@ static __device__ __forceinline__ void fc_bm_mask_row(const Args &a, Frag &x, in
 }
 
 /* The score fields fc_score reads, with the softcap known at compile time where CAP says so (0: off, 1: on,
- * 2: as a has it): fc_score's test then folds, and no tanh is issued, predicated off, where it is not used. */
+ * 2: as a has it, 3: on with its factor left to the caller, fc_score then giving tanh(s score_mul)): fc_score's
+ * test then folds, and no tanh is issued, predicated off, where it is not used. */
 template <int CAP>
 struct fc_score_view {
     float score_mul, softcap2;
     template <typename Args>
     __device__ __forceinline__ explicit fc_score_view(const Args &a)
-        : score_mul(a.score_mul), softcap2(CAP == 0 ? 0.f : a.softcap2) {}
+        : score_mul(a.score_mul), softcap2(CAP == 0 ? 0.f : CAP == 3 ? 1.f : a.softcap2) {}
 };
 
 /*
@@ -146,24 +147,31 @@ static __device__ __forceinline__ void fc_score_row_as(const Args &a, Frag &x, i
  * The forward's element step on row hf of fragment x (keys n0 + 8 j + 2 tig + e) of query row i, for the kernels'
  * generic path (a score modifier, or a block mask that cuts the tile): the base-2 score (fc_score), minus ALiBi
  * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the
- * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. The softmax then
- * takes the scores with smul 1.
+ * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. Returns the factor
+ * the softmax takes the scores with (its smul): 1, or softcap2 where the softcap alone is left to it.
  * A tile that no mask cuts (most of a row's tiles) branches once on the modifiers: tested per element, they were
  * predicated, and every element issued the tanh, the bias and the band test whether it used them or not (twice
  * the plain kernel's instructions under ALiBi alone, lab/LOG.md).
  */
 template <typename Args, typename Frag>
-static __device__ __forceinline__ void fc_score_row(const Args &a, Frag &x, int hf, int i, int n0, int tig, int diag,
-                                                    int nq, int nk, float slope2, bool mask, bool part,
-                                                    const uint8_t *bmbase) {
-    if (mask)
+static __device__ __forceinline__ float fc_score_row(const Args &a, Frag &x, int hf, int i, int n0, int tig, int diag,
+                                                     int nq, int nk, float slope2, bool mask, bool part,
+                                                     const uint8_t *bmbase) {
+    if (mask) {
         fc_score_row_as<true, 2, 2>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
-    else if (a.softcap2 != 0.f)
-        fc_score_row_as<false, 1, 2>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
-    else if (a.alibi)
+    } else if (a.softcap2 != 0.f && !a.alibi) {
+        /* softcap alone: x = tanh(s score_mul), its factor softcap2 (> 0: the front refuses a negative softcap)
+         * folded into the softmax's exponent like the raw path's scale (max(c x) = c max(x) for c > 0) */
+        fc_score_row_as<false, 3, 0>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+        return a.softcap2;
+    } else if (a.softcap2 != 0.f) {
+        fc_score_row_as<false, 1, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+    } else if (a.alibi) {
         fc_score_row_as<false, 0, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
-    else
+    } else {
         fc_score_row_as<false, 0, 0>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+    }
+    return 1.f;
 }
 
 /* ---- the forward's online softmax -------------------------------------------------------------------------- */
