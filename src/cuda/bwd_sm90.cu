@@ -459,6 +459,8 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
         const float slope2 = fc_alibi_slope2(a, b, h);
         if (!DROP && !cut && !part && a.softcap2 == 0.f) /* ALiBi alone on a tile no mask cuts */
             fc90b_elems_open<0, true>(a, s, dp, lse2, dvec, slope2, (float)(m0 + q0 + 2 * tig + diag - key0), tig);
+        else if (!DROP && !cut && !part && !a.alibi) /* softcap alone */
+            fc90b_elems_open<1, false>(a, s, dp, lse2, dvec, slope2, 0.f, tig);
         else
 #pragma unroll
         for (int j = 0; j < SN / 8; ++j)
