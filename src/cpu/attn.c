@@ -27,6 +27,12 @@
  * Tiles that a causal or window mask cuts run their products in strips over the pairs the mask leaves (tile_edge),
  * in the forward and the backward.
  *
+ * bf16 inputs on a kernel set with bf16 products (layout.bf16: AVX512-BF16's vdpbf16ps) run every product on bf16
+ * operands with fp32 sums, as flash-attn does on tensor cores: K and V as bf16 rows or pair rows (two rows side by
+ * side, the operand form of a reduction over them), Q and dO as pair rows, and P (forward and backward) and dS rounded
+ * to bf16 after the fp32 softmax and dS steps, which stay as above; score_operands, pv_operands, kv_block and key_side
+ * carry either form to the same loops.
+ *
  * Dropout (src/dropout.h): each (sequence, head) is a Philox stream and the keep bit of (i, j) depends on nothing
  * else, so tiles, split-KV pieces, the backward's modes and thread counts all drop the same elements. The forward
  * zeroes dropped entries of the tile's P after the online-softmax step (l keeps the undropped sum, so the lse is the

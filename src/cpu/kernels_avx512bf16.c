@@ -1,12 +1,13 @@
 /*
- * AVX512-BF16 microkernels for the bf16 forward (built with -mavx512bf16 on top of the AVX-512 flags, chosen at run
- * time only on a CPU with AVX512-BF16; backend.c adds them to the AVX-512 table as the "avx512bf16" set).
+ * AVX512-BF16 microkernels for bf16 attention, forward and backward (built with -mavx512bf16 -mavx512bw on top of the
+ * AVX-512 flags, chosen at run time only on a CPU with both; backend.c adds them to the AVX-512 table as the
+ * "avx512bf16" set).
  * gemm: the AVX-512 kernel's 12x32 register tile (24 zmm accumulators, 2 for the B pair row, 1 for the A broadcast)
  * with vdpbf16ps in place of the FMA: each instruction takes a pair of the reduction index, 32 bf16 products into 16
  * f32 lanes, so a k step of the loop covers two of the fp32 kernel's. A's pair is one 32-bit broadcast; B is in pair
  * rows (cpu.h, flashc_cpu_gemm_bf16_fn). pairs: two rows of a tile interleaved into one pair row, fp32 rounded to
- * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P on the GPU) and zipped by vpermw (AVX512BW, which
- * every CPU with AVX512-BF16 has; backend.c checks both).
+ * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P and dS on the GPU) and zipped by vpermw (AVX512BW,
+ * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout.
  */
 #include "cpu.h"
 
