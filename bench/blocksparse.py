@@ -6,8 +6,10 @@
 
 Shape B 2, H 16, N 8192, bf16, 128 x 128 blocks: random blocks plus the diagonal (so every row sees a key), one mask
 for all heads, at several densities. flashc.attention with block_mask; the forward alone, and forward + backward
-(through flashc.attention_backward). Reported: each time over dense flashc's (density 1, no mask), the ideal
-(the density), and FlexAttention's time over the same dense flashc time. CUDA events, medians, in turns.
+(through flashc.attention_backward). Reported: each time over dense flashc's (density 1, no mask, timed again in
+the same turns as each density), the ideal (the density), and FlexAttention's time over the same dense flashc time.
+CUDA events, medians, in turns; the GPU sleeps before each timed call, so that the host queues it meanwhile and the
+time is the GPU's (--host-time: the host's time per call on the clock too).
 """
 import argparse
 import os
@@ -31,6 +33,7 @@ def main(argv=None):
     ap.add_argument("--densities", default="1,0.5,0.25,0.12")
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--host-time", action="store_true", help="the host's time per call on the clock too")
     args = ap.parse_args(argv)
     B, N, H, D, blk = args.B, args.N, args.H, args.D, args.block
     print(f"# {torch.cuda.get_device_name()}, flashc {flashc.library_version()}; B {B} N {N} H {H} D {D} bf16, "
@@ -50,7 +53,8 @@ def main(argv=None):
             flashc.attention_backward(do, q, k, v, o, lse, **kw)
         return run
 
-    dense = interleaved_medians({"f": fwd(None), "fb": fb(None)}, args.runs)
+    ahead = 0 if args.host_time else 4_000_000  # GPU cycles (~2 ms), longer than the host takes to queue a call
+    dense = interleaved_medians({"f": fwd(None), "fb": fb(None)}, args.runs, ahead=ahead)
     rows = []
     for dens in (float(x) for x in args.densities.split(",")):
         gen = torch.Generator().manual_seed(1)
@@ -58,7 +62,7 @@ def main(argv=None):
         m |= torch.eye(nb, dtype=torch.bool)
         kept = m.float().mean().item()
         mask = m.to(torch.uint8).cuda()
-        fns = {"f": fwd(mask), "fb": fb(mask)}
+        fns = {"f": fwd(mask), "fb": fb(mask), "df": fwd(None), "dfb": fb(None)}  # dense again, in the same turns
         if not args.no_flex:
             try:
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -72,8 +76,8 @@ def main(argv=None):
                 fns["flex"] = lambda: fa(qt, kt, vt, block_mask=bm)
             except Exception as e:  # a torch without FlexAttention, or a compile failure: flashc alone
                 print(f"# FlexAttention skipped: {type(e).__name__}: {str(e)[:120]}")
-        t = interleaved_medians(fns, args.runs)
-        rows.append((kept, t["f"] / dense["f"], t["fb"] / dense["fb"], t.get("flex", float("nan")) / dense["f"]))
+        t = interleaved_medians(fns, args.runs, ahead=ahead)
+        rows.append((kept, t["f"] / t["df"], t["fb"] / t["dfb"], t.get("flex", float("nan")) / t["df"]))
         print(f"# density {kept:.2f}: done", flush=True)
     print(f"\ndense flashc: forward {dense['f']:.3f} ms, forward + backward {dense['fb']:.3f} ms")
     print("| density (blocks kept) | fwd time / dense fwd | fwd+bwd time / dense fwd+bwd | ideal | FlexAttention fwd / dense flashc fwd |")

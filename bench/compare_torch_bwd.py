@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import flashc  # noqa: E402
 
 
-def interleaved_medians(fns, runs, warmup=3):
+def interleaved_medians(fns, runs, warmup=3, ahead=0):
     """Median ms of each callable in fns (name -> fn), timed in turns (one call of each per round) so that a
-    slow stretch of the GPU (clocks, a neighbour) falls on all of them alike rather than on one."""
+    slow stretch of the GPU (clocks, a neighbour) falls on all of them alike rather than on one. ahead > 0: the GPU
+    sleeps that many cycles before each start event, so that the host queues the call meanwhile and the time is the
+    GPU's alone (as in a training step, where the host runs ahead); 0: the host's time per call is on the clock."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -35,6 +37,8 @@ def interleaved_medians(fns, runs, warmup=3):
     for _ in range(runs):
         for name, fn in fns.items():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if ahead:
+                torch.cuda._sleep(ahead)
             a.record()
             fn()
             b.record()

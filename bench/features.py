@@ -11,8 +11,10 @@ flash_attn_varlen_func, as padding-free training calls it; no FlexAttention peer
 seqused_k (every key used, then half; no FlexAttention peer for these). TFLOP/s count only the visible
 work: 4 B H D times the number of (query, key) pairs a row keeps, forward; 2.5 times that, backward. Forward:
 flash_attn_func alone; backward: (forward + backward through autograd) - forward, both medians of --runs, taken in
-turns with the peer (CUDA events). A feature on the fast path shows as TFLOP/s close to plain's (causal's for
-banded masks, whose tiles at the band's edge are cut).
+turns with the peer (CUDA events). The GPU sleeps before each timed call, so that the host queues the call
+meanwhile and the time is the GPU's (as in training, where the host runs ahead; --host-time: the host's time per
+call on the clock too, which moved short rows by 5-20% between runs). A feature on the fast path shows as TFLOP/s
+close to plain's (causal's for banded masks, whose tiles at the band's edge are cut).
 """
 import argparse
 import math
@@ -25,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import flashc  # noqa: E402
 from compare_torch_bwd import interleaved_medians  # noqa: E402
+
+
+AHEAD = 4_000_000  # GPU cycles slept before each timed call (~2 ms): longer than the host takes to queue one
 
 
 def visible_pairs(nq, nk, left, right):
@@ -104,12 +109,14 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--no-flex", action="store_true", help="flashc alone (FlexAttention's compiles take minutes)")
     ap.add_argument("--only", default="", help="case names to run, separated by semicolons")
+    ap.add_argument("--host-time", action="store_true", help="the host's time per call on the clock too")
     args = ap.parse_args(argv)
     B, N, H, D = args.B, args.N, args.H, args.D
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     dev = torch.cuda.get_device_properties(0)
     print(f"# {dev.name}, torch {torch.__version__}, flashc {flashc.library_version()} ({flashc.library_path})")
-    print(f"# B {B}, N {N}, H {H}, D {D}, {args.dtype}; TFLOP/s of the visible work; bwd = (fwd+bwd) - fwd")
+    print(f"# B {B}, N {N}, H {H}, D {D}, {args.dtype}; TFLOP/s of the visible work; bwd = (fwd+bwd) - fwd; "
+          + ("host time on the clock" if args.host_time else "GPU time (the host queues each call during a GPU sleep)"))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=dt, generator=g).requires_grad_(True) for _ in range(3))
     dout = torch.randn(B, N, H, D, device="cuda", dtype=dt, generator=g)
@@ -165,7 +172,7 @@ def main(argv=None):
                     torch.autograd.grad(o, (qt, kt, vt), dt_out)
 
                 fns.update(fx_fwd=fx_fwd, fx_fb=fx_fb)
-        t = interleaved_medians(fns, args.runs, warmup=3)
+        t = interleaved_medians(fns, args.runs, warmup=3, ahead=0 if args.host_time else AHEAD)
         r = dict(name=name, fwd=flops / t["fc_fwd"] / 1e9, bwd=2.5 * flops / max(t["fc_fb"] - t["fc_fwd"], 1e-6) / 1e9)
         if "fx_fwd" in t:
             r["ffwd"] = flops / t["fx_fwd"] / 1e9

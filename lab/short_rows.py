@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""What a query tile costs beside its key-tile steps, on the Hopper forward and backward: times of sliding windows of
+several widths and of block masks of several densities against their exact counts of query tiles and key-tile steps,
+fitted as  time = c + a * query_tiles + b * key_steps  (least squares), so that a / b is the fixed cost of a query
+tile in key-tile steps.
+
+    FLASHC_LIBRARY=build-gpu/libflashc.so python3 lab/short_rows.py [--B 4 --N 4096 --H 16 --D 128] [--runs 15]
+
+The counts follow the forward's tiles (128 x 128 at d 128; --br / --bc otherwise): a window (left, 0) visits, for
+query tile m, the key tiles from (128 m - left) / 128 to m; a block mask of 128 x 128 blocks visits its kept blocks.
+Each call is timed alone (CUDA events) after a GPU sleep that lets the host queue it, so host time is not counted;
+all cases of a family are timed in turns. Printed: per case the time and the counts; per family the fit, the
+fixed cost per query tile (us, and in key-tile steps) and each case's residual.
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import flashc  # noqa: E402
+
+
+def timed(fns, runs, sleep_cycles):
+    """Median ms of each callable, in turns; a GPU sleep before each start event keeps the host's work off the
+    clock (the call is queued while the sleep runs)."""
+    for fn in fns.values():
+        fn()
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(sleep_cycles)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[k].append(a.elapsed_time(b))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fit(rows):
+    """Least squares time = c + a q + b k over rows (q, k, t); returns (c, a, b)."""
+    import numpy as np
+    A = np.array([[1.0, q, k] for q, k, _ in rows])
+    y = np.array([t for _, _, t in rows])
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    return tuple(float(x) for x in sol)
+
+
+def report(name, rows, labels):
+    c, a, b = fit(rows)
+    print(f"\n{name}: time = {c * 1e3:.1f} us + {a * 1e6:.2f} ns x query tiles + {b * 1e6:.2f} ns x key steps"
+          f"  -> a query tile's fixed cost = {a / b:.2f} key-tile steps")
+    for (q, k, t), lab in zip(rows, labels):
+        print(f"  {lab:24s} q {q:7d}  k {k:8d}  k/q {k / q:6.2f}  {t * 1e3:9.1f} us  fit {1e3 * (c + a * q + b * k):9.1f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=4)
+    ap.add_argument("--N", type=int, default=4096)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--br", type=int, default=128)
+    ap.add_argument("--bc", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--lefts", default="127,255,511,1023,2047,4095")
+    ap.add_argument("--densities", default="1,0.5,0.25,0.12,0.06")
+    ap.add_argument("--no-bwd", action="store_true")
+    ap.add_argument("--sleep", type=int, default=2_000_000, help="GPU cycles slept before each timed call")
+    args = ap.parse_args(argv)
+    B, N, H, D, br, bc = args.B, args.N, args.H, args.D, args.br, args.bc
+    print(f"# {torch.cuda.get_device_name()}, flashc {flashc.library_version()} ({flashc.library_path}); "
+          f"B {B} N {N} H {H} D {D} bf16, tiles {br} x {bc}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    nq = (N + br - 1) // br
+    qtiles = nq * B * H
+
+    def window_steps(left):
+        s = 0
+        for m in range(nq):
+            r0, r1 = m * br, min(N, m * br + br) - 1
+            s += r1 // bc - max(0, r0 - left) // bc + 1
+        return s * B * H
+
+    def mask_of(dens):
+        gen = torch.Generator().manual_seed(1)
+        m = torch.rand(nq, nq, generator=gen) < dens
+        m |= torch.eye(nq, dtype=torch.bool)
+        return m
+
+    families = []
+    wins = [int(x) for x in args.lefts.split(",") if x]
+    fns, counts = {}, {}
+    for left in wins:
+        fns[f"window ({left}, 0)"] = (lambda l=left: flashc.attention(q, k, v, window_size=(l, 0)))
+        counts[f"window ({left}, 0)"] = (qtiles, window_steps(left))
+    families.append(("sliding windows", fns, counts))
+    fns, counts = {}, {}
+    for dens in (float(x) for x in args.densities.split(",") if x):
+        m = mask_of(dens)
+        mask = m.to(torch.uint8).cuda()
+        lab = f"block mask {m.float().mean().item():.3f}"
+        fns[lab] = (lambda mk=mask: flashc.attention(q, k, v, block_mask=mk, block_size=(br, bc)))
+        counts[lab] = (qtiles, int(m.sum().item()) * B * H)
+    fns["dense (no mask)"] = lambda: flashc.attention(q, k, v)
+    counts["dense (no mask)"] = (qtiles, nq * nq * B * H)
+    families.append(("block masks", fns, counts))
+
+    for name, fns, counts in families:
+        t = timed(fns, args.runs, args.sleep)
+        report(name + ", forward", [counts[x] + (t[x],) for x in fns], list(fns))
+        if args.no_bwd:
+            continue
+        bw = {}
+        for lab, fn in fns.items():
+            o, lse = fn()
+            kw = {}
+            if lab.startswith("window"):
+                kw = dict(window_size=(int(lab.split("(")[1].split(",")[0]), 0))
+            elif lab.startswith("block mask"):
+                kw = dict(block_mask=fn.__defaults__[0], block_size=(br, bc))
+            bw[lab] = (lambda o=o, lse=lse, kw=kw: flashc.attention_backward(do, q, k, v, o, lse, **kw))
+        t = timed(bw, args.runs, args.sleep)
+        report(name + ", backward", [counts[x] + (t[x],) for x in bw], list(bw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
