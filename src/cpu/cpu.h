@@ -53,9 +53,9 @@ typedef void (*flashc_cpu_cvt_fn)(int n, const uint16_t *src, float *dst);
 typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const float *k,
                                    int64_t ldk, float *s, int64_t lds);
 /*
- * Cache lines to start on their way while a kernel computes: rows[i] rows of bytes[i] bytes each at base[i] + r * ld[i]
- * (i < 2: the K and V rows decode reads next). dots_kv issues them a few at a time between its dot products, so that
- * they overlap the arithmetic instead of stalling the loads in one burst.
+ * Cache lines to start on their way (into L2) while a kernel computes: rows[i] rows of bytes[i] bytes each at
+ * base[i] + r * ld[i] (i < 2: the K and V rows decode reads next). dots_kv issues them a few at a time between its dot
+ * products, so that they overlap the arithmetic instead of stalling the loads in one burst.
  */
 typedef struct flashc_cpu_prefetch {
     const char *base[2];

@@ -4,7 +4,7 @@
  *
  * The query rows of a GQA group, G = H / Hkv heads times nq rows, are packed into one tile, so that each K and V
  * row is read from memory once for all of them; the tile forward (attn.c) reads it once per head, through a
- * 64-row query tile that is nearly all padding at Nq = 1. Per key step (16 or 32 keys, step_keys): scores by dot
+ * 64-row query tile that is nearly all padding at Nq = 1. Per key step (DEC_BC keys): scores by dot
  * products over D (kern->dots_kv), the online softmax along each row (kern->softmax_rows), then O = alpha O + P V in
  * one pass over the O rows (kern->pv). Both kernels read fp32 and bf16 K and V rows in place (bf16 widened in
  * registers); other dtypes and layouts are converted to fp32 rows first.
@@ -37,7 +37,12 @@
 enum {
     DEC_MAX_NQ = 16,        /* query rows per sequence this path takes */
     DEC_MAX_ROWS = 64,      /* packed rows per tile */
-    DEC_BC = 32,            /* keys per step at most (a multiple of 16: softmax_rows' padding); how many: below */
+    /* Keys per step (a multiple of 16: softmax_rows' padding). Steps of 16 keys had measured faster than 64 with
+     * the prefetches into L1 (2-core EPYC VM, AVX2, lab/LOG.md), fp32 faster than 32 there; with the prefetches into
+     * L2 (dots_kv's), 32 measured faster for fp32 too (Zen 4 VM, 1 thread, cold, 8/2/32 Nk 1k-32k 1.01-1.17x,
+     * 32/8/128 0.99-1.06x), the per-step work (row maxima, alphas, the O rows' load and store) spread
+     * over twice the keys. bf16 had measured faster with 32 than with 16 already. */
+    DEC_BC = 32,
     DEC_MIN_PIECE = 256,    /* keys per piece at least */
     DEC_TARGET_UNITS = 128, /* units the split aims for */
     DEC_MAX_HEADS = 16,     /* kv heads per unit at most */
@@ -48,22 +53,6 @@ enum {
 #define SADD flashc_size_add
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-/*
- * Keys per step. A step reads, per kv head of the unit, its rows of K (dots), then the same rows of V (O = alpha O +
- * P V); the smaller the step, the fewer cache lines one head's pass touches before the next head's pass reads the
- * neighbouring bytes of the same key rows, and the more the per-step work (softmax maxima, the O rows' load and
- * store) costs per key. 16 against 64, cold caches, one call per copy of the cache (2-core EPYC VM, lab/LOG.md):
- * 32/8/128 f32 7.0 -> 8.4 GB/s at 1 thread, 12.1 -> 15.9 at 2; 8/2/32 f32 5.7 -> 6.4 and 10.6 -> 12.4. With K and V
- * read in place as bf16, a step of 32 keys spans the bytes of 16 fp32 keys, and measured faster than 16 (8/2/32
- * Nk 8192, cold, CPU time: 1 thread 5.67 -> 6.45 GB/s, 2 threads 8.54 -> 9.11) while fp32 lost with 32 (10.13 ->
- * 9.31, 15.53 -> 14.12). So a step is 16 keys when the kernels read fp32 (fp16 is converted to fp32 first) and 32
- * when they read bf16 in place: the same bytes per step. 16 is softmax_rows' padding unit, the least that wastes no
- * scores.
- */
-static int step_keys(const flashc_problem *p) {
-    return p->k.dtype == FLASHC_DTYPE_BF16 && p->v.dtype == FLASHC_DTYPE_BF16 ? 32 : 16;
-}
 
 /*
  * The raw K and V rows [n0, n0 + cols) of head h as dots_kv's prefetch list, clipped to the rows on n0's page when
@@ -300,7 +289,7 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             for (int d = 0; d < D; d++) dst[d] = src[d] * qs;
             for (int d = D; d < dp; d++) dst[d] = 0.0f;
         }
-    const int bc = step_keys(p);
+    const int bc = DEC_BC;
     for (int64_t j0 = jlo; j0 < jhi; j0 += bc) {
         const int cols = (int)(jhi - j0 < bc ? jhi - j0 : bc), padded = (cols + 15) / 16 * 16;
         for (int j = 0; j < nh; j++) {
@@ -311,13 +300,15 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             int64_t ldk, ldv;
             int kt, vt;
             const void *k = step_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &kt, &ldk);
-            /* The next head's rows of this step, or the first head's of the next step, are fetched while the dot
-             * products run: one head-step (2 * 16 * D * 4 bytes, 4-16 KiB at D 32-128 f32) ahead of use, more
-             * than memory latency times bandwidth (~100 ns x 20 GB/s = 2 KB) and within L1. Two, four or eight
-             * head-steps ahead measured slower (1 thread, cold: 8/2/32 f32 9.7 -> 8.6, 7.6, 7.3 GB/s), as lines
-             * fetched into L1 that early are evicted before use. */
+            /* The rows of the head-step two ahead (the next head but one of this step, or of the next step) are
+             * fetched into L2 while the dot products run (dots_kv's prefetches), 8-32 KiB ahead of use. On the Zen 4
+             * VM (1 thread, cold, lab/LOG.md), against the next head-step into L1 as before: 32/8/128 1.4-1.6x,
+             * whose rows of one head lie 2-4 KiB apart, a pattern the hardware prefetchers do not follow (the
+             * same reads with no arithmetic: 9.6-11.6 GB/s, against 24-25 in address order); into L1 two or more
+             * head-steps ahead had lost (lines evicted before use), into L2 three or more measured no better than
+             * two, and the whole head-step issued at once before the dots lost (1.2x against 1.5x). */
             flashc_cpu_prefetch pf;
-            const int64_t nj0 = j + 1 < nh ? j0 : j0 + bc, nhk = j + 1 < nh ? hk + 1 : hk0;
+            const int64_t nj0 = j0 + (j + 2) / nh * bc, nhk = hk0 + (j + 2) % nh;
             const int ncols = (int)(jhi - nj0 < bc ? jhi - nj0 : bc);
             if (ncols > 0) next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
             kern->dots_kv(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, kt, ldk, t->s, DEC_BC,

@@ -196,11 +196,13 @@ typedef struct pf_cursor {
 } pf_cursor;
 
 /* Issues up to n more lines of the cursor's list (a line at a time: issuing a row's lines together measured 3%
- * slower at 32/8/128 fp32, cold). */
+ * slower at 32/8/128 fp32, cold), into L2 (T2; on Zen 4 T1 measured the same, T0 and NTA 1.3-1.5x slower at
+ * 32/8/128, cold): the lines then wait in L2 without taking L1's fill buffers and space from the loads of the data
+ * in use, so decode can fetch them further ahead (decode.c). */
 AI void pf_issue(pf_cursor *c, int n) {
     const flashc_cpu_prefetch *pf = c->pf;
     for (; n > 0 && c->i < 2; n--) {
-        _mm_prefetch(pf->base[c->i] + c->r * pf->ld[c->i] + c->x, _MM_HINT_T0);
+        _mm_prefetch(pf->base[c->i] + c->r * pf->ld[c->i] + c->x, _MM_HINT_T2);
         if ((c->x += 64) < pf->bytes[c->i]) continue;
         c->x = 0;
         if (++c->r < pf->rows[c->i]) continue;
