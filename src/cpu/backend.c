@@ -71,6 +71,8 @@ static void avx512bf16_init(void) {
     kernels_avx512bf16 = flashc_cpu_kernels_avx512;
     kernels_avx512bf16.name = "avx512bf16_12x32";
     kernels_avx512bf16.bf16 = &flashc_cpu_bf16_kernels_avx512;
+    kernels_avx512bf16.dots_kv = flashc_cpu_dots_kv_avx512bf16;
+    kernels_avx512bf16.pv = flashc_cpu_pv_avx512bf16;
 }
 #endif
 

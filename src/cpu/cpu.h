@@ -156,9 +156,14 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
 #  if defined(FLASHC_CPU_AVX512BF16)
 /* kernels_avx512bf16.c: the bf16 products that the "avx512bf16" set adds to the AVX-512 table (backend.c). */
 extern const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512;
+/* ... and its decode kernels: bf16 K / V rows on vdpbf16ps (fp32 rows go to the AVX2 ones). */
+void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
+                                   int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                              const void *v, int vt, int64_t ldv, float *o, int64_t ldo);
 #  endif
 /* The AVX2 decode kernels, which the AVX-512 table shares (every AVX-512 CPU has AVX2; decode streams K and V at
- * memory speed, where the wider vectors have little to add). */
+ * memory speed, where the wider vectors have little to add), and the avx512bf16 set for fp32 K and V rows. */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
 void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,

@@ -279,14 +279,16 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
     }
     if (jlo >= jhi) return n;
 
-    const float qs = flashc_cpu_qscale(p);
+    /* With bf16 keys the queries are packed unscaled and the scores scaled after the dot products: bf16 queries then
+     * stay bf16 values, which the avx512bf16 dots_kv takes as one bf16 term instead of two (hi and lo parts). */
+    const float qs = flashc_cpu_qscale(p), qk = p->k.dtype == FLASHC_DTYPE_BF16 ? 1.0f : qs, sk = qs / qk;
     for (int j = 0; j < nh; j++)
         for (int r = 0; r < n; r++) {
             const dec_row *x = &t->rows[(size_t)j * L->cap + r];
             float *dst = t->q + ((size_t)j * L->cap + r) * dp;
             int64_t ld;
             const float *src = flashc_cpu_rows(kern, &p->q, tb, q0 + x->i, 1, x->h, D, dst, dp, &ld);
-            for (int d = 0; d < D; d++) dst[d] = src[d] * qs;
+            for (int d = 0; d < D; d++) dst[d] = src[d] * qk;
             for (int d = D; d < dp; d++) dst[d] = 0.0f;
         }
     const int bc = DEC_BC;
@@ -313,6 +315,9 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             if (ncols > 0) next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
             kern->dots_kv(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, kt, ldk, t->s, DEC_BC,
                           ncols > 0 ? &pf : NULL);
+            if (sk != 1.0f)
+                for (int r = 0; r < n; r++)
+                    for (int c = 0; c < cols; c++) t->s[(size_t)r * DEC_BC + c] *= sk;
             if (step_needs_epilogue(p, rows, n, j0, cols)) step_epilogue(p, rows, n, nq, nk, j0, cols, t->s);
             if (cols < padded)
                 for (int r = 0; r < n; r++)

@@ -8,6 +8,9 @@
  * rows (cpu.h, flashc_cpu_gemm_bf16_fn). pairs: two rows of a tile interleaved into one pair row, fp32 rounded to
  * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P and dS on the GPU) and zipped by vpermw (AVX512BW,
  * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout.
+ * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX2 kernels): dots_kv, 4x4, 2x8 or 1x16 blocks of
+ * (query row, key) with vdpbf16ps along D and one 16-way reduction per block; pv, O = alpha O + P V on 4x32 tiles of
+ * O, two V rows zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do.
  */
 #include "cpu.h"
 
@@ -152,6 +155,233 @@ static void to_bf16_avx512(int n, const float *src, uint16_t *dst) {
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
     for (; i < n; i++) dst[i] = flashc_f32_to_bf16(src[i]);
+}
+
+/* ---- decode (decode.c): dots_kv and pv on vdpbf16ps when K / V are bf16; fp32 rows take the AVX2 kernels -------- */
+
+/* Where dots_kv's prefetches stand, and the next lines issued into L2, as kernels_avx2.c's cursor does. */
+typedef struct pf_cursor {
+    const flashc_cpu_prefetch *pf;
+    int i, r, x;
+} pf_cursor;
+
+AI void pf_issue(pf_cursor *c, int n) {
+    const flashc_cpu_prefetch *pf = c->pf;
+    for (; n > 0 && c->i < 2; n--) {
+        _mm_prefetch(pf->base[c->i] + c->r * pf->ld[c->i] + c->x, _MM_HINT_T2);
+        if ((c->x += 64) < pf->bytes[c->i]) continue;
+        c->x = 0;
+        if (++c->r < pf->rows[c->i]) continue;
+        c->r = 0;
+        while (++c->i < 2 && pf->rows[c->i] <= 0) {}
+    }
+}
+
+AI __mmask32 first32(int n) { return n <= 0 ? 0 : n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1u); }
+
+/*
+ * The sums of sixteen vectors' lanes in one vector, lane i the sum of a[i]: 45 instructions, halving the count of
+ * vectors at each of four levels (whole 256-bit halves, 128-bit blocks, then pairs and single lanes within blocks).
+ * A level's shuffles send its inputs to blocks and lanes in an order of their own; `in` undoes it.
+ */
+AI __m512 reduce16(const __m512 a[16]) {
+    __m512 in[16], u[8], w[4], x[2];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) in[(int[]){0, 2, 1, 3}[i % 4] + (int[]){0, 8, 4, 12}[i / 4]] = a[i];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in[i], in[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(in[i], in[i + 8], 0xee));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xdd));
+}
+
+enum { DEC_CHUNKS = 8 }; /* 32-value chunks of D at most (FLASHC_MAX_HEAD_DIM 256) */
+
+/*
+ * R query rows against KC = 16 / R keys: sixteen accumulators, one per (row, key), each K chunk loaded once for the R
+ * rows, and one reduce16 for the sixteen scores (lane r * KC + c, so row r's scores are 128 / R contiguous bits).
+ * A query row enters as T bf16 rows: hi = bf16(q) alone when q is bf16 already (decode passes bf16 queries unscaled),
+ * else hi and lo = bf16(q - hi) against the same K chunk, so the scores carry q's fp32 precision to about 2^-17 (the
+ * products of bf16 are exact in fp32, the sums fp32). Keys past n repeat key n - 1 and are not stored.
+ */
+AI void dots_bf16_block(const int R, const int T, int nd, __mmask32 tail, const __m512i qh[][DEC_CHUNKS],
+                        const __m512i ql[][DEC_CHUNKS], const uint16_t *const kp[16], float *s, int64_t lds, int n) {
+    const int KC = 16 / R;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < nd; d++) {
+        const __mmask32 m = d + 1 < nd ? (__mmask32)0xffffffffu : tail;
+#pragma GCC unroll 16
+        for (int c = 0; c < KC; c++) {
+            const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, kp[c] + 32 * d);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                acc[r * KC + c] = _mm512_dpbf16_ps(acc[r * KC + c], (__m512bh)qh[r][d], kv);
+                if (T == 2) acc[r * KC + c] = _mm512_dpbf16_ps(acc[r * KC + c], (__m512bh)ql[r][d], kv);
+            }
+        }
+    }
+    const __m512 sc = reduce16(acc);
+    const __mmask16 mn = first(n < KC ? n : KC);
+    /* row r's lanes moved to the front (whole 128-bit blocks), then its first n stored */
+    _mm512_mask_storeu_ps(s, mn, sc);
+    if (R == 2) _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0xee));
+    if (R == 4) {
+        _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x01));
+        _mm512_mask_storeu_ps(s + 2 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x02));
+        _mm512_mask_storeu_ps(s + 3 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x03));
+    }
+}
+
+/* Rows [r0, r0 + R) of q as hi / lo bf16 chunks, zero past D; whether some lo is not 0 (q not bf16 already). */
+AI int split_q(int R, int rows_left, int D, int nd, const float *q, int64_t ldq, __m512i qh[][DEC_CHUNKS],
+               __m512i ql[][DEC_CHUNKS]) {
+    __m512i any = _mm512_setzero_si512();
+    for (int r = 0; r < R; r++)
+        for (int d = 0; d < nd; d++) {
+            __m512 x0 = _mm512_setzero_ps(), x1 = x0;
+            if (r < rows_left) {
+                x0 = _mm512_maskz_loadu_ps(first(D - 32 * d), q + r * ldq + 32 * d);
+                x1 = _mm512_maskz_loadu_ps(first(D - 32 * d - 16), q + r * ldq + 32 * d + 16);
+            }
+            const __m512bh h = _mm512_cvtne2ps_pbh(x1, x0);
+            /* hi back in fp32: the upper halves of the words */
+            const __m512i hw = (__m512i)h;
+            const __m512 h0 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hw)), 16);
+            const __m512 h1 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hw, 1)), 16);
+            qh[r][d] = hw;
+            ql[r][d] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+            any = _mm512_or_si512(any, ql[r][d]);
+        }
+    return _mm512_test_epi32_mask(any, any) != 0;
+}
+
+void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
+                                   int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    if (kt != FLASHC_CPU_KV_BF16 || D > 32 * DEC_CHUNKS) {
+        flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, ldk, s, lds, pf);
+        return;
+    }
+    const uint16_t *kb = k;
+    const int nd = (D + 31) / 32;
+    const __mmask32 tail = first32(D - 32 * (nd - 1));
+    pf_cursor cur = {pf, 0, 0, 0};
+    int per = 0; /* lines to prefetch per block */
+    if (pf) {
+        int lines = 0;
+        for (int i = 0; i < 2; i++)
+            if (pf->rows[i] > 0) lines += pf->rows[i] * ((pf->bytes[i] + 63) / 64);
+        const int R = rows >= 4 ? 4 : rows >= 2 ? 2 : 1, blocks = (cols + 16 / R - 1) / (16 / R) * ((rows + R - 1) / R);
+        per = (lines + blocks - 1) / blocks;
+        while (cur.i < 2 && pf->rows[cur.i] <= 0) cur.i++;
+    }
+    __m512i qh[4][DEC_CHUNKS], ql[4][DEC_CHUNKS];
+    for (int r0 = 0; r0 < rows;) {
+        /* rows four at a time, then a pair, then one: each K chunk feeds R rows */
+        const int R = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1, KC = 16 / R;
+        const int two = split_q(R, rows - r0, D, nd, q + r0 * ldq, ldq, qh, ql);
+        for (int c0 = 0; c0 < cols; c0 += KC) {
+            const int n = cols - c0 < KC ? cols - c0 : KC;
+            const uint16_t *kp[16];
+            for (int c = 0; c < KC; c++) kp[c] = kb + (int64_t)(c0 + (c < n ? c : n - 1)) * ldk;
+            if (per) pf_issue(&cur, per);
+            float *sb = s + r0 * lds + c0;
+#define BLOCK(R_, T_) dots_bf16_block(R_, T_, nd, tail, qh, ql, kp, sb, lds, n)
+            if (R == 4) two ? BLOCK(4, 2) : BLOCK(4, 1);
+            else if (R == 2) two ? BLOCK(2, 2) : BLOCK(2, 1);
+            else two ? BLOCK(1, 2) : BLOCK(1, 1);
+#undef BLOCK
+        }
+        r0 += R;
+    }
+}
+
+enum { PV_KEYS = 64 }; /* keys of P rounded to bf16 at a time */
+
+/*
+ * O[r][j0, j0 + 32) (+)= sum over the pairs of keys (c, c + 1) of P(r, c) V[c] + P(r, c + 1) V[c + 1], for MR rows:
+ * two V rows zipped by vpermt2w into the pair layout (two registers of 16 columns), then per row one 32-bit broadcast
+ * of its P pair and two vdpbf16ps. P enters rounded to bf16 (as flash-attn rounds P before P V on the GPU, and as
+ * the bf16 gemm's pairs_f32 does here); the sums are fp32.
+ */
+AI void pv_bf16_rows(const int MR, int keys, int D, const uint16_t *pb, int ldpb, const float *alpha, int first_chunk,
+                     const uint16_t *v, int64_t ldv, float *o, int64_t ldo) {
+    const __m512i z0 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i z1 = _mm512_add_epi16(z0, _mm512_set1_epi16(16));
+    for (int j0 = 0; j0 < D; j0 += 32) {
+        const int nr = D - j0 < 32 ? D - j0 : 32;
+        const __mmask32 mv = first32(nr);
+        __m512 c0[4], c1[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+        for (int c = 0; c < keys; c += 2) {
+            const __m512i a = _mm512_maskz_loadu_epi16(mv, v + (int64_t)c * ldv + j0);
+            const __m512i b = c + 1 < keys ? _mm512_maskz_loadu_epi16(mv, v + (int64_t)(c + 1) * ldv + j0)
+                                           : _mm512_setzero_si512();
+            const __m512bh b0 = (__m512bh)_mm512_permutex2var_epi16(a, z0, b);
+            const __m512bh b1 = (__m512bh)_mm512_permutex2var_epi16(a, z1, b);
+#pragma GCC unroll 4
+            for (int i = 0; i < MR; i++) {
+                const __m512bh pi = (__m512bh)_mm512_set1_epi32(pair_at(pb + i * ldpb + c));
+                c0[i] = _mm512_dpbf16_ps(c0[i], pi, b0);
+                c1[i] = _mm512_dpbf16_ps(c1[i], pi, b1);
+            }
+        }
+        const __mmask16 m0 = first(nr), m1 = first(nr - 16);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            float *oi = o + (int64_t)i * ldo + j0;
+            const __m512 a = _mm512_set1_ps(first_chunk ? alpha[i] : 1.0f);
+            _mm512_mask_storeu_ps(oi, m0, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, oi), c0[i]));
+            _mm512_mask_storeu_ps(oi + 16, m1, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m1, oi + 16), c1[i]));
+        }
+    }
+}
+
+void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                              const void *v, int vt, int64_t ldv, float *o, int64_t ldo) {
+    if (vt != FLASHC_CPU_KV_BF16) {
+        flashc_cpu_pv_avx2(rows, cols, D, p, ldp, alpha, v, vt, ldv, o, ldo);
+        return;
+    }
+    enum { LDPB = PV_KEYS + 2 };
+    _Alignas(64) uint16_t pb[4 * LDPB];
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        const int mr = rows - r0 < 4 ? rows - r0 : 4;
+        for (int c0 = 0; c0 < cols || c0 == 0; c0 += PV_KEYS) {
+            const int keys = cols - c0 < PV_KEYS ? cols - c0 : PV_KEYS;
+            /* P rows rounded to bf16, a zero after an odd count (the pair's second key) */
+            for (int i = 0; i < mr; i++) {
+                const float *pr = p + (int64_t)(r0 + i) * ldp + c0;
+                uint16_t *d = pb + i * LDPB;
+                int c = 0;
+                for (; c + 16 <= keys; c += 16)
+                    _mm256_storeu_si256((__m256i *)(d + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pr + c)));
+                if (c < keys)
+                    _mm256_storeu_si256((__m256i *)(d + c),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first(keys - c), pr + c)));
+                d[keys] = 0;
+            }
+            const uint16_t *vc = (const uint16_t *)v + (int64_t)c0 * ldv;
+            float *orow = o + (int64_t)r0 * ldo;
+            const int fc = c0 == 0;
+            switch (mr) {
+            case 4: pv_bf16_rows(4, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
+            case 3: pv_bf16_rows(3, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
+            case 2: pv_bf16_rows(2, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
+            default: pv_bf16_rows(1, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
+            }
+            if (cols == 0) break;
+        }
+    }
 }
 
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
