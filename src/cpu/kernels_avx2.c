@@ -284,10 +284,10 @@ AI void dots_block(const int R, const int kt, int D, const float *q, int64_t ldq
 }
 
 /*
- * Scores for each group of eight keys. bf16 K: rows four at a time (two keys per pass), then a pair (four keys), then
- * one (eight keys), so each K vector is widened once per four rows and every hsum8 reduces eight useful
- * accumulators. fp32 K: one row at a time against the eight keys. The D tail is masked, since the K rows are read in
- * place. With pf, its rows are spread evenly over the passes, a few before each.
+ * Scores for each group of eight keys: rows four at a time (two keys per pass), then a pair (four keys), then one
+ * (eight keys), so each K vector is loaded (and widened, when bf16) once per four rows and every hsum8 reduces eight
+ * useful accumulators. The D tail is masked, since the K rows are read in place. With pf, its rows are spread evenly
+ * over the passes, a few before each.
  */
 AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int64_t ldk,
                   float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
@@ -308,22 +308,22 @@ AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64
         for (int j = 0; j < 8; j++)
             kp[j] = (const char *)k + (int64_t)(c8 + (j < n8 ? j : n8 - 1)) * ldk * es;
         int r = 0;
-        /* fp32 K: one row against eight keys measured faster than blocks of four (the kernel alone, D 32, 4 rows, K
-         * in L2, 1 thread: 5.1-5.6 against 6.1 ns per key and kv head), the eight K rows' loads folding into the
-         * FMAs; bf16 K: rows in blocks, each K vector widened once per block (6.6-7.1 ns, against 8.3 when the
-         * group's rows were first widened into an fp32 buffer). */
-        if (kt == FLASHC_CPU_KV_BF16)
-            for (; r + 4 <= rows; r += 4)
-                for (int c = 0; c < n8; c += 2) {
-                    if (per) pf_issue(&cur, per);
-                    dots_block(4, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
-                }
-        if (kt == FLASHC_CPU_KV_BF16)
-            for (; r + 2 <= rows; r += 2)
-                for (int c = 0; c < n8; c += 4) {
-                    if (per) pf_issue(&cur, per);
-                    dots_block(2, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
-                }
+        /* Rows in blocks of four, then two, so that each K vector loaded (and widened, when bf16) feeds that many
+         * FMAs. For fp32 K, one row against eight keys had measured faster on the earlier AVX2 VM (EPYC family 25
+         * model 1; the kernel alone, D 32, K in L2: 5.1-5.6 against 6.1 ns per key and kv head); with the prefetches
+         * into L2, blocks measured faster on Zen 4 (1 thread, decode_ab in turns: cold 1.03-1.13x, hot 1.07-1.20x at
+         * 8/2/32 and 32/8/128), where the eight K rows of one row's pass lie 4 KiB apart at 32/8/128 and share L1
+         * sets between the passes. */
+        for (; r + 4 <= rows; r += 4)
+            for (int c = 0; c < n8; c += 2) {
+                if (per) pf_issue(&cur, per);
+                dots_block(4, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
+            }
+        for (; r + 2 <= rows; r += 2)
+            for (int c = 0; c < n8; c += 4) {
+                if (per) pf_issue(&cur, per);
+                dots_block(2, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
+            }
         for (; r < rows; r++) {
             if (per) pf_issue(&cur, per);
             dots_block(1, kt, D, q + r * ldq, ldq, kp, s + r * lds + c8, lds, n8);
