@@ -99,14 +99,15 @@ static __device__ __forceinline__ void fc_bm_mask_row(const Args &a, Frag &x, in
 }
 
 /* The score fields fc_score reads, with the softcap known at compile time where CAP says so (0: off, 1: on,
- * 2: as a has it, 3: on with its factor left to the caller, fc_score then giving tanh(s score_mul)): fc_score's
- * test then folds, and no tanh is issued, predicated off, where it is not used. */
+ * 2: as a has it, 3: on with its factor left to the caller, fc_score then giving tanh(s score_mul); 4: off, with
+ * the scale left to the caller, fc_score then giving s): fc_score's test then folds, and no tanh is issued,
+ * predicated off, where it is not used. */
 template <int CAP>
 struct fc_score_view {
     float score_mul, softcap2;
     template <typename Args>
     __device__ __forceinline__ explicit fc_score_view(const Args &a)
-        : score_mul(a.score_mul), softcap2(CAP == 0 ? 0.f : CAP == 3 ? 1.f : a.softcap2) {}
+        : score_mul(CAP == 4 ? 1.f : a.score_mul), softcap2(CAP == 0 || CAP == 4 ? 0.f : CAP == 3 ? 1.f : a.softcap2) {}
 };
 
 /*
@@ -148,7 +149,8 @@ static __device__ __forceinline__ void fc_score_row_as(const Args &a, Frag &x, i
  * generic path (a score modifier, or a block mask that cuts the tile): the base-2 score (fc_score), minus ALiBi
  * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the
  * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. Returns the factor
- * the softmax takes the scores with (its smul): 1, or softcap2 where the softcap alone is left to it.
+ * the softmax takes the scores with (its smul): 1, or softcap2 where the softcap alone is left to it, or score_mul
+ * where ALiBi alone leaves the scale to it.
  * A tile that no mask cuts (most of a row's tiles) branches once on the modifiers: tested per element, they were
  * predicated, and every element issued the tanh, the bias and the band test whether it used them or not (twice
  * the plain kernel's instructions under ALiBi alone, lab/LOG.md).
@@ -166,6 +168,12 @@ static __device__ __forceinline__ float fc_score_row(const Args &a, Frag &x, int
         return a.softcap2;
     } else if (a.softcap2 != 0.f) {
         fc_score_row_as<false, 1, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
+    } else if (a.alibi && a.score_mul > 0.f) {
+        /* ALiBi alone: x = s - slope2 / score_mul |distance|, the scale folded into the softmax's exponent as on the
+         * raw path (one multiply less per element) */
+        fc_score_row_as<false, 4, 1>(a, x, hf, i, n0, tig, diag, nq, nk, __fdividef(slope2, a.score_mul), part,
+                                      bmbase);
+        return a.score_mul;
     } else if (a.alibi) {
         fc_score_row_as<false, 0, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
     } else {
