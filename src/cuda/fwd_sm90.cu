@@ -11,7 +11,8 @@
  * against are in lab/fwd90/.
  *
  * Block: 1 + br / 64 warpgroups working on tiles (query tile of br rows, head, sequence), one after another on
- * the persistent grid (see fc90_fwd_kernel's grid comment): 384 threads at br 128, 512 at br 192 (d 64).
+ * the persistent grid (see fc90_fwd_kernel's grid comment): 384 threads at br 128, 512 at br 192 (d 64, but
+ * for block masks: fc90_tile_for).
  * Warpgroup 0 is the producer: it gives registers back (setmaxnreg.dec, fc90_producer_regs) and one thread takes
  * the tiles and issues the TMA loads: per tile Q once, then K and V tiles of bc keys into a ring of 2 stages
  * that runs on across tiles. The others are consumers (setmaxnreg.inc, fc90_consumer_regs), each owning 64 query
@@ -130,7 +131,8 @@ __host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) {
 }
 __host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) { return fc90_off_bar(t) + fc90_tail_bytes(t); }
 static_assert(fc90_smem_bytes(fc90_tile_for(64)) <= FC90_SMEM_MAX && fc90_smem_bytes(fc90_tile_for(128)) <= FC90_SMEM_MAX &&
-                  fc90_smem_bytes(fc90_tile_for(256)) <= FC90_SMEM_MAX,
+                  fc90_smem_bytes(fc90_tile_for(256)) <= FC90_SMEM_MAX &&
+                  fc90_smem_bytes(fc90_tile_for(64, true)) <= FC90_SMEM_MAX,
               "shared memory per block");
 static_assert(fc90_o_bytes(fc90_tile_for(256)) <= fc90_end_v(fc90_tile_for(256)), "aliased staging within Q, K, V");
 
@@ -147,9 +149,10 @@ static __host__ __device__ __forceinline__ bool fc90_generic(const flashc_fwd_ar
 
 /* Issues s = Q K^T for this warpgroup's 64 rows and the bc keys of one ring slot (d / 16 k-steps) as one commit
  * group; the caller fences before and waits after. */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D).bc / 2], uint64_t dq, uint64_t dk) {
-    constexpr fc90_tile TL = fc90_tile_for(D);
+template <int D, int BF, bool BMASK>
+static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D, BMASK).bc / 2], uint64_t dq,
+                                                     uint64_t dk) {
+    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         /* k16 step kk: chunk kk / 4, 32 bytes per step within its rows */
@@ -198,11 +201,12 @@ static __device__ __forceinline__ void fc90_rescale(float (&o)[D / 2], const flo
 }
 
 /* Issues o += P V, V from one ring slot, as one commit group; the caller fences before and waits after. */
-template <int D, int BF>
+template <int D, int BF, bool BMASK>
 static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
-                                                     const uint32_t (&pa)[fc90_tile_for(D).bc / 16][4], uint64_t dv) {
+                                                     const uint32_t (&pa)[fc90_tile_for(D, BMASK).bc / 16][4],
+                                                     uint64_t dv) {
 #pragma unroll
-    for (int c = 0; c < fc90_tile_for(D).bc / 16; ++c)
+    for (int c = 0; c < fc90_tile_for(D, BMASK).bc / 16; ++c)
         fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * FC90_SW_ROW) >> 4)); /* 16 keys further */
     fc90_wgmma_commit();
 }
@@ -324,8 +328,9 @@ struct fc90_fwd_smem {
 template <int D, int BF, bool VARLEN, bool BMASK>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
-                                                         unsigned *ctr, int hg, const fc90_fwd_smem<fc90_tile_for(D).st> &sm) {
-    constexpr fc90_tile TL = fc90_tile_for(D);
+                                                         unsigned *ctr, int hg,
+                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm) {
+    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int BR = TL.br, BC = TL.bc, NCH = D / FC90_SW_COLS;
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
@@ -402,14 +407,14 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  */
 template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a, const fc_drop_stream &drop,
-                                                         const fc90_fwd_smem<fc90_tile_for(D).st> &sm, uint32_t nt,
+                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm, uint32_t nt,
                                                          uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
                                                          const uint8_t *bmbase, float slope2, int nq, int nk,
                                                          int m0, int cw, int row0, int tig,
                                                          uint64_t dq, uint64_t dk, uint64_t dv, float (&o)[D / 2],
-                                                         float (&s)[fc90_tile_for(D).bc / 2], float (&row_m)[2],
+                                                         float (&s)[fc90_tile_for(D, BMASK).bc / 2], float (&row_m)[2],
                                                          float (&row_l)[2]) {
-    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int BC = TL.bc, NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
@@ -441,7 +446,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_turn_begin(cw);
     fc90_pin(s);
     fc90_wgmma_fence();
-    fc90_qk_issue<D, BF>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4));
+    fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4));
     fc90_turn_end<NC>(cw, false);
     fc90_wgmma_wait<0>();
     fc90_pin(s);
@@ -467,8 +472,8 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(o);
         fc90_pin(pa);
         fc90_wgmma_fence();
-        fc90_qk_issue<D, BF>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4));
-        fc90_pv_issue<D, BF>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4));
+        fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4));
+        fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4));
         fc90_turn_end<NC>(cw, false);
         fc90_wgmma_wait<1>();
         fc90_pin(s);
@@ -495,7 +500,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(o);
     fc90_pin(pa);
     fc90_wgmma_fence();
-    fc90_pv_issue<D, BF>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4));
+    fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4));
     fc90_turn_end<NC>(cw, true);
     fc90_wgmma_wait<0>();
     fc90_pin(o);
@@ -508,13 +513,14 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
  * (no other warp touches them) and stores 16 bytes per lane; over Q and K (ALIASED) only after every consumer is
  * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
  */
-template <int D, int BF, bool VARLEN, bool DROP>
+template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
-                                                         const fc90_fwd_smem<fc90_tile_for(D).st> &sm, float (&o)[D / 2],
+                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
+                                                         float (&o)[D / 2],
                                                          const float (&row_m)[2], const float (&row_l)[2],
                                                          const fc90_seq &sq, int m0, int h, int b, int cw, int warp,
                                                          int lane) {
-    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr bool ALIASED = fc90_o_aliased(TL);
     const int nq = sq.nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
@@ -590,12 +596,12 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
 template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP = false>
-__global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
+__global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                     unsigned *ctr, int hg) {
 #if FC90_DEVICE
-    constexpr fc90_tile TL = fc90_tile_for(D);
+    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NC = fc90_consumers(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
     static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
@@ -662,7 +668,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
                 BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw,
                 row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
-        fc90_fwd_epilogue<D, BF, VARLEN, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
+        fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
@@ -671,11 +677,11 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D)), 1)
 template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false, bool DROP = false>
 static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                   const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
-    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D));
+    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D, BMASK));
     cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>>(smem);
     if (e != cudaSuccess) return e;
     fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>
-        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
+        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D, BMASK)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
     return cudaGetLastError();
 }
 /* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
@@ -714,20 +720,20 @@ static int64_t fc90_tiles(const flashc_fwd_args *a, fc90_tile tl) {
     return (int64_t)((a->Nq + tl.br - 1) / tl.br) * a->H * a->B;
 }
 static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid) {
-    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D));
+    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D), a->bm != NULL);
     return fc90_persistent(tl) && grid->ctr && grid->sms > 0 && fc90_tiles(a, tl) > grid->sms;
 }
 
 /* The block mask by this kernel's tiles (bm_tiles.h), over the max lengths. */
 static fc_bm_tiles_args fc90_bm_tiles_args(const flashc_fwd_args *a) {
-    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D));
+    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D), a->bm != NULL);
     return fc_bm_tiles_args{a->bm, a->bm_q, a->bm_k, a->bm_batch, a->bm_heads, a->bm_nqb, a->bm_nkb, a->Nq, a->Nk,
                             tl.br, tl.bc, 0};
 }
 
 template <int D, int BF>
 static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {
-    constexpr fc90_tile TL = fc90_tile_for(D);
+    const fc90_tile TL = fc90_tile_for(D, a->bm != NULL); /* the kernel fc90_launch picks */
     flashc_fwd_args k = *a;
     k.n_mblk = (a->Nq + TL.br - 1) / TL.br;
     const int64_t tiles = fc90_tiles(a, TL);
@@ -786,7 +792,7 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     /* Dropout: plain scores (no softcap, ALiBi or block mask) in kernels of their own; the rest on mma.sync. */
     if (a->dropout && (fc90_generic(a) || a->bm)) return 0;
     /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu), Nk below 25M keys. */
-    if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D)).bc) * 4 > 48 * 1024) return 0;
+    if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D), true).bc) * 4 > 48 * 1024) return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
     const int64_t nb = a->varlen ? 1 : a->B;
     const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb}, ek[3] = {a->varlen ? a->total_k : a->Nk, a->Hkv, nb};

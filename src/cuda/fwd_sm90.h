@@ -39,9 +39,15 @@ typedef struct fc90_tile {
 #ifndef FC90_TILE_256
 #define FC90_TILE_256 fc90_tile{256, 128, 80, 2}
 #endif
+/* Block masks (BMASK kernels) at d 64 take two consumers: mask blocks of 128 (or 64) query rows, the common sizes,
+ * would be straddled by 192-row tiles, each of which visits the key tiles of two mask rows (the union) and masks
+ * the blocks one of them drops, so that time fell with the density only from 0.52 on (bench/RESULTS.md). */
+#ifndef FC90_TILE_64_BMASK
+#define FC90_TILE_64_BMASK fc90_tile{64, 128, 128, 2}
+#endif
 
-__host__ __device__ constexpr fc90_tile fc90_tile_for(int d) {
-    return d <= 64 ? FC90_TILE_64 : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
+__host__ __device__ constexpr fc90_tile fc90_tile_for(int d, bool bmask = false) {
+    return d <= 64 ? (bmask ? FC90_TILE_64_BMASK : FC90_TILE_64) : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
 }
 
 /* The kernel a head dim runs on: its own at 64, 128 and 256; d 96 on the d 128 kernel and d 192 on the d 256 one,
