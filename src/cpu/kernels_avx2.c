@@ -189,28 +189,6 @@ AI __m256 hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Where dots_kv's prefetches stand: list i, row r, byte x of the row. */
-typedef struct pf_cursor {
-    const flashc_cpu_prefetch *pf;
-    int i, r, x;
-} pf_cursor;
-
-/* Issues up to n more lines of the cursor's list (a line at a time: issuing a row's lines together measured 3%
- * slower at 32/8/128 fp32, cold), into L2 (T2; on Zen 4 T1 measured the same, T0 and NTA 1.3-1.5x slower at
- * 32/8/128, cold): the lines then wait in L2 without taking L1's fill buffers and space from the loads of the data
- * in use, so decode can fetch them further ahead (decode.c). */
-AI void pf_issue(pf_cursor *c, int n) {
-    const flashc_cpu_prefetch *pf = c->pf;
-    for (; n > 0 && c->i < 2; n--) {
-        _mm_prefetch(pf->base[c->i] + c->r * pf->ld[c->i] + c->x, _MM_HINT_T2);
-        if ((c->x += 64) < pf->bytes[c->i]) continue;
-        c->x = 0;
-        if (++c->r < pf->rows[c->i]) continue;
-        c->r = 0;
-        while (++c->i < 2 && pf->rows[c->i] <= 0) {}
-    }
-}
-
 /* Eight bf16 values at p widened to fp32 (bf16 is fp32's upper half). */
 AI __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -292,16 +270,8 @@ AI void dots_block(const int R, const int kt, int D, const float *q, int64_t ldq
 AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int64_t ldk,
                   float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     const int64_t es = kt == FLASHC_CPU_KV_BF16 ? 2 : 4; /* signed: ldk may be negative */
-    pf_cursor cur = {pf, 0, 0, 0};
-    int per = 0; /* lines to prefetch per pass */
-    if (pf) {
-        int lines = 0;
-        for (int i = 0; i < 2; i++)
-            if (pf->rows[i] > 0) lines += pf->rows[i] * ((pf->bytes[i] + 63) / 64);
-        const int passes = (cols + 7) / 8 * rows; /* a block of R rows takes R passes per eight keys */
-        per = passes > 0 ? (lines + passes - 1) / passes : 0;
-        while (cur.i < 2 && pf->rows[cur.i] <= 0) cur.i++;
-    }
+    flashc_cpu_pf_cursor cur; /* a block of R rows takes R passes per eight keys */
+    flashc_cpu_pf_begin(&cur, pf, (cols + 7) / 8 * rows);
     for (int c8 = 0; c8 < cols; c8 += 8) {
         const int n8 = cols - c8 < 8 ? cols - c8 : 8;
         const void *kp[8];
@@ -316,16 +286,16 @@ AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64
          * sets between the passes. */
         for (; r + 4 <= rows; r += 4)
             for (int c = 0; c < n8; c += 2) {
-                if (per) pf_issue(&cur, per);
+                flashc_cpu_pf_issue(&cur);
                 dots_block(4, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
             }
         for (; r + 2 <= rows; r += 2)
             for (int c = 0; c < n8; c += 4) {
-                if (per) pf_issue(&cur, per);
+                flashc_cpu_pf_issue(&cur);
                 dots_block(2, kt, D, q + r * ldq, ldq, kp + c, s + r * lds + c8 + c, lds, n8 - c);
             }
         for (; r < rows; r++) {
-            if (per) pf_issue(&cur, per);
+            flashc_cpu_pf_issue(&cur);
             dots_block(1, kt, D, q + r * ldq, ldq, kp, s + r * lds + c8, lds, n8);
         }
     }

@@ -159,24 +159,6 @@ static void to_bf16_avx512(int n, const float *src, uint16_t *dst) {
 
 /* ---- decode (decode.c): dots_kv and pv on vdpbf16ps when K / V are bf16; fp32 rows take the AVX2 kernels -------- */
 
-/* Where dots_kv's prefetches stand, and the next lines issued into L2, as kernels_avx2.c's cursor does. */
-typedef struct pf_cursor {
-    const flashc_cpu_prefetch *pf;
-    int i, r, x;
-} pf_cursor;
-
-AI void pf_issue(pf_cursor *c, int n) {
-    const flashc_cpu_prefetch *pf = c->pf;
-    for (; n > 0 && c->i < 2; n--) {
-        _mm_prefetch(pf->base[c->i] + c->r * pf->ld[c->i] + c->x, _MM_HINT_T2);
-        if ((c->x += 64) < pf->bytes[c->i]) continue;
-        c->x = 0;
-        if (++c->r < pf->rows[c->i]) continue;
-        c->r = 0;
-        while (++c->i < 2 && pf->rows[c->i] <= 0) {}
-    }
-}
-
 AI __mmask32 first32(int n) { return n <= 0 ? 0 : n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1u); }
 
 /*
@@ -272,16 +254,9 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
     const uint16_t *kb = k;
     const int nd = (D + 31) / 32;
     const __mmask32 tail = first32(D - 32 * (nd - 1));
-    pf_cursor cur = {pf, 0, 0, 0};
-    int per = 0; /* lines to prefetch per block */
-    if (pf) {
-        int lines = 0;
-        for (int i = 0; i < 2; i++)
-            if (pf->rows[i] > 0) lines += pf->rows[i] * ((pf->bytes[i] + 63) / 64);
-        const int R = rows >= 4 ? 4 : rows >= 2 ? 2 : 1, blocks = (cols + 16 / R - 1) / (16 / R) * ((rows + R - 1) / R);
-        per = (lines + blocks - 1) / blocks;
-        while (cur.i < 2 && pf->rows[cur.i] <= 0) cur.i++;
-    }
+    flashc_cpu_pf_cursor cur; /* an issue per block */
+    const int R0 = rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
+    flashc_cpu_pf_begin(&cur, pf, (cols + 16 / R0 - 1) / (16 / R0) * ((rows + R0 - 1) / R0));
     __m512i qh[4][DEC_CHUNKS], ql[4][DEC_CHUNKS];
     for (int r0 = 0; r0 < rows;) {
         /* rows four at a time, then a pair, then one: each K chunk feeds R rows */
@@ -291,7 +266,7 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
             const int n = cols - c0 < KC ? cols - c0 : KC;
             const uint16_t *kp[16];
             for (int c = 0; c < KC; c++) kp[c] = kb + (int64_t)(c0 + (c < n ? c : n - 1)) * ldk;
-            if (per) pf_issue(&cur, per);
+            flashc_cpu_pf_issue(&cur);
             float *sb = s + r0 * lds + c0;
 #define BLOCK(R_, T_) dots_bf16_block(R_, T_, nd, tail, qh, ql, kp, sb, lds, n)
             if (R == 4) two ? BLOCK(4, 2) : BLOCK(4, 1);
