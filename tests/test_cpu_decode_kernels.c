@@ -56,7 +56,7 @@ static void *kv_rows(int kt, int rows, int D, int ld, float *vals) {
 static void test_dots_kv(const flashc_cpu_kernels *k) {
     static const int shapes[][3] = {{1, 1, 1},  {4, 16, 32}, {4, 32, 32},  {4, 32, 128}, {3, 13, 59}, {8, 17, 7},
                                     {5, 9, 16}, {2, 9, 9},   {7, 31, 64},  {6, 25, 40},  {1, 8, 256}, {9, 3, 24},
-                                    {4, 32, 96}, {2, 33, 48}, {1, 40, 33}, {12, 20, 256}};
+                                    {4, 32, 96}, {2, 33, 48}, {1, 40, 33}, {12, 20, 256}, {21, 37, 32}, {17, 5, 20}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         for (int kt = 0; kt < 2; kt++)
             for (int use_pf = 0; use_pf < 2; use_pf++) {

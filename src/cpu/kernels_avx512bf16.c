@@ -9,7 +9,8 @@
  * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P and dS on the GPU) and zipped by vpermw (AVX512BW,
  * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout.
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX2 kernels): dots_kv, 4x4, 2x8 or 1x16 blocks of
- * (query row, key) with vdpbf16ps along D and one 16-way reduction per block; pv, O = alpha O + P V on 4x32 tiles of
+ * (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen keys in the
+ * lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of
  * O, two V rows zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do.
  */
 #include "cpu.h"
@@ -245,6 +246,100 @@ AI int split_q(int R, int rows_left, int D, int nd, const float *q, int64_t ldq,
     return _mm512_test_epi32_mask(any, any) != 0;
 }
 
+/* Sixteen rows of sixteen 32-bit words transposed in place (x[c] word g = the old x[g] word c): words paired within
+ * 128-bit blocks, then pairs of words, then blocks across rows in two steps; 64 shuffles. */
+AI void transpose16(__m512i x[16]) {
+    __m512i a[16], b[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+    }
+    /* b[4g + j], block L: words 4L + j of rows 4g .. 4g + 3 */
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
+        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
+        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xee);
+        const __m512i v0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xee);
+        x[j] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+        x[4 + j] = _mm512_shuffle_i32x4(u0, v0, 0xdd);
+        x[8 + j] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+        x[12 + j] = _mm512_shuffle_i32x4(u1, v1, 0xdd);
+    }
+}
+
+/*
+ * D <= 32, R query rows against sixteen keys in the lanes: t[p] holds pair p of the sixteen K rows (transpose16), so
+ * each row's scores come from sixteen vdpbf16ps with its pair p broadcast, with no reduction across lanes (two
+ * accumulators per row for the latency). qw / qlw: the rows' hi / lo words (pairs).
+ */
+AI void dots_bf16_short(const int R, const int T, const __m512i t[16], const uint32_t qw[][16],
+                        const uint32_t qlw[][16], float *s, int64_t lds, __mmask16 mn) {
+    __m512 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; p++)
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            acc[r][p & 1] = _mm512_dpbf16_ps(acc[r][p & 1], (__m512bh)_mm512_set1_epi32((int)qw[r][p]), (__m512bh)t[p]);
+            if (T == 2)
+                acc[r][p & 1] =
+                    _mm512_dpbf16_ps(acc[r][p & 1], (__m512bh)_mm512_set1_epi32((int)qlw[r][p]), (__m512bh)t[p]);
+        }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(s + r * lds, mn, _mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* dots_kv for D <= 32: sixteen query rows at a time as bf16 words, then per sixteen keys one transpose16 shared by
+ * the rows, blocks of four rows against it. */
+static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq, const uint16_t *kb, int64_t ldk,
+                          float *s, int64_t lds, flashc_cpu_pf_cursor *cur) {
+    const __mmask32 tail = first32(D);
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = rows - r0 < 16 ? rows - r0 : 16;
+        _Alignas(64) uint32_t qw[16][16], qlw[16][16];
+        int two = 0;
+        for (int b = 0; b < nr; b += 4) {
+            __m512i qh[4][DEC_CHUNKS], ql[4][DEC_CHUNKS];
+            two |= split_q(4, nr - b, D, 1, q + (int64_t)(r0 + b) * ldq, ldq, qh, ql);
+            for (int i = 0; i < 4; i++) {
+                _mm512_store_si512(qw[b + i], qh[i][0]);
+                _mm512_store_si512(qlw[b + i], ql[i][0]);
+            }
+        }
+        for (int c0 = 0; c0 < cols; c0 += 16) {
+            const int n = cols - c0 < 16 ? cols - c0 : 16;
+            __m512i t[16];
+#pragma GCC unroll 16
+            for (int c = 0; c < 16; c++)
+                t[c] = _mm512_maskz_loadu_epi16(tail, kb + (int64_t)(c0 + (c < n ? c : n - 1)) * ldk);
+            transpose16(t);
+            flashc_cpu_pf_issue(cur);
+            const __mmask16 mn = first(n);
+            for (int b = 0; b < nr; b += 4) {
+                float *sb = s + (int64_t)(r0 + b) * lds + c0;
+#define SHORT(R_) (two ? dots_bf16_short(R_, 2, t, qw + b, qlw + b, sb, lds, mn) \
+                       : dots_bf16_short(R_, 1, t, qw + b, qlw + b, sb, lds, mn))
+                switch (nr - b) {
+                case 1: SHORT(1); break;
+                case 2: SHORT(2); break;
+                case 3: SHORT(3); break;
+                default: SHORT(4); break;
+                }
+#undef SHORT
+            }
+        }
+    }
+}
+
 void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
                                    int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     if (kt != FLASHC_CPU_KV_BF16 || D > 32 * DEC_CHUNKS) {
@@ -254,9 +349,14 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
     const uint16_t *kb = k;
     const int nd = (D + 31) / 32;
     const __mmask32 tail = first32(D - 32 * (nd - 1));
-    flashc_cpu_pf_cursor cur; /* an issue per block */
+    flashc_cpu_pf_cursor cur; /* an issue per block (per sixteen keys when D <= 32) */
     const int R0 = rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
-    flashc_cpu_pf_begin(&cur, pf, (cols + 16 / R0 - 1) / (16 / R0) * ((rows + R0 - 1) / R0));
+    const int blocks = nd == 1 ? (cols + 15) / 16 : (cols + 16 / R0 - 1) / (16 / R0) * ((rows + R0 - 1) / R0);
+    flashc_cpu_pf_begin(&cur, pf, blocks);
+    if (nd == 1) {
+        dots_kv_short(rows, cols, D, q, ldq, kb, ldk, s, lds, &cur);
+        return;
+    }
     __m512i qh[4][DEC_CHUNKS], ql[4][DEC_CHUNKS];
     for (int r0 = 0; r0 < rows;) {
         /* rows four at a time, then a pair, then one: each K chunk feeds R rows */
