@@ -210,8 +210,9 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                               const void *v, int vt, int64_t ldv, float *o, int64_t ldo);
 #  endif
-/* The AVX2 decode kernels, which the AVX-512 table shares (every AVX-512 CPU has AVX2; decode streams K and V at
- * memory speed, where the wider vectors have little to add), and the avx512bf16 set for fp32 K and V rows. */
+/* The AVX2 decode kernels, which the AVX-512 table shares but for softmax_rows (every AVX-512 CPU has AVX2; decode
+ * streams K and V at memory speed, where the wider vectors have little to add), and the avx512bf16 set for fp32 K
+ * and V rows. */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
 void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
