@@ -181,11 +181,13 @@ static __device__ __forceinline__ void fc90_mask(const flashc_fwd_args &a, float
  * score_mul): s becomes P, the row sums are rescaled by alpha. O is left alone: it must be scaled by alpha before
  * the next P V adds to it, which the consumers do only once the P V product in flight has completed.
  */
-template <int BC>
+template <int BC, bool GENERIC>
 static __device__ __forceinline__ void fc90_online_p(float (&s)[BC / 2], float (&row_m)[2], float (&row_l)[2],
-                                                     float (&alpha)[2], float smul) {
+                                                     float (&alpha)[2], float smul, const float (&shift)[2]) {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) alpha[hf] = fc_softmax_row<false>(s, hf, row_m[hf], row_l[hf], smul);
+    for (int hf = 0; hf < 2; ++hf)
+        alpha[hf] = GENERIC ? fc_softmax_row<false>(s, hf, row_m[hf], row_l[hf], smul, shift[hf])
+                            : fc_softmax_row<false>(s, hf, row_m[hf], row_l[hf], smul);
 }
 
 /* o *= alpha, row by row (alpha[0] for the thread's first row, alpha[1] for the row 8 below). */
@@ -230,19 +232,22 @@ static __device__ __forceinline__ void fc90_block_end(float (&s)[N], float row_s
  * only the elements outside the band or past the end of the keys go to -inf, when either cuts the tile. With a
  * score modifier (softcap, ALiBi: generic) every element takes score.cuh's fc_score_row, and the softmax takes
  * the scores with the factor it returns. Returns the softmax's factor for the tile: smul (the raw path's scale),
- * or fc_score_row's. BMASK: where the block mask cuts the tile (part; bmbase: fc_bm_base of the tile's
- * sequence and head) the blocks it drops go to -inf too (fc_bm_mask_row, or fc_score_row's element test).
+ * or fc_score_row's; shift: the constants fc_score_row leaves to the softmax for the thread's two rows (generic).
+ * BMASK: where the block mask cuts the tile (part; bmbase: fc_bm_base of the tile's sequence and head) the blocks
+ * it drops go to -inf too (fc_bm_mask_row, or fc_score_row's element test).
  */
 template <int BC, bool BMASK>
 static __device__ __forceinline__ float fc90_scores(const flashc_fwd_args &a, float (&s)[BC / 2], int w0, int i0,
                                                     int n0, int nq, int nk, int diag, int tig, bool generic,
-                                                    float slope2, bool part, const uint8_t *bmbase, float smul) {
+                                                    float slope2, bool part, const uint8_t *bmbase, float smul,
+                                                    float (&shift)[2]) {
     const bool cut = fc_band_cuts(a, w0, w0 + 63, n0, n0 + BC - 1, diag, nk);
     part = BMASK && part;
     if (generic) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-            smul = fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut || part, part, bmbase);
+            smul = fc_score_row(a, s, hf, i0 + 8 * hf, n0, tig, diag, nq, nk, slope2, cut || part, part, bmbase,
+                                &shift[hf]);
     } else {
         if (cut) fc90_mask<BC>(a, s, i0, n0, nk, diag, tig);
         if (part)
@@ -431,7 +436,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     auto part_of = [&](int k) { return BMASK && fc_bit(bits + a.bm_tiles_w, k); };
     const float smul = GENERIC ? 1.f : a.score_mul;
     uint32_t pa[BC / 16][4];
-    float alpha[2];
+    float alpha[2], shift[2] = {0.f, 0.f};
     /* Dropout (DROP): the keep bits of a tile (fc_drop_bits_rows, this warp's 16 rows), taken after the tile before
      * it is packed: S's registers are free there (under the other consumer's products), so more Philox chains run
      * at once than while S is in flight (lab/LOG.md); applied to P after the softmax (the row sums keep the dropped
@@ -452,9 +457,11 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(s);
     sm.kr.release(kv_it);
     if (PERSIST && ntiles == 1) sm.qr.release(nt);
-    fc90_online_p<BC>(s, row_m, row_l, alpha,
-                      fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2,
-                                             part_of(ktile), bmbase, smul));
+    {
+        const float sm = fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2,
+                                                part_of(ktile), bmbase, smul, shift);
+        fc90_online_p<BC, GENERIC>(s, row_m, row_l, alpha, sm, shift);
+    }
     if (DROP) fc_drop_apply(s, keep, 1.f);
     fc90_pack_p<BC, BF>(pa, s);
     if (DROP && ntiles > 1) fc_drop_bits_rows<BC / 8>(drop, wrow0, (tb + 1) * BC, threadIdx.x % 32, keep);
@@ -479,9 +486,11 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(s);
         sm.kr.release(kt);
         if (PERSIST && it == ntiles - 1) sm.qr.release(nt);
-        fc90_online_p<BC>(s, row_m, row_l, alpha,
-                          fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2,
-                                                 part_of(ktile), bmbase, smul));
+        {
+            const float sm = fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC,
+                                                    slope2, part_of(ktile), bmbase, smul, shift);
+            fc90_online_p<BC, GENERIC>(s, row_m, row_l, alpha, sm, shift);
+        }
         if (DROP) fc_drop_apply(s, keep, 1.f);
         fc90_block_end(s, row_l[0]);
         fc90_wgmma_wait<0>();

@@ -150,7 +150,8 @@ static __device__ __forceinline__ void fc_score_row_as(const Args &a, Frag &x, i
  * (slope2: fc_alibi_slope2), and, where mask, -inf outside row i's band and the keys (fc_row_keys) or, where the
  * block mask cuts the tile (part), where the block mask (bmbase: fc_bm_base) drops the key. Returns the factor
  * the softmax takes the scores with (its smul): 1, or softcap2 where the softcap alone is left to it, or score_mul
- * where ALiBi alone leaves the scale to it.
+ * where ALiBi alone leaves the scale to it. shift (optional): a constant of this thread's part of the row that the
+ * softmax adds to its scores (fc_softmax_row), 0 unless ALiBi alone leaves one to it; without shift it never does.
  * A tile that no mask cuts (most of a row's tiles) branches once on the modifiers: tested per element, they were
  * predicated, and every element issued the tanh, the bias and the band test whether it used them or not (twice
  * the plain kernel's instructions under ALiBi alone, lab/LOG.md).
@@ -158,7 +159,8 @@ static __device__ __forceinline__ void fc_score_row_as(const Args &a, Frag &x, i
 template <typename Args, typename Frag>
 static __device__ __forceinline__ float fc_score_row(const Args &a, Frag &x, int hf, int i, int n0, int tig, int diag,
                                                      int nq, int nk, float slope2, bool mask, bool part,
-                                                     const uint8_t *bmbase) {
+                                                     const uint8_t *bmbase, float *shift = NULL) {
+    if (shift) *shift = 0.f;
     if (mask) {
         fc_score_row_as<true, 2, 2>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
     } else if (a.softcap2 != 0.f && !a.alibi) {
@@ -169,10 +171,25 @@ static __device__ __forceinline__ float fc_score_row(const Args &a, Frag &x, int
     } else if (a.softcap2 != 0.f) {
         fc_score_row_as<false, 1, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
     } else if (a.alibi && a.score_mul > 0.f) {
-        /* ALiBi alone: x = s - slope2 / score_mul |distance|, the scale folded into the softmax's exponent as on the
-         * raw path (one multiply less per element) */
-        fc_score_row_as<false, 4, 1>(a, x, hf, i, n0, tig, diag, nq, nk, __fdividef(slope2, a.score_mul), part,
-                                      bmbase);
+        /* ALiBi alone: x = s - k |distance| with k = slope2 / score_mul, the scale folded into the softmax's exponent
+         * as on the raw path. Where every key of the thread's part of the row lies on one side of the row's diagonal
+         * (d0 - c >= 0 for all, or <= 0; c = 8 nt + e, d0 the distance at c = 0), -k |d0 - c| = -+k d0 +- k c: x
+         * takes +-k c (one FFMA with an immediate per element) and the thread's constant -+k d0 goes to *shift,
+         * which the softmax adds once per row (fc_softmax_row). */
+        const float k = __fdividef(slope2, a.score_mul);
+        constexpr int CMAX = 8 * fc_frag_n<Frag>::value - 7; /* the largest c */
+        const int d0 = i + diag - n0 - tig * 2;
+        if (shift && (d0 >= CMAX || d0 <= 0)) {
+            const float kc = d0 > 0 ? k : -k;
+#pragma unroll
+            for (int nt = 0; nt < fc_frag_n<Frag>::value; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    fc_frag(x, nt, 2 * hf + e) = fmaf(kc, (float)(nt * 8 + e), fc_frag(x, nt, 2 * hf + e));
+            *shift = -kc * (float)d0;
+        } else {
+            fc_score_row_as<false, 4, 1>(a, x, hf, i, n0, tig, diag, nq, nk, k, part, bmbase);
+        }
         return a.score_mul;
     } else if (a.alibi) {
         fc_score_row_as<false, 0, 1>(a, x, hf, i, n0, tig, diag, nq, nk, slope2, part, bmbase);
@@ -190,37 +207,51 @@ static __device__ __forceinline__ float fc_score_row(const Args &a, Frag &x, int
  * the row sum l is rescaled by the returned alpha = 2^(m_old - m_new) and gains P's sum. The four lanes of a quad
  * share a row; l stays thread-partial until the end. A row that has seen no key keeps m = -inf and takes
  * exponents against 0, so that no inf - inf appears. PAIRS: P's sum taken in pairs of a block (mma.sync kernel)
- * or element by element (wgmma kernel) - the two orders each kernel was measured and tested with.
+ * or element by element (wgmma kernel) - the two orders each kernel was measured and tested with. shift: this
+ * thread's scores are x + shift (fc_score_row's, finite), added to its max before the quad's and folded into the
+ * exponent's constant.
  */
-template <bool PAIRS, typename Frag>
-static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &row_m, float &row_l, float smul) {
+template <bool PAIRS, bool SHIFT, typename Frag>
+static __device__ __forceinline__ float fc_softmax_row_as(Frag &x, int hf, float &row_m, float &row_l, float smul,
+                                                          float shift) {
     constexpr int NB = fc_frag_n<Frag>::value;
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < NB; ++j) mx = fmaxf(mx, fmaxf(fc_frag(x, j, 2 * hf), fc_frag(x, j, 2 * hf + 1)));
+    if (SHIFT) mx += shift;
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(row_m, mx * smul);
     const float mu = m_new == -INFINITY ? 0.f : m_new;
     const float alpha = fc_exp2(row_m - mu);
     row_m = m_new;
+    const float off = SHIFT ? fmaf(shift, smul, -mu) : -mu;
     float rs = 0.f;
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
         float &x0 = fc_frag(x, j, 2 * hf), &x1 = fc_frag(x, j, 2 * hf + 1);
         if (PAIRS) {
-            x0 = fc_exp2(fmaf(x0, smul, -mu));
-            x1 = fc_exp2(fmaf(x1, smul, -mu));
+            x0 = fc_exp2(fmaf(x0, smul, off));
+            x1 = fc_exp2(fmaf(x1, smul, off));
             rs += x0 + x1;
         } else {
-            x0 = fc_exp2(fmaf(x0, smul, -mu));
+            x0 = fc_exp2(fmaf(x0, smul, off));
             rs += x0;
-            x1 = fc_exp2(fmaf(x1, smul, -mu));
+            x1 = fc_exp2(fmaf(x1, smul, off));
             rs += x1;
         }
     }
     row_l = row_l * alpha + rs;
     return alpha;
+}
+template <bool PAIRS, typename Frag>
+static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &row_m, float &row_l, float smul) {
+    return fc_softmax_row_as<PAIRS, false>(x, hf, row_m, row_l, smul, 0.f);
+}
+template <bool PAIRS, typename Frag>
+static __device__ __forceinline__ float fc_softmax_row(Frag &x, int hf, float &row_m, float &row_l, float smul,
+                                                       float shift) {
+    return fc_softmax_row_as<PAIRS, true>(x, hf, row_m, row_l, smul, shift);
 }
 
 /* ---- dropout ------------------------------------------------------------------------------------------------ */
