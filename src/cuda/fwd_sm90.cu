@@ -412,8 +412,8 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  */
 template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a, const fc_drop_stream &drop,
-                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm, uint32_t nt,
-                                                         uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
+                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
+                                                         uint32_t nt, uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
                                                          const uint8_t *bmbase, float slope2, int nq, int nk,
                                                          int m0, int cw, int row0, int tig,
                                                          uint64_t dq, uint64_t dk, uint64_t dv, float (&o)[D / 2],
@@ -801,7 +801,8 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     /* Dropout: plain scores (no softcap, ALiBi or block mask) in kernels of their own; the rest on mma.sync. */
     if (a->dropout && (fc90_generic(a) || a->bm)) return 0;
     /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu), Nk below 25M keys. */
-    if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D), true).bc) * 4 > 48 * 1024) return 0;
+    if (a->bm && 2 * (size_t)fc_bm_tile_words(a->Nk, fc90_tile_for(fc90_kernel_d(a->D), true).bc) * 4 > 48 * 1024)
+        return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
     const int64_t nb = a->varlen ? 1 : a->B;
     const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb}, ek[3] = {a->varlen ? a->total_k : a->Nk, a->Hkv, nb};

@@ -41,7 +41,8 @@ typedef struct fc90_tile {
 #endif
 /* Block masks (BMASK kernels) at d 64 take two consumers: mask blocks of 128 (or 64) query rows, the common sizes,
  * would be straddled by 192-row tiles, each of which visits the key tiles of two mask rows (the union) and masks
- * the blocks one of them drops, so that time fell with the density only from 0.52 on (bench/RESULTS.md). */
+ * the blocks one of them drops: on 128-row blocks a mask kept half the blocks and took 1.10x the dense time
+ * (0.67x on this tile; bench/RESULTS.md). */
 #ifndef FC90_TILE_64_BMASK
 #define FC90_TILE_64_BMASK fc90_tile{64, 128, 128, 2}
 #endif
