@@ -11,6 +11,7 @@
  * count. Paged caches (flashc_kvcache_append_paged, block_table): the same steps through a shuffled page pool give
  * the contiguous cache's rows and attention bit for bit; bad tables, lengths and pages are refused, nothing written.
  */
+#include "internal.h" /* flashc_f32_to_bf16 */
 #include "ref/testkit.h"
 
 #include <inttypes.h>
@@ -223,7 +224,7 @@ static void paged(flashc_context_t ctx, int nnew) {
                         tq = flashc_tensor_contiguous(q, FLASHC_DTYPE_F32, B, nnew, H, D),
                         to1 = flashc_tensor_contiguous(o1, FLASHC_DTYPE_F32, B, nnew, H, D),
                         to2 = flashc_tensor_contiguous(o2, FLASHC_DTYPE_F32, B, nnew, H, D);
-    char what[96];
+    char what[160];
     int ok = flashc_kvcache_append(ctx, &tkc, &tvc, &tkn, &tvn, filled) == FLASHC_STATUS_OK &&
              flashc_kvcache_append_paged(ctx, &tkp, &tvp, &tkn, &tvn, filled, table, MP, MP + 1) == FLASHC_STATUS_OK;
     int same = 1, untouched = 1;
@@ -252,6 +253,30 @@ static void paged(flashc_context_t ctx, int nnew) {
          flashc_forward(ctx, &tq, &tkp, &tvp, &pp, &to2, lse2, NULL, 0) == FLASHC_STATUS_OK;
     snprintf(what, sizeof what, "  ... attention through the table: the contiguous cache's bits (Nq %d)", nnew);
     check(what, ok && !memcmp(o1, o2, (size_t)B * nnew * H * D * 4) && !memcmp(lse1, lse2, sizeof(float) * B * H * nnew));
+    {
+        /* The same in bf16: a kernel set's bf16 path may round differently from its fp32 one (the avx512bf16 set's
+         * decode kernels take products and P in bf16), so the steps that cross pages must take it too. */
+        const size_t qel = (size_t)B * nnew * H * D;
+        uint16_t *kc16 = malloc(cache_el * 2), *vc16 = malloc(cache_el * 2), *kp16 = malloc(pool_el * 2),
+                 *vp16 = malloc(pool_el * 2), *q16 = malloc(qel * 2), *o116 = malloc(qel * 2), *o216 = malloc(qel * 2);
+        if (!kc16 || !vc16 || !kp16 || !vp16 || !q16 || !o116 || !o216) exit(2);
+        for (size_t i = 0; i < cache_el; i++) kc16[i] = flashc_f32_to_bf16(kc[i]), vc16[i] = flashc_f32_to_bf16(vc[i]);
+        for (size_t i = 0; i < pool_el; i++) kp16[i] = flashc_f32_to_bf16(kp[i]), vp16[i] = flashc_f32_to_bf16(vp[i]);
+        for (size_t i = 0; i < qel; i++) q16[i] = flashc_f32_to_bf16(q[i]);
+        const flashc_tensor bkc = flashc_tensor_contiguous(kc16, FLASHC_DTYPE_BF16, B, CAP, HKV, D),
+                            bvc = flashc_tensor_contiguous(vc16, FLASHC_DTYPE_BF16, B, CAP, HKV, D),
+                            bkp = flashc_tensor_contiguous(kp16, FLASHC_DTYPE_BF16, NP, PS, HKV, D),
+                            bvp = flashc_tensor_contiguous(vp16, FLASHC_DTYPE_BF16, NP, PS, HKV, D),
+                            bq = flashc_tensor_contiguous(q16, FLASHC_DTYPE_BF16, B, nnew, H, D),
+                            bo1 = flashc_tensor_contiguous(o116, FLASHC_DTYPE_BF16, B, nnew, H, D),
+                            bo2 = flashc_tensor_contiguous(o216, FLASHC_DTYPE_BF16, B, nnew, H, D);
+        ok = flashc_forward(ctx, &bq, &bkc, &bvc, &pc, &bo1, lse1, NULL, 0) == FLASHC_STATUS_OK &&
+             flashc_forward(ctx, &bq, &bkp, &bvp, &pp, &bo2, lse2, NULL, 0) == FLASHC_STATUS_OK;
+        const char *kn16 = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &bq, &bkp, &bvp, &pp);
+        snprintf(what, sizeof what, "  ... and in bf16 (Nq %d, %s)", nnew, kn16 ? kn16 : "?");
+        check(what, ok && !memcmp(o116, o216, qel * 2) && !memcmp(lse1, lse2, sizeof(float) * B * H * nnew));
+        free(kc16), free(vc16), free(kp16), free(vp16), free(q16), free(o116), free(o216);
+    }
 
     /* refusals: nothing written */
     memcpy(kp0, kp, pool_el * 4);

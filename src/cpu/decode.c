@@ -78,19 +78,34 @@ static void next_rows(const flashc_problem *p, int64_t b, int64_t n0, int cols, 
 /*
  * K-like rows [row0, row0 + rows) of sequence b (row0 counting as flashc_cpu_kv_rows does), head h, as dots_kv and pv
  * take them: in place when the view holds fp32 or bf16 with unit stride along D and the rows lie on one page (always,
- * unpaged), so bf16 caches are widened inside the kernels instead of row by row into a buffer; otherwise (fp16, other
- * strides, rows across pages) converted to fp32 into buf (leading dim buf_ld).
+ * unpaged), so bf16 caches are widened inside the kernels instead of row by row into a buffer; bf16 rows with unit
+ * stride across pages gathered as bf16 rows into buf (a row pitch of 2 buf_ld), since a kernel set's bf16 path may
+ * round differently from its fp32 one (the avx512bf16 set's products and P in bf16), and a paged cache must give the
+ * contiguous one's bits; otherwise (fp16, other strides; fp32 rows across pages) converted to fp32 into buf (leading
+ * dim buf_ld).
  */
 static const void *step_rows(const flashc_cpu_kernels *kern, const flashc_problem *p, const flashc_tensor *t,
                              int64_t b, int64_t row0, int rows, int64_t h, float *buf, int64_t buf_ld, int *kt,
                              int64_t *ld) {
     const int bf16 = t->dtype == FLASHC_DTYPE_BF16;
+    const int64_t tb = flashc_cpu_tensor_batch(p, b);
     if ((bf16 || t->dtype == FLASHC_DTYPE_F32) && t->stride[3] == 1 &&
         (!p->block_table || row0 / p->page_size == (row0 + rows - 1) / p->page_size)) {
         *kt = bf16 ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32;
         *ld = t->stride[1];
-        return (const char *)t->data +
-               flashc_kv_offset(p, t, b, flashc_cpu_tensor_batch(p, b), row0, h) * (bf16 ? 2 : 4);
+        return (const char *)t->data + flashc_kv_offset(p, t, b, tb, row0, h) * (bf16 ? 2 : 4);
+    }
+    if (bf16 && t->stride[3] == 1) {
+        uint16_t *dst = (uint16_t *)buf;
+        const int64_t ld16 = 2 * buf_ld;
+        for (int r = 0; r < rows; r++) {
+            memcpy(dst + (size_t)r * ld16, (const uint16_t *)t->data + flashc_kv_offset(p, t, b, tb, row0 + r, h),
+                   (size_t)p->D * 2);
+            memset(dst + (size_t)r * ld16 + p->D, 0, (size_t)(ld16 - p->D) * 2);
+        }
+        *kt = FLASHC_CPU_KV_BF16;
+        *ld = ld16;
+        return dst;
     }
     *kt = FLASHC_CPU_KV_F32;
     return flashc_cpu_kv_rows(kern, p, t, b, row0, rows, h, buf, buf_ld, ld);
