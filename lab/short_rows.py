@@ -15,32 +15,14 @@ fixed cost per query tile (us, and in key-tile steps) and each case's residual.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import flashc  # noqa: E402
-
-
-def timed(fns, runs, sleep_cycles):
-    """Median ms of each callable, in turns; a GPU sleep before each start event keeps the host's work off the
-    clock (the call is queued while the sleep runs)."""
-    for fn in fns.values():
-        fn()
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, fn in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(sleep_cycles)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b))
-    return {k: statistics.median(v) for k, v in times.items()}
+from compare_torch_bwd import interleaved_medians  # noqa: E402
 
 
 def fit(rows):
@@ -96,40 +78,28 @@ def main(argv=None):
         m |= torch.eye(nq, dtype=torch.bool)
         return m
 
-    families = []
-    wins = [int(x) for x in args.lefts.split(",") if x]
-    fns, counts = {}, {}
-    for left in wins:
-        fns[f"window ({left}, 0)"] = (lambda l=left: flashc.attention(q, k, v, window_size=(l, 0)))
-        counts[f"window ({left}, 0)"] = (qtiles, window_steps(left))
-    families.append(("sliding windows", fns, counts))
-    fns, counts = {}, {}
+    # family -> {case: (attention's keyword arguments, (query tiles, key-tile steps))}
+    wins = {f"window ({left}, 0)": (dict(window_size=(left, 0)), (qtiles, window_steps(left)))
+            for left in (int(x) for x in args.lefts.split(",") if x)}
+    masks = {}
     for dens in (float(x) for x in args.densities.split(",") if x):
         m = mask_of(dens)
-        mask = m.to(torch.uint8).cuda()
-        lab = f"block mask {m.float().mean().item():.3f}"
-        fns[lab] = (lambda mk=mask: flashc.attention(q, k, v, block_mask=mk, block_size=(br, bc)))
-        counts[lab] = (qtiles, int(m.sum().item()) * B * H)
-    fns["dense (no mask)"] = lambda: flashc.attention(q, k, v)
-    counts["dense (no mask)"] = (qtiles, nq * nq * B * H)
-    families.append(("block masks", fns, counts))
+        masks[f"block mask {m.float().mean().item():.3f}"] = (
+            dict(block_mask=m.to(torch.uint8).cuda(), block_size=(br, bc)), (qtiles, int(m.sum().item()) * B * H))
+    masks["dense (no mask)"] = (dict(), (qtiles, nq * nq * B * H))
 
-    for name, fns, counts in families:
-        t = timed(fns, args.runs, args.sleep)
-        report(name + ", forward", [counts[x] + (t[x],) for x in fns], list(fns))
+    for name, cases in (("sliding windows", wins), ("block masks", masks)):
+        fwd = {lab: (lambda kw=kw: flashc.attention(q, k, v, **kw)) for lab, (kw, _) in cases.items()}
+        t = interleaved_medians(fwd, args.runs, warmup=2, ahead=args.sleep)
+        report(name + ", forward", [c + (t[lab],) for lab, (_, c) in cases.items()], list(cases))
         if args.no_bwd:
             continue
-        bw = {}
-        for lab, fn in fns.items():
-            o, lse = fn()
-            kw = {}
-            if lab.startswith("window"):
-                kw = dict(window_size=(int(lab.split("(")[1].split(",")[0]), 0))
-            elif lab.startswith("block mask"):
-                kw = dict(block_mask=fn.__defaults__[0], block_size=(br, bc))
-            bw[lab] = (lambda o=o, lse=lse, kw=kw: flashc.attention_backward(do, q, k, v, o, lse, **kw))
-        t = timed(bw, args.runs, args.sleep)
-        report(name + ", backward", [counts[x] + (t[x],) for x in bw], list(bw))
+        bwd = {}
+        for lab, (kw, _) in cases.items():
+            o, lse = fwd[lab]()
+            bwd[lab] = (lambda o=o, lse=lse, kw=kw: flashc.attention_backward(do, q, k, v, o, lse, **kw))
+        t = interleaved_medians(bwd, args.runs, warmup=2, ahead=args.sleep)
+        report(name + ", backward", [c + (t[lab],) for lab, (_, c) in cases.items()], list(cases))
     return 0
 
 

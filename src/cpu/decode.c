@@ -96,16 +96,8 @@ static const void *step_rows(const flashc_cpu_kernels *kern, const flashc_proble
         return (const char *)t->data + flashc_kv_offset(p, t, b, tb, row0, h) * (bf16 ? 2 : 4);
     }
     if (bf16 && t->stride[3] == 1) {
-        uint16_t *dst = (uint16_t *)buf;
-        const int64_t ld16 = 2 * buf_ld;
-        for (int r = 0; r < rows; r++) {
-            memcpy(dst + (size_t)r * ld16, (const uint16_t *)t->data + flashc_kv_offset(p, t, b, tb, row0 + r, h),
-                   (size_t)p->D * 2);
-            memset(dst + (size_t)r * ld16 + p->D, 0, (size_t)(ld16 - p->D) * 2);
-        }
         *kt = FLASHC_CPU_KV_BF16;
-        *ld = ld16;
-        return dst;
+        return flashc_cpu_kv_rows_bf16(p, t, b, row0, rows, h, (uint16_t *)buf, 2 * buf_ld, ld);
     }
     *kt = FLASHC_CPU_KV_F32;
     return flashc_cpu_kv_rows(kern, p, t, b, row0, rows, h, buf, buf_ld, ld);
