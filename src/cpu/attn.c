@@ -31,7 +31,8 @@
  * operands with fp32 sums, as flash-attn does on tensor cores: K and V as bf16 rows or pair rows (two rows side by
  * side, the operand form of a reduction over them), Q and dO as pair rows, and P (forward and backward) and dS rounded
  * to bf16 after the fp32 softmax and dS steps, which stay as above; score_operands, pv_operands, kv_block and key_side
- * carry either form to the same loops.
+ * carry either form to the same loops. Without dropout or softcap the backward's P, dS and their bf16 forms come from
+ * one kernel pass over the tile (the bf16 kernels' ds).
  *
  * Dropout (src/dropout.h): each (sequence, head) is a Philox stream and the keep bit of (i, j) depends on nothing
  * else, so tiles, split-KV pieces, the backward's modes and thread counts all drop the same elements. The forward
@@ -425,7 +426,7 @@ static void forward_group(const flashc_problem *p, const flashc_cpu_kernels *ker
             if (q->lo < glo) glo = q->lo;
             if (q->hi > ghi) ghi = q->hi;
         }
-        if (L->bf16) flashc_cpu_load_pairs_t((uint16_t *)q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D);
+        if (L->bf16) flashc_cpu_load_pairs_t(kern, (uint16_t *)q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D);
         else flashc_cpu_load_t(kern, q->qt, L->ld, &p->q, tb, q0 + q->i0, q->rows, br, h, D, flashc_cpu_qscale(p));
         memset(q->o, 0, sizeof(float) * (size_t)br * dp);
         for (int r = 0; r < br; r++) {
@@ -672,8 +673,8 @@ static query_side load_query_side(const flashc_problem *p, const flashc_cpu_kern
     const int64_t tb = flashc_cpu_tensor_batch(p, b);
     query_side qs = {qt, dot, lse2, di, NULL, NULL, ld};
     if (L->bf16) {
-        flashc_cpu_load_pairs_t((uint16_t *)qt, ld, &p->q, tb, q0 + i0, rows, pad_rows, h, p->D);
-        flashc_cpu_load_pairs_t((uint16_t *)dot, ld, &p->dout, tb, q0 + i0, rows, pad_rows, h, p->D);
+        flashc_cpu_load_pairs_t(kern, (uint16_t *)qt, ld, &p->q, tb, q0 + i0, rows, pad_rows, h, p->D);
+        flashc_cpu_load_pairs_t(kern, (uint16_t *)dot, ld, &p->dout, tb, q0 + i0, rows, pad_rows, h, p->D);
         qs.qt = qs.dot = NULL;
         qs.qt2 = (const uint16_t *)qt, qs.dot2 = (const uint16_t *)dot;
     } else {
@@ -773,9 +774,25 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     else score_product(kern, &s_ops, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
     if (e->on || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
-    kern->exp2_sub(cols, br, t->st, ld, qs->lse2); /* P = 2^(S - lse) */
+    /* bf16 products without dropout or softcap: P, dS and their bf16 forms in one pass after dP (fused) */
+    const int fused = L->bf16 && !t->z && !(p->softcap > 0.0f);
+    if (!fused) kern->exp2_sub(cols, br, t->st, ld, qs->lse2); /* P = 2^(S - lse) */
     if (e->on) edge_scores(kern, br, rows, e->lo, e->hi, &dp_ops, cols, t->dpt, ld, e->ch);
     else score_product(kern, &dp_ops, 0, cols, 0, br, t->dpt, ld); /* dP^T = V dO^T */
+    if (fused) {
+        /* The masked scores are -inf (P = 0) on an edge tile wherever its strips computed no dP: a 0 there keeps an
+         * uncomputed dP out of dS, which is then 0 (of either sign; the products' sums start from +0). */
+        for (int c = 0, ra = 0, rb = 0; e->on && c < cols; c++) {
+            float *dsc = t->dpt + (size_t)c * ld;
+            while (ra < rows && e->hi[ra] <= c) ra++;
+            if (rb < ra) rb = ra;
+            while (rb < rows && e->lo[rb] <= c) rb++;
+            for (int r = 0; r < ra; r++) dsc[r] = 0.0f;
+            for (int r = rb; r < br; r++) dsc[r] = 0.0f;
+        }
+        kern->bf16->ds(cols, br, t->st, t->dpt, ld, qs->lse2, qs->di, t->p16, t->ds16, t->ds2);
+        return;
+    }
     flashc_cpu_dropout drop;
     if (flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop)) {
         for (int c = 0; c < cols; c++)

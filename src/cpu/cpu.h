@@ -171,11 +171,31 @@ typedef void (*flashc_cpu_pairs_bf16_fn)(int rows, int n, const uint16_t *src, i
                                          int64_t ldd);
 /* dst[i] = bf16(src[i]) for n values, rounded to nearest even (the backward's P and dS, kept key-major). */
 typedef void (*flashc_cpu_to_bf16_fn)(int n, const float *src, uint16_t *dst);
+/*
+ * The backward's elementwise step of a key-major tile (cols keys x rows queries, rows a multiple of 16) in one pass,
+ * for the bf16 products: from the masked scores st (log2 units) and dP^T (dpt), P = 2^(st - lse2[r]) as exp2_sub
+ * gives it and dS = P (dP - di[r]), written only as bf16 (nearest even): P and dS key-major (p16, ds16, leading dim
+ * ld as st and dpt) and dS's pair rows along the keys (ds2: (cols + 1) / 2 rows of leading dim 2 ld, the second key
+ * of the last pair 0 after an odd count), the operands of dV += P^T dO, dK += dS^T Q and dQ += dS K. st and dpt are
+ * only read.
+ */
+typedef void (*flashc_cpu_ds_bf16_fn)(int cols, int rows, const float *st, const float *dpt, int64_t ld,
+                                      const float *lse2, const float *di, uint16_t *p16, uint16_t *ds16,
+                                      uint16_t *ds2);
+/*
+ * Pair rows along D from rows whose pairs are 32-bit words: dst[q * ldd + 2 r + e] = src[r * lds + 2 q + e] for
+ * q < pairs, e in {0, 1} and r < rows, 0 for rows <= r < pad_rows (Q and dO as the B operands of S^T = K Q^T and
+ * dP^T = V dO^T): a transpose of words.
+ */
+typedef void (*flashc_cpu_pairs_t_fn)(int rows, int pad_rows, int pairs, const uint16_t *src, int64_t lds,
+                                      uint16_t *dst, int64_t ldd);
 typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_gemm_bf16_fn gemm;
     flashc_cpu_pairs_f32_fn pairs_f32;
     flashc_cpu_pairs_bf16_fn pairs_bf16;
     flashc_cpu_to_bf16_fn to_bf16;
+    flashc_cpu_ds_bf16_fn ds;
+    flashc_cpu_pairs_t_fn pairs_t;
 } flashc_cpu_bf16_kernels;
 
 typedef struct flashc_cpu_kernels {
@@ -303,14 +323,15 @@ void flashc_cpu_load_t(const flashc_cpu_kernels *kern, float *dst, int64_t ld, c
  * whose pairs (d, d + 1) are adjacent: in place where the view has unit stride along D, D is even and (paged) the rows
  * lie on one page, else copied into buf (leading dim buf_ld >= D + 1), an odd D padded with a zero.
  * load_pairs_t: the query rows as pair rows, dst[(d / 2) * 2 ld + 2 r + d % 2] = t(row0 + r, d) for r < rows and d < D,
- * zero for rows <= r < pad_rows and for d = D when D is odd (the B operand of S^T = K Q^T).
+ * zero for rows <= r < pad_rows and for d = D when D is odd (the B operand of S^T = K Q^T); by kern's pairs_t where the
+ * view has unit stride along D and D is even.
  */
 const uint16_t *flashc_cpu_rows_bf16(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
                                      uint16_t *buf, int64_t buf_ld, int64_t *ld);
 const uint16_t *flashc_cpu_kv_rows_bf16(const flashc_problem *p, const flashc_tensor *t, int64_t b, int64_t row0,
                                         int rows, int64_t h, uint16_t *buf, int64_t buf_ld, int64_t *ld);
-void flashc_cpu_load_pairs_t(uint16_t *dst, int64_t ld, const flashc_tensor *t, int64_t b, int64_t row0, int rows,
-                             int pad_rows, int64_t h, int64_t D);
+void flashc_cpu_load_pairs_t(const flashc_cpu_kernels *kern, uint16_t *dst, int64_t ld, const flashc_tensor *t,
+                             int64_t b, int64_t row0, int rows, int pad_rows, int64_t h, int64_t D);
 /* Stores scale * src[r][0..D) into rows [row0, row0 + rows) of head h, converting to the view's dtype. */
 void flashc_cpu_store_rows(const flashc_tensor *t, int64_t b, int64_t row0, int rows, int64_t h, int64_t D,
                            const float *src, int64_t ld, float scale);

@@ -2,12 +2,14 @@
  * AVX-512F microkernels (built with -mavx512f -mfma -mf16c, chosen at run time).
  * gemm: a 12x32 register tile (24 zmm accumulators, 2 for the B row, 1 for the A broadcast), masked for the
  * last columns, A read in place through either stride (no packing). exp2: as the AVX2 kernel (degree-6 polynomial
- * of 2^f), scaled by 2^n with vscalefps.
+ * of 2^f), scaled by 2^n with vscalefps (exp2_avx512.h, shared with the bf16 backward's fused step).
  */
 #include "cpu.h"
 
 #if defined(FLASHC_CPU_X86)
 #include <immintrin.h>
+
+#include "exp2_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -98,24 +100,6 @@ static void gemm_avx512(int m, int n, int k, const float *a, int64_t rs_a, int64
     }
 }
 
-/* Clamped to [-126, 128]: vscalefps turns n = 128 into +inf, and +inf inputs never reach inf - inf = NaN. */
-AI __m512 exp2_ps(__m512 x) {
-    /* NaN stays NaN: max/min return their second operand when either is NaN, so x goes second, and the flush to
-     * 0 below -126 is "not less than", true for NaN. */
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-    x = _mm512_min_ps(_mm512_set1_ps(128.0f), _mm512_max_ps(_mm512_set1_ps(-126.0f), x));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(FLASHC_EXP2_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
-
 static void softmax_avx512(int cols, int rows, float *st, int64_t ld, float *m, float *l, float *alpha) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     for (int r = 0; r < rows; r += 16) {
@@ -126,11 +110,11 @@ static void softmax_avx512(int cols, int rows, float *st, int64_t ld, float *m, 
         for (int c = 0; c < cols; c++) mx = _mm512_max_ps(_mm512_loadu_ps(st + (size_t)c * ld + r), mx);
         const __mmask16 empty = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
         const __m512 sub = _mm512_mask_mov_ps(mx, empty, zero);
-        const __m512 a = _mm512_mask_mov_ps(exp2_ps(_mm512_sub_ps(m_old, sub)), empty, one);
+        const __m512 a = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, one);
         __m512 sum = zero;
         for (int c = 0; c < cols; c++) {
             float *x = st + (size_t)c * ld + r;
-            const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(x), sub));
+            const __m512 e = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(x), sub));
             _mm512_storeu_ps(x, e);
             sum = _mm512_add_ps(sum, e);
         }
@@ -161,7 +145,7 @@ static void softmax_rows_avx512(int rows, int cols, float *s, int64_t lds, float
             const __m512 vsub = _mm512_set1_ps(m_new == -INFINITY ? 0.0f : m_new);
             __m512 sum = zero;
             for (int c = 0; c < cols; c += 16) {
-                const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(x + c), vsub));
+                const __m512 e = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + c), vsub));
                 _mm512_storeu_ps(x + c, e);
                 sum = _mm512_add_ps(sum, e);
             }
@@ -172,7 +156,7 @@ static void softmax_rows_avx512(int rows, int cols, float *s, int64_t lds, float
         const __m512 m_old = _mm512_maskz_loadu_ps(mask, m + r0), m_new = _mm512_load_ps(mn);
         const __mmask16 empty = _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ);
         const __m512 a =
-            _mm512_mask_mov_ps(exp2_ps(_mm512_sub_ps(m_old, _mm512_mask_mov_ps(m_new, empty, zero))), empty, one);
+            _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, _mm512_mask_mov_ps(m_new, empty, zero))), empty, one);
         _mm512_mask_storeu_ps(alpha + r0, mask, a);
         const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, l + r0), a, _mm512_load_ps(sm));
         _mm512_mask_storeu_ps(l + r0, mask, l_new);
@@ -184,14 +168,14 @@ static void exp2_sub_avx512(int cols, int rows, float *st, int64_t ld, const flo
     for (int c = 0; c < cols; c++) {
         float *col = st + (size_t)c * ld;
         for (int r = 0; r < rows; r += 16)
-            _mm512_storeu_ps(col + r, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(col + r), _mm512_loadu_ps(sub + r))));
+            _mm512_storeu_ps(col + r, flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(col + r), _mm512_loadu_ps(sub + r))));
     }
 }
 
 static void exp2_avx512(int n, const float *src, float *dst) {
     for (int i = 0; i < n; i += 16) {
         const __mmask16 m = first(n - i);
-        _mm512_mask_storeu_ps(dst + i, m, exp2_ps(_mm512_maskz_loadu_ps(m, src + i)));
+        _mm512_mask_storeu_ps(dst + i, m, flashc_exp2_avx512(_mm512_maskz_loadu_ps(m, src + i)));
     }
 }
 

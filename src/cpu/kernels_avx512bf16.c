@@ -7,7 +7,9 @@
  * f32 lanes, so a k step of the loop covers two of the fp32 kernel's. A's pair is one 32-bit broadcast; B is in pair
  * rows (cpu.h, flashc_cpu_gemm_bf16_fn). pairs: two rows of a tile interleaved into one pair row, fp32 rounded to
  * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P and dS on the GPU) and zipped by vpermw (AVX512BW,
- * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout.
+ * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout. ds: the backward's P, dS and
+ * their bf16 forms in one pass over the tile (exp2 from exp2_avx512.h, so P is exp2_sub's bit for bit); pairs_t: Q's
+ * and dO's pair rows by 16x16 transposes of pair words.
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX2 kernels): dots_kv, 4x4, 2x8 or 1x16 blocks of
  * (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen keys in the
  * lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of
@@ -18,6 +20,8 @@
 #if defined(FLASHC_CPU_X86) && defined(FLASHC_CPU_AVX512BF16)
 #include <immintrin.h>
 #include <string.h>
+
+#include "exp2_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -156,6 +160,40 @@ static void to_bf16_avx512(int n, const float *src, uint16_t *dst) {
     for (; i + 16 <= n; i += 16)
         _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
     for (; i < n; i++) dst[i] = flashc_f32_to_bf16(src[i]);
+}
+
+/*
+ * Two keys (columns c, c + 1 of the tile) at a time, so that one vcvtne2ps2bf16 rounds both columns' 16 rows into one
+ * register: its halves are the two p16 / ds16 rows, and vpermw zips them into dS's pair row. One pass over st and dpt
+ * where exp2_sub, the dS loop, two to_bf16 and pairs_f32 made five over the tile.
+ */
+static void ds_avx512(int cols, int rows, const float *st, const float *dpt, int64_t ld, const float *lse2,
+                      const float *di, uint16_t *p16, uint16_t *ds16, uint16_t *ds2) {
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int c = 0; c < cols; c += 2) {
+        const int two = c + 1 < cols;
+        const float *s0 = st + (int64_t)c * ld, *d0 = dpt + (int64_t)c * ld;
+        uint16_t *pr = p16 + (int64_t)c * ld, *dr = ds16 + (int64_t)c * ld, *pair = ds2 + (int64_t)c * ld;
+        for (int r = 0; r < rows; r += 16) {
+            const __m512 lse = _mm512_loadu_ps(lse2 + r), dv = _mm512_loadu_ps(di + r);
+            const __m512 p0 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + r), lse));
+            const __m512 g0 = _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(d0 + r), dv));
+            __m512 p1 = _mm512_setzero_ps(), g1 = p1;
+            if (two) {
+                p1 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + ld + r), lse));
+                g1 = _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(d0 + ld + r), dv));
+            }
+            const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0), gb = (__m512i)_mm512_cvtne2ps_pbh(g1, g0);
+            _mm256_storeu_si256((__m256i *)(pr + r), _mm512_castsi512_si256(pb));
+            _mm256_storeu_si256((__m256i *)(dr + r), _mm512_castsi512_si256(gb));
+            if (two) {
+                _mm256_storeu_si256((__m256i *)(pr + ld + r), _mm512_extracti64x4_epi64(pb, 1));
+                _mm256_storeu_si256((__m256i *)(dr + ld + r), _mm512_extracti64x4_epi64(gb, 1));
+            }
+            _mm512_storeu_si512(pair + 2 * r, _mm512_permutexvar_epi16(zip, gb));
+        }
+    }
 }
 
 /* ---- decode (decode.c): dots_kv and pv on vdpbf16ps when K / V are bf16; fp32 rows take the AVX2 kernels -------- */
@@ -459,10 +497,32 @@ void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t
     }
 }
 
+/* Blocks of 16 rows x 16 pair words through transpose16: 16 loads and 16 whole-line stores per block, where a word at
+ * a time wrote each to another line. */
+static void pairs_t_avx512(int rows, int pad_rows, int pairs, const uint16_t *src, int64_t lds, uint16_t *dst,
+                           int64_t ldd) {
+    for (int r0 = 0; r0 < pad_rows; r0 += 16) {
+        const __mmask16 mr = first(pad_rows - r0);
+        for (int q0 = 0; q0 < pairs; q0 += 16) {
+            const int nq = pairs - q0 < 16 ? pairs - q0 : 16;
+            const __mmask16 mq = first(nq);
+            __m512i x[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                x[i] = r0 + i < rows ? _mm512_maskz_loadu_epi32(mq, src + (int64_t)(r0 + i) * lds + 2 * q0)
+                                     : _mm512_setzero_si512();
+            transpose16(x);
+            for (int j = 0; j < nq; j++) _mm512_mask_storeu_epi32(dst + (int64_t)(q0 + j) * ldd + 2 * r0, mr, x[j]);
+        }
+    }
+}
+
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .gemm = gemm_bf16_avx512,
     .pairs_f32 = pairs_f32_avx512,
     .pairs_bf16 = pairs_bf16_avx512,
     .to_bf16 = to_bf16_avx512,
+    .ds = ds_avx512,
+    .pairs_t = pairs_t_avx512,
 };
 #endif
