@@ -381,16 +381,21 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
     else score_product(kern, &s, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
     if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
-    kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
-    for (int r = 0; r < rows; r++)
-        if (t->alpha[r] != 1.0f) {
-            float *orow = q->o + (size_t)r * dp;
-            for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
-        }
-    /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
-    if (drop) kern->dropout(cols, br, t->st, ld, drop, q->i0, j0);
     const pv_operands v = tile_pv(p, L, t, kv, off);
-    if (v.p2) kern->bf16->pairs_f32(cols, v.lead, br, t->st, ld, t->p2, 2 * (int64_t)ld);
+    if (v.p2 && !drop) { /* the softmax writes P's pair rows and rescales O itself */
+        kern->bf16->softmax_pairs(cols, br, t->st, ld, q->m, q->l, t->alpha, v.lead, t->p2, 2 * (int64_t)ld, q->o, dp,
+                                  D);
+    } else {
+        kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
+        for (int r = 0; r < rows; r++)
+            if (t->alpha[r] != 1.0f) {
+                float *orow = q->o + (size_t)r * dp;
+                for (int d = 0; d < D; d++) orow[d] *= t->alpha[r];
+            }
+        /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
+        if (drop) kern->dropout(cols, br, t->st, ld, drop, q->i0, j0);
+        if (v.p2) kern->bf16->pairs_f32(cols, v.lead, br, t->st, ld, t->p2, 2 * (int64_t)ld);
+    }
     if (edge) edge_pv(kern, L, q, lo, hi, &v, cols, ch);
     else pv_product(kern, &v, 0, rows, 0, cols, q->o, dp); /* O += P V */
 }

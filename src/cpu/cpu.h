@@ -189,6 +189,16 @@ typedef void (*flashc_cpu_ds_bf16_fn)(int cols, int rows, const float *st, const
  */
 typedef void (*flashc_cpu_pairs_t_fn)(int rows, int pad_rows, int pairs, const uint16_t *src, int64_t lds,
                                       uint16_t *dst, int64_t ldd);
+/*
+ * The forward's online-softmax step for the bf16 products, P written only as bf16 pair rows: m, l and alpha as
+ * softmax_fn computes them from st (cols keys x rows queries, rows a multiple of 16; st is only read), P = 2^(st - m')
+ * rounded to nearest even into pair rows p2 as pairs_f32(cols, lead, rows, P, ...) lays them out (leading dim ldp),
+ * and the first D values of each O row r (o, leading dim ldo) multiplied by alpha[r]. The bits of softmax_fn,
+ * pairs_f32 and the rescale in turn.
+ */
+typedef void (*flashc_cpu_softmax_pairs_fn)(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
+                                            float *alpha, int lead, uint16_t *p2, int64_t ldp, float *o, int64_t ldo,
+                                            int D);
 typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_gemm_bf16_fn gemm;
     flashc_cpu_pairs_f32_fn pairs_f32;
@@ -196,6 +206,7 @@ typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_to_bf16_fn to_bf16;
     flashc_cpu_ds_bf16_fn ds;
     flashc_cpu_pairs_t_fn pairs_t;
+    flashc_cpu_softmax_pairs_fn softmax_pairs;
 } flashc_cpu_bf16_kernels;
 
 typedef struct flashc_cpu_kernels {

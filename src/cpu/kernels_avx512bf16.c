@@ -9,7 +9,8 @@
  * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P and dS on the GPU) and zipped by vpermw (AVX512BW,
  * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout. ds: the backward's P, dS and
  * their bf16 forms in one pass over the tile (exp2 from exp2_avx512.h, so P is exp2_sub's bit for bit); pairs_t: Q's
- * and dO's pair rows by 16x16 transposes of pair words.
+ * and dO's pair rows by 16x16 transposes of pair words; softmax_pairs: the forward's online-softmax step writing P's
+ * pair rows (no fp32 P) and rescaling O.
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX2 kernels): dots_kv, 4x4, 2x8 or 1x16 blocks of
  * (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen keys in the
  * lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of
@@ -517,6 +518,49 @@ static void pairs_t_avx512(int rows, int pad_rows, int pairs, const uint16_t *sr
     }
 }
 
+/* softmax_avx512's steps (max, alpha, exp2 and sum in column order) per 16 rows, the exp2 pass two columns (a pair)
+ * at a time into one vcvtne2ps2bf16 and vpermw, as pairs_f32 rounds and zips them, with no fp32 P stored. */
+static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld, float *m, float *l, float *alpha,
+                                 int lead, uint16_t *p2, int64_t ldp, float *o, int64_t ldo, int D) {
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    for (int r = 0; r < rows; r += 16) {
+        const __m512 m_old = _mm512_loadu_ps(m + r);
+        __m512 mx = m_old;
+        for (int c = 0; c < cols; c++) mx = _mm512_max_ps(_mm512_loadu_ps(st + (size_t)c * ld + r), mx);
+        const __mmask16 empty = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
+        const __m512 sub = _mm512_mask_mov_ps(mx, empty, zero);
+        const __m512 a = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, one);
+        __m512 sum = zero;
+        for (int p = 0; 2 * p < cols + lead; p++) {
+            const int c0 = 2 * p - lead, c1 = c0 + 1;
+            __m512 e0 = zero, e1 = zero;
+            if (c0 >= 0) {
+                e0 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c0 * ld + r), sub));
+                sum = _mm512_add_ps(sum, e0);
+            }
+            if (c1 < cols) {
+                e1 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c1 * ld + r), sub));
+                sum = _mm512_add_ps(sum, e1);
+            }
+            _mm512_storeu_si512(p2 + (int64_t)p * ldp + 2 * r,
+                                _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+        }
+        _mm512_storeu_ps(alpha + r, a);
+        _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
+        _mm512_storeu_ps(m + r, mx);
+        for (int i = 0; i < 16; i++) { /* O rows r .. r + 15 scaled by their alpha */
+            const __m512 ai = _mm512_set1_ps(alpha[r + i]);
+            float *orow = o + (int64_t)(r + i) * ldo;
+            for (int d = 0; d < D; d += 16) {
+                const __mmask16 md = first(D - d);
+                _mm512_mask_storeu_ps(orow + d, md, _mm512_mul_ps(_mm512_maskz_loadu_ps(md, orow + d), ai));
+            }
+        }
+    }
+}
+
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .gemm = gemm_bf16_avx512,
     .pairs_f32 = pairs_f32_avx512,
@@ -524,5 +568,6 @@ const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .to_bf16 = to_bf16_avx512,
     .ds = ds_avx512,
     .pairs_t = pairs_t_avx512,
+    .softmax_pairs = softmax_pairs_avx512,
 };
 #endif
