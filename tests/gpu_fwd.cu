@@ -41,8 +41,8 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
     /* (padded layouts pitch heads by d + 3 elements: rows that are not 16-byte aligned, which TMA cannot load) */
     if (!ft || c->dtype == FLASHC_DTYPE_F32 || c->layout == FLASHC_LAYOUT_PADDED) return;
     if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
-    if (kernel && strstr(kernel, "split-KV")) return; /* few blocks: the keys are split, on mma.sync by design */
-    if (kernel && strstr(kernel, "decode tile")) return; /* at most 16 query rows: the decode tile, by design */
+    /* block masks with few tiles: the keys split on mma.sync (the Hopper kernel's split-KV takes no block mask) */
+    if (c->block_q > 0 && kernel && strstr(kernel, "sm80") && strstr(kernel, "split-KV")) return;
     if (c->page_size > 0) return; /* paged K/V: the mma.sync kernel's per-row page loads (no Hopper paged kernel yet) */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
                              c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0,
@@ -68,12 +68,14 @@ static int gqa_rows_expected(const flashc_case *c) {
            !right_band_cuts(c);
 }
 static int gqa_rows_cases = 0;
-/* Rows that run the decode tile (cuda.cu's fwd_dec): at most 16 query rows, after GQA heads become rows, and at
- * least 64 (sequence, head) pairs. */
-static int dec_tile_expected(const flashc_case *c) {
+/* Rows that run the decode tile (cuda.cu's fwd_dec) where the Hopper kernel does not take them (kernel: the one that
+ * ran): at most 16 query rows, after GQA heads become rows, and at least 64 (sequence, head) pairs. */
+static int dec_tile_expected(const flashc_case *c, const char *kernel) {
     const int g = gqa_rows_expected(c);
-    return (g ? c->H / c->Hkv : c->Nq) <= 16 && c->B * (g ? c->Hkv : c->H) >= 64;
+    return (g ? c->H / c->Hkv : c->Nq) <= 16 && c->B * (g ? c->Hkv : c->H) >= 64 &&
+           !(kernel && !strncmp(kernel, "sm90", 4));
 }
+static int dec_tile_row(const flashc_case *c) { return dec_tile_expected(c, NULL); }
 static int dec_tile_cases = 0;
 
 /* Whether the kernel that ran (name kernel) carries the variant named what exactly when the case expects it; counts
@@ -87,12 +89,17 @@ static int variant_ok(const flashc_case *c, const char *kernel, const char *what
     return 0;
 }
 
-static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft) {
+/* The case table (full or quick) on ctx; only: the rows to run (NULL: all). */
+static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tally *kernels, feature_tally *ft,
+                      int (*only)(const flashc_case *) = NULL) {
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
     int passed = 0, skipped = 0;
+    size_t rows = 0;
     for (size_t i = 0; i < n; i++) {
         flashc_case c = table[i];
+        if (only && !only(&c)) continue;
+        rows++;
         c.backward = 0; /* the CUDA backend is forward-only for now */
         flashc_case_result r;
         memset(&r, 0, sizeof r);
@@ -108,8 +115,8 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         }
         int ok = r.pass;
         ok &= variant_ok(&c, r.kernel_fwd, "GQA heads as rows", gqa_rows_expected(&c), &gqa_rows_cases);
-        ok &= variant_ok(&c, r.kernel_fwd, "16-row decode tile", dec_tile_expected(&c), &dec_tile_cases);
-        tally_add(kernels, r.kernel_fwd);
+        ok &= variant_ok(&c, r.kernel_fwd, "16-row decode tile", dec_tile_expected(&c, r.kernel_fwd), &dec_tile_cases);
+        if (kernels) tally_add(kernels, r.kernel_fwd);
         feature_add(ft, &c, r.kernel_fwd);
         printf("%s %-26s %-4s out %.3g (tol %.3g) lse %.3g (tol %.3g) on %s%s%s\n", ok ? "ok  " : "FAIL", c.name,
                flashc_dtype_name(c.dtype), r.err_out, r.tol_out, r.err_lse, r.tol_lse,
@@ -117,7 +124,8 @@ static void run_table(flashc_context_t ctx, int full, uint64_t seed, kernel_tall
         if (ok) passed++;
         else failures++;
     }
-    printf("table (%s): %d / %zu passed, %d skipped (paged K/V)\n", full ? "full" : "quick", passed, n - skipped,
+    printf("table (%s%s): %d / %zu passed, %d skipped (paged K/V)\n", full ? "full" : "quick", only ? ", some rows" : "",
+           passed, rows - skipped,
            skipped);
 }
 
@@ -484,12 +492,14 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
 }
 
 /* paged K/V (paged_vs_contiguous): decode with GQA heads as rows on the decode tile, the decode tile at page size
- * 1, split keys at page 256, and prefill on mma.sync (pages of 48 rows: not a power of two, tiles straddle pages) */
-static void paged_tests(flashc_context_t ctx) {
-    paged_vs_contiguous(ctx, "paged_decode_gqa_rows", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 21);
-    paged_vs_contiguous(ctx, "paged_decode_tile_pg1", (shape){16, 4, 700, 8, 8, 64, 1}, 1, 22);
-    paged_vs_contiguous(ctx, "paged_splitkv_pg256", (shape){2, 1, 20000, 8, 2, 128, 0}, 256, 23);
+ * 1, split keys at page 256, and prefill on mma.sync (pages of 48 rows: not a power of two, tiles straddle pages).
+ * The contiguous runs go to the mma.sync kernels too (FLASHC_CUDA_FWD=sm80), which take paged caches, so that
+ * both run one kernel. */
+static void paged_tests(void) {
     flashc_context_t c80 = gpu_context_with("FLASHC_CUDA_FWD", "sm80");
+    paged_vs_contiguous(c80, "paged_decode_gqa_rows", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 21);
+    paged_vs_contiguous(c80, "paged_decode_tile_pg1", (shape){16, 4, 700, 8, 8, 64, 1}, 1, 22);
+    paged_vs_contiguous(c80, "paged_splitkv_pg256", (shape){2, 1, 20000, 8, 2, 128, 0}, 256, 23);
     paged_vs_contiguous(c80, "paged_prefill_pg48_causal", (shape){3, 300, 1000, 4, 2, 96, 1}, 48, 24);
     paged_vs_contiguous(c80, "paged_prefill_pg64_d256", (shape){2, 200, 500, 4, 4, 256, 0}, 64, 25);
     flashc_context_destroy(c80);
@@ -499,7 +509,7 @@ int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     flashc_context_t ctx = gpu_test_context();
     if (argc > 1 && strcmp(argv[1], "--paged") == 0) { /* the paged tests alone (for compute-sanitizer) */
-        paged_tests(ctx);
+        paged_tests();
         flashc_context_destroy(ctx);
         printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);
         return failures ? 1 : 0;
@@ -512,7 +522,7 @@ int main(int argc, char **argv) {
     run_table(ctx, !quick, 1000, &kernels, &feats);
     tally_print("table", &kernels);
     /* The table covers both generations on a Hopper GPU: 16-bit rows at its head dims on the Hopper kernel (every
-     * mask and score modifier), f32, other head dims and split keys on mma.sync. */
+     * mask and score modifier, split keys too), f32 and other head dims on mma.sync. */
     const int n_sm80 = tally_count(&kernels, "sm80"), n_sm90 = tally_count(&kernels, "sm90");
     /* (The reduced table of --quick, for the sanitizers, is too small to promise both.) */
     const int cover = n_sm80 + n_sm90 == tally_total(&kernels) && (quick || (n_sm80 > 0 && (!hopper || n_sm90 > 0)));
@@ -522,8 +532,6 @@ int main(int argc, char **argv) {
     /* The decode rows with grouped heads ran with them as query rows (each checked in run_table). */
     printf("%s decode cases with GQA heads as rows: %d\n", quick || gqa_rows_cases > 0 ? "ok  " : "FAIL", gqa_rows_cases);
     if (!quick && gqa_rows_cases == 0) failures++;
-    printf("%s cases on the 16-row decode tile: %d\n", quick || dec_tile_cases > 0 ? "ok  " : "FAIL", dec_tile_cases);
-    if (!quick && dec_tile_cases == 0) failures++;
     if (hopper && !quick)
         for (int f = 0; f < FEAT_N; f++) {
             /* Every 16-bit case of a feature the Hopper kernel takes ran on it (the table's layouts are all
@@ -542,13 +550,21 @@ int main(int argc, char **argv) {
         const int only80 = tally_count(&k80, "sm80") == tally_total(&k80) && tally_total(&k80) > 0;
         printf("%s FLASHC_CUDA_FWD=sm80 runs only sm80 kernels\n", only80 ? "ok  " : "FAIL");
         if (!only80) failures++;
+        /* The decode tile's rows of the full table on the mma.sync kernels (on a Hopper GPU the Hopper kernel takes
+         * them in the table above): each must run on it (run_table's check), and there must be some. */
+        dec_tile_cases = 0;
+        run_table(sm80, 1, 4000, NULL, NULL, dec_tile_row);
+        printf("%s cases on the 16-row decode tile: %d\n", dec_tile_cases > 0 ? "ok  " : "FAIL", dec_tile_cases);
+        if (dec_tile_cases == 0) failures++;
         flashc_context_destroy(sm80);
 
-        /* decode: B * H * query tiles far below one wave, so the keys are split (flash-decoding) */
-        long_shape(ctx, "splitkv_decode_gqa", (shape){2, 1, 8192, 8, 2, 128, 0}, 1, 11, "sm80 (mma.sync) + split-KV");
-        long_shape(ctx, "splitkv_q16_causal", (shape){1, 16, 20000, 4, 4, 64, 1}, 16, 12, "sm80 (mma.sync) + split-KV");
+        /* decode: B * H * query tiles far below one wave, so the keys are split (flash-decoding), on the Hopper
+         * kernel where the GPU has it */
+        const char *split = hopper ? "sm90 (wgmma, TMA, warp-specialized) + split-KV" : "sm80 (mma.sync) + split-KV";
+        long_shape(ctx, "splitkv_decode_gqa", (shape){2, 1, 8192, 8, 2, 128, 0}, 1, 11, split);
+        long_shape(ctx, "splitkv_q16_causal", (shape){1, 16, 20000, 4, 4, 64, 1}, 16, 12, split);
         determinism(ctx, "determinism_causal", (shape){2, 1000, 1000, 4, 4, 128, 1}, 100); /* split-KV or not */
-        determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100, "sm80 (mma.sync) + split-KV");
+        determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100, split);
         /* d 256 on Hopper: a key tile (80) that does not divide the lengths, many turns of the ring, and the
          * output staged over Q and K once both consumers are done (enough blocks for a wave: no split-KV) */
         long_shape(ctx, "d256_long_causal_gqa", (shape){2, 1500, 1700, 8, 2, 256, 1}, 128, 15, sm90);
@@ -564,7 +580,7 @@ int main(int argc, char **argv) {
         determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100, sm90);
         determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100, sm90);
         varlen_nan_neighbour(ctx, sm90);
-        paged_tests(ctx);
+        paged_tests();
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

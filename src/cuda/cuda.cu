@@ -359,14 +359,16 @@ static void fwd_args(struct flashc_context *ctx, const flashc_problem *p, int e,
 
 /* The forward kernels, in the order of fwd_path_names; FWD_ROWS_GQA added: on the problem fwd_gqa_rows made;
  * FWD_DEC added: the mma.sync kernel with the decode tile (fc_tile_dec). */
-typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90, FWD_ROWS_GQA = 3, FWD_DEC = 6 } fwd_path;
+typedef enum { FWD_SM80, FWD_SM80_SPLIT, FWD_SM90, FWD_SM90_SPLIT, FWD_ROWS_GQA = 4, FWD_DEC = 8 } fwd_path;
 static const char *const fwd_path_names[] = {
     "sm80 (mma.sync)", "sm80 (mma.sync) + split-KV combine", "sm90 (wgmma, TMA, warp-specialized)",
+    "sm90 (wgmma, TMA, warp-specialized) + split-KV combine",
     "sm80 (mma.sync), GQA heads as rows", "sm80 (mma.sync) + split-KV combine, GQA heads as rows",
     "sm90 (wgmma, TMA, warp-specialized), GQA heads as rows",
-    "sm80 (mma.sync), 16-row decode tile", "sm80 (mma.sync) + split-KV combine, 16-row decode tile", "",
+    "sm90 (wgmma, TMA, warp-specialized) + split-KV combine, GQA heads as rows",
+    "sm80 (mma.sync), 16-row decode tile", "sm80 (mma.sync) + split-KV combine, 16-row decode tile", "", "",
     "sm80 (mma.sync), GQA heads as rows, 16-row decode tile",
-    "sm80 (mma.sync) + split-KV combine, GQA heads as rows, 16-row decode tile", ""};
+    "sm80 (mma.sync) + split-KV combine, GQA heads as rows, 16-row decode tile", "", ""};
 
 /*
  * Decode with grouped heads (Nq 1, H = G Hkv, G > 1): the G query heads that share a kv head become G query rows
@@ -398,8 +400,11 @@ static int fwd_gqa_rows(const flashc_problem *p, flashc_problem *out) {
 }
 
 /*
- * The forward's one decision: kernel entry, split-KV pieces, path and workspace. Split-KV stays on the
- * Ampere-class kernel and its combine; the Hopper kernel takes what it supports.
+ * The forward's one decision: kernel entry, split-KV pieces, path and workspace. The Hopper kernel takes what it
+ * supports, with its own split-KV count (its tile, one block per SM); the rest runs on the Ampere-class kernel,
+ * with the decode tile for short query sides (fwd_dec) and its split-KV. The Hopper kernel takes decode too (its
+ * TMA loads against the decode tile's cp.async: bench/RESULTS.md); the decode tile stays for what the Hopper
+ * kernel does not take (paged caches, fp32, rows not 16-byte aligned) and for other GPUs.
  */
 static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *p0, flashc_plan *plan) {
     flashc_problem rows;
@@ -409,25 +414,30 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
     FLASHC_TRY(fwd_check(ctx, p, &e));
     plan->entry = e;
     const int dec = fwd_dec(ctx, p, e);
-    plan->nsplit = fwd_splits(ctx, p, e, dec);
-    plan->workspace = fwd_workspace(p, plan->nsplit);
-    fwd_path path = FWD_SM80;
-    if (plan->nsplit > 1) {
-        path = FWD_SM80_SPLIT;
-    } else if (state_of(ctx)->fwd_sm90 && !dec) {
+    const int nsplit80 = fwd_splits(ctx, p, e, dec);
+    if (state_of(ctx)->fwd_sm90) {
         flashc_fwd_args a;
-        fwd_args(ctx, p, e, plan->nsplit, NULL, &a);
+        fwd_args(ctx, p, e, 1, NULL, &a);
         /* A query without data (flashc_kernel_name) answers for 16-byte aligned tensors, the kind frameworks
          * allocate; the base address is all the Hopper kernel's choice reads of the pointers. */
         static const uint4 aligned_stand_in = {0, 0, 0, 0};
         if (!a.q) a.q = &aligned_stand_in;
         if (!a.k) a.k = &aligned_stand_in;
         if (!a.v) a.v = &aligned_stand_in;
+        /* Dropout and block masks have no Hopper split-KV: with keys to split they stay on mma.sync's. */
+        a.nsplit = a.dropout || a.bm ? nsplit80 : flashc_fwd_sm90_splits(&a, state_of(ctx)->sm_count);
         if (flashc_fwd_sm90_supports(&a, fwd_entries[e].d)) {
-            path = FWD_SM90;
-            plan->workspace = flashc_fwd_sm90_workspace(&a); /* a block mask's per-tile bitmaps */
+            plan->nsplit = a.nsplit;
+            /* the partials, or a block mask's per-tile bitmaps */
+            plan->workspace = a.nsplit > 1 ? fwd_workspace(p, a.nsplit) : flashc_fwd_sm90_workspace(&a);
+            plan->path = (a.nsplit > 1 ? FWD_SM90_SPLIT : FWD_SM90) + (gqa ? FWD_ROWS_GQA : 0);
+            plan->kernel = fwd_path_names[plan->path];
+            return FLASHC_STATUS_OK;
         }
     }
+    plan->nsplit = nsplit80;
+    plan->workspace = fwd_workspace(p, plan->nsplit);
+    const fwd_path path = plan->nsplit > 1 ? FWD_SM80_SPLIT : FWD_SM80;
     plan->path = path + (gqa ? FWD_ROWS_GQA : 0) + (dec ? FWD_DEC : 0);
     plan->kernel = fwd_path_names[plan->path];
     return FLASHC_STATUS_OK;
@@ -464,25 +474,26 @@ static flashc_status cuda_forward(struct flashc_context *ctx, const flashc_probl
     if (a.n_mblk == 0 || a.B == 0 || a.H == 0) return FLASHC_STATUS_OK;
 
     const fwd_path path = (fwd_path)(plan->path % FWD_DEC % FWD_ROWS_GQA);
+    const int sm90 = path == FWD_SM90 || path == FWD_SM90_SPLIT;
     cuda_state *s = state_of(ctx);
     fc90_grid grid = {NULL, s->sm_count, s->l2_bytes};
-    if (path == FWD_SM90 && s->fc90_ctr) /* atomic: threads may share the context */
+    if (sm90 && s->fc90_ctr) /* atomic: threads may share the context */
         grid.ctr = s->fc90_ctr + 2 * (__atomic_fetch_add(&s->fc90_ctr_next, 1u, __ATOMIC_RELAXED) % FC90_CTR_SLOTS);
     if (s->log_fwd) {
-        const int sm90 = path == FWD_SM90;
         fprintf(stderr, "flashc: CUDA forward B %d Nq %d Nk %d H %d Hkv %d D %d on %s%s%s\n", a.B, a.Nq, a.Nk, a.H,
                 a.Hkv, a.D, plan->kernel, sm90 ? ", ping-pong + intra-warpgroup overlap, " : "",
                 sm90 ? flashc_fwd_sm90_grid_name(&a, &grid) : "");
     }
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
-    if (path == FWD_SM90) {
+    cudaError_t err;
+    if (sm90) {
         if (a.bm) a.bm_tiles = (const uint32_t *)workspace; /* plan->workspace bytes, built by the launch */
-        const cudaError_t err = flashc_fwd_sm90_launch(&a, &grid, stream);
+        err = flashc_fwd_sm90_launch(&a, &grid, stream);
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "Hopper forward kernel launch");
-        return FLASHC_STATUS_OK;
+    } else {
+        err = fwd_entries[plan->entry].fn(&a, stream, dec ? 2 : 0, NULL, NULL);
+        if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel launch");
     }
-    cudaError_t err = fwd_entries[plan->entry].fn(&a, stream, dec ? 2 : 0, NULL, NULL);
-    if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "forward kernel launch");
     if (a.nsplit > 1) {
         err = flashc_fwd_sm80_combine(&a, stream);
         if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "split-KV combine launch");

@@ -301,14 +301,31 @@ static __device__ __forceinline__ fc90_seq fc90_seq_of(const flashc_fwd_args &a,
 }
 
 /* Key tiles [*tb, *te) that some row of query tile mblk sees under the band (fc_key_tiles); none for a tile past
- * the end of its sequence's queries (varlen: a shorter sequence than max_seqlen_q). */
+ * the end of its sequence's queries (varlen: a shorter sequence than max_seqlen_q). With split-KV, split's share. */
 template <int BR, int BC, bool VARLEN>
-static __device__ __forceinline__ void fc90_key_tiles(const flashc_fwd_args &a, const fc90_seq &sq, int mblk, int *tb,
-                                                      int *te) {
+static __device__ __forceinline__ void fc90_key_tiles(const flashc_fwd_args &a, const fc90_seq &sq, int mblk, int split,
+                                                      int *tb, int *te) {
     *tb = *te = 0;
     if (VARLEN && mblk * BR >= sq.nq) return;
     const int mlast = min(mblk * BR + BR, sq.nq) - 1;
     fc_key_tiles(a, mblk * BR, mlast, fc_diag(a, sq.nq, sq.nk), sq.nk, BC, tb, te);
+    if (VARLEN && a.nsplit > 1) { /* split-KV: this split's share of them (as the mma.sync kernel cuts them) */
+        const int per = (*te - *tb + a.nsplit - 1) / a.nsplit;
+        *tb = min(*tb + split * per, *te);
+        *te = min(*tb + per, *te);
+    }
+}
+
+/* Split-KV (VARLEN kernels only, when the (query tile, head, sequence) tiles fill less than a wave): tile t of
+ * the launch is split t % nsplit of the key range of tile t / nsplit, so that a tile's splits run side by side. */
+template <bool VARLEN>
+static __device__ __forceinline__ uint32_t fc90_split_of(const flashc_fwd_args &a, uint32_t t, int &split) {
+    if (!VARLEN || a.nsplit <= 1) {
+        split = 0;
+        return t;
+    }
+    split = (int)(t % (uint32_t)a.nsplit);
+    return t / (uint32_t)a.nsplit;
 }
 
 
@@ -339,7 +356,7 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
     constexpr int BR = TL.br, BC = TL.bc, NCH = D / FC90_SW_COLS;
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
-    const uint32_t tiles = (uint32_t)a.n_mblk * a.H * a.B; /* below 2^31 (fc90_run) */
+    const uint32_t tiles = (uint32_t)a.n_mblk * a.H * a.B * (VARLEN ? a.nsplit : 1); /* below 2^31 (fc90_run) */
     fc90_tma_prefetch(&tm_q);
     fc90_tma_prefetch(&tm_k);
     fc90_tma_prefetch(&tm_v);
@@ -355,11 +372,11 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             }
             *sm.tile_slot = (int)tile;
         }
-        int mblk, h, b;
-        fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
+        int mblk, h, b, split;
+        fc90_tile_of(fc90_split_of<VARLEN>(a, tile, split), a.n_mblk, a.H, a.B, hg, mblk, h, b);
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
-        fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, &tb, &te);
+        fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, split, &tb, &te);
         /* BMASK: the band's key tiles that the block mask keeps for the tile (its bitmap row, fc_bm_tile_bits) */
         const uint32_t *keep = BMASK ? fc_bm_tile_bits(a, b, h, mblk, a.n_mblk) : NULL;
         const int hk = h / (a.H / a.Hkv), ntiles = BMASK && te > tb ? fc_bits_count(keep, tb, te) : te - tb;
@@ -592,6 +609,36 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
     }
 }
 
+/*
+ * Split-KV's epilogue (VARLEN kernels): this split's normalized partial O and its lse (natural log, -inf when the
+ * split saw no key of the row), fp32, into the workspace in the layout the combine reads (fwd_combine.cu: (nsplit,
+ * H, total_q, D) and (nsplit, H, total_q)); sinks are the combine's. Rows past the sequence's end are not written.
+ */
+template <int D>
+static __device__ __forceinline__ void fc90_fwd_partials(const flashc_fwd_args &a, const float (&o)[D / 2],
+                                                         const float (&row_m)[2], const float (&row_l)[2],
+                                                         const fc90_seq &sq, int m0, int h, int b, int split, int cw,
+                                                         int warp, int lane) {
+    const int g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
+    const int64_t grow0 = a.varlen ? sq.q0 : (int64_t)b * a.Nq; /* the sequence's first row in (H, total_q) */
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        float l = row_l[hf];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int i = m0 + row0 + 8 * hf;
+        if (i >= sq.nq) continue;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int64_t r = ((int64_t)split * a.H + h) * a.total_q + grow0 + i;
+        if (tig == 0) a.ws_lse[r] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : -INFINITY;
+        float *wrow = a.ws_o + r * a.D;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            if (8 * j + 2 * tig < a.D) /* a.D % 8 == 0 (TMA rows): the pair is whole */
+                *(float2 *)(wrow + 8 * j + 2 * tig) = make_float2(o[4 * j + 2 * hf] * inv, o[4 * j + 2 * hf + 1] * inv);
+    }
+}
+
 #endif /* FC90_DEVICE */
 
 /*
@@ -656,11 +703,11 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
         sm.qr.wait_full(nt);
         const int tile = PERSIST ? *sm.tile_slot : (int)blockIdx.x;
         if (tile < 0) break;
-        int mblk, h, b;
-        fc90_tile_of(tile, a.n_mblk, a.H, a.B, hg, mblk, h, b);
+        int mblk, h, b, split;
+        fc90_tile_of(fc90_split_of<VARLEN>(a, (uint32_t)tile, split), a.n_mblk, a.H, a.B, hg, mblk, h, b);
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
-        fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, &tb, &te);
+        fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, split, &tb, &te);
         const uint32_t *bits = BMASK ? fc_bm_tile_bits(a, b, h, mblk, a.n_mblk) : NULL; /* as the producer's */
         const int m0 = mblk * BR, ntiles = BMASK && te > tb ? fc_bits_count(bits, tb, te) : te - tb;
 
@@ -677,7 +724,10 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
                 BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw,
                 row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
-        fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
+        if (VARLEN && a.nsplit > 1)
+            fc90_fwd_partials<D>(a, o, row_m, row_l, sq, m0, h, b, split, cw, warp, lane);
+        else
+            fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
@@ -696,8 +746,9 @@ static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *t
 /* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
  * VARLEN kernels also take fixed-length problems whose sequences use fewer keys (seqused_k): the tail clear of V
  * is what those need too (the unused keys' rows are the caller's memory, NaN included); and attention sinks,
- * whose fold in the epilogue the fixed-length kernels leave out. Block masks take VARLEN kernels of their own
- * (BMASK: the key tiles from the bitmaps, the element test on the tiles the mask cuts). */
+ * whose fold in the epilogue the fixed-length kernels leave out; and split-KV (fc90_split_of, fc90_fwd_partials).
+ * Block masks take VARLEN kernels of their own (BMASK: the key tiles from the bitmaps, the element test on the
+ * tiles the mask cuts). */
 template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
@@ -707,7 +758,7 @@ static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, 
     if (k->bm)
         return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
-    if (k->varlen || k->seqused_k || k->sinks)
+    if (k->varlen || k->seqused_k || k->sinks || k->nsplit > 1)
         return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
     return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, hg, stream)
@@ -726,7 +777,7 @@ static int fc90_head_group(const flashc_fwd_args *a, long long l2_bytes) {
 /* Tiles of the launch, and whether its grid is persistent: only for the tiles that allow it, with counters,
  * and when there are more tiles than SMs. */
 static int64_t fc90_tiles(const flashc_fwd_args *a, fc90_tile tl) {
-    return (int64_t)((a->Nq + tl.br - 1) / tl.br) * a->H * a->B;
+    return (int64_t)((a->Nq + tl.br - 1) / tl.br) * a->H * a->B * (a->nsplit > 1 ? a->nsplit : 1);
 }
 static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid) {
     const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D), a->bm != NULL);
@@ -796,7 +847,8 @@ int flashc_fwd_sm90_available(int device) {
 
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
-    if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit != 1) return 0;
+    if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit < 1) return 0;
+    if (a->nsplit > 1 && (a->dropout || a->bm)) return 0; /* split-KV: the VARLEN kernels without a block mask */
     if (a->block_table) return 0; /* paged K/V: the mma.sync kernel's per-page loads (TMA by page: not yet) */
     /* Dropout: plain scores (no softcap, ALiBi or block mask) in kernels of their own; the rest on mma.sync. */
     if (a->dropout && (fc90_generic(a) || a->bm)) return 0;
@@ -809,6 +861,19 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},
                   sv[3] = {a->v_sn, a->v_sh, a->v_sb};
     return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);
+}
+
+int flashc_fwd_sm90_splits(const flashc_fwd_args *a, int sms) {
+    if (fc90_kernel_d(a->D) == 0) return 1;
+    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D));
+    flashc_fwd_args one = *a;
+    one.nsplit = 1;
+    const int64_t blocks = fc90_tiles(&one, tl), key_tiles = (a->Nk + tl.bc - 1) / tl.bc;
+    if (blocks <= 0 || blocks * 5 >= (int64_t)sms * 4) return 1;
+    int64_t n = sms / blocks;
+    if (n > key_tiles / 4) n = key_tiles / 4;
+    if (n > 128) n = 128;
+    return n < 2 ? 1 : (int)n;
 }
 
 cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {

@@ -64,9 +64,15 @@ __host__ __device__ constexpr int fc90_kernel_d(int d) {
 int flashc_fwd_sm90_available(int device);
 
 /* 1 when the Hopper kernel takes this configuration: a->D == head_dim_compiled (the forward entry cuda.cu picked)
- * in {64, 96, 128, 192, 256}, 16-bit inputs with 16-byte aligned rows (TMA), no
- * split-KV; varlen, seqused_k, sinks, any window (causal included), softcap, ALiBi and block masks. */
+ * in {64, 96, 128, 192, 256}, 16-bit inputs with 16-byte aligned rows (TMA); varlen, seqused_k, sinks, any window
+ * (causal included), softcap, ALiBi and block masks; split-KV (a->nsplit > 1) but with dropout or a block mask. */
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
+
+/* Split-KV pieces for the Hopper kernel (one block per SM, sms of them): 1 when its (query tile, head, sequence)
+ * tiles fill at least 4/5 of a wave, else as many splits as fit in one wave, at least 4 key tiles each, at most
+ * 128 (the Ampere-class kernel's rule, cuda.cu's fwd_splits, with this kernel's tile). Its partials go through
+ * the same combine (flashc_fwd_sm80_combine). */
+int flashc_fwd_sm90_splits(const flashc_fwd_args *a, int sms);
 
 /* Workspace bytes the launch needs in a->bm_tiles: the block mask's per-tile bitmaps (bm_tiles.h), 0 without a
  * block mask. */
