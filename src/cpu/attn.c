@@ -740,6 +740,17 @@ static key_side load_key_side(const flashc_problem *p, const flashc_cpu_kernels 
     uint16_t *k16 = (uint16_t *)kbuf, *k2 = k16 + (size_t)L->bc * dp;
     ks.k16 = flashc_cpu_kv_rows_bf16(p, &p->k, b, row0, cols, hk, k16, dp, &ks.ldk);
     ks.v16 = flashc_cpu_kv_rows_bf16(p, &p->v, b, row0, cols, hk, (uint16_t *)vbuf, dp, &ks.ldv);
+    if (pack) { /* rows read in place copied contiguous (pack_rows says why) */
+        if (ks.k16 != k16) {
+            for (int r = 0; r < cols; r++) memcpy(k16 + (size_t)r * dp, ks.k16 + r * ks.ldk, 2 * (size_t)p->D);
+            ks.k16 = k16, ks.ldk = dp;
+        }
+        if (ks.v16 != (uint16_t *)vbuf) {
+            uint16_t *v16 = (uint16_t *)vbuf;
+            for (int r = 0; r < cols; r++) memcpy(v16 + (size_t)r * dp, ks.v16 + r * ks.ldv, 2 * (size_t)p->D);
+            ks.v16 = v16, ks.ldv = dp;
+        }
+    }
     kern->bf16->pairs_bf16(cols, (int)p->D, ks.k16, ks.ldk, k2, 2 * (int64_t)dp);
     ks.k2 = k2;
     return ks;
@@ -840,20 +851,24 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     }
 }
 
-/* D_i = rowsum(dO o O) for every row of (b, h). */
+/* D_i = rowsum(dO o O) for every row of (b, h). Rows go 16 at a time, transposed (load_t), so that the sums run
+ * across rows in vector lanes, each row's still over d in order (the bits of a plain loop per row, whose one chain of
+ * dependent adds per row had left the arithmetic waiting on the adder's latency). o, dout: 16 D floats each. */
 static void dvec_task(const flashc_problem *p, const flashc_cpu_kernels *kern, float *dvec, float *o, float *dout,
                       int64_t b, int64_t h) {
+    enum { R = 16 };
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     const int64_t tb = flashc_cpu_tensor_batch(p, b), D = p->D;
     float *dst = dvec + flashc_cpu_lse_offset(p, b, h, q0);
-    for (int64_t i = 0; i < nq; i++) {
-        int64_t ld;
-        const float *orow = flashc_cpu_rows(kern, &p->out, tb, q0 + i, 1, h, D, o, D, &ld);
-        const float *drow = flashc_cpu_rows(kern, &p->dout, tb, q0 + i, 1, h, D, dout, D, &ld);
-        float acc = 0.0f;
-        for (int64_t d = 0; d < D; d++) acc += orow[d] * drow[d];
-        dst[i] = acc;
+    for (int64_t i0 = 0; i0 < nq; i0 += R) {
+        const int rows = imin(R, nq - i0);
+        flashc_cpu_load_t(kern, o, R, &p->out, tb, q0 + i0, rows, R, h, D, 1.0f);
+        flashc_cpu_load_t(kern, dout, R, &p->dout, tb, q0 + i0, rows, R, h, D, 1.0f);
+        float acc[R] = {0.0f};
+        for (int64_t d = 0; d < D; d++)
+            for (int r = 0; r < R; r++) acc[r] += o[d * R + r] * dout[d * R + r];
+        for (int r = 0; r < rows; r++) dst[i0 + r] = acc[r];
     }
 }
 
