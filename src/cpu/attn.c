@@ -719,8 +719,8 @@ typedef struct key_side {
     int64_t ldk, ldv;
 } key_side;
 
-/* Keys [row0, row0 + cols) of (b, kv head hk) into the slots kbuf, vbuf (bc x dp floats each); fp32 rows packed
- * contiguous with pack (pack_rows). */
+/* Keys [row0, row0 + cols) of (b, kv head hk) into the slots kbuf, vbuf (bc x dp floats each); with pack, rows read
+ * in place (fp32 or bf16) are copied contiguous (pack_rows). */
 static const float *pack_rows(const float *src, int64_t *ld, int rows, int D, float *buf, int dp);
 static key_side load_key_side(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L, float *kbuf,
                               float *vbuf, int64_t b, int64_t row0, int cols, int64_t hk, int pack) {
