@@ -43,7 +43,7 @@ static void feature_add(feature_tally *ft, const flashc_case *c, const char *ker
     if (c->D != 64 && c->D != 96 && c->D != 128 && c->D != 192 && c->D != 256) return; /* the Hopper kernel's dims */
     /* block masks with few tiles: the keys split on mma.sync (the Hopper kernel's split-KV takes no block mask) */
     if (c->block_q > 0 && kernel && strstr(kernel, "sm80") && strstr(kernel, "split-KV")) return;
-    if (c->page_size > 0) return; /* paged K/V: the mma.sync kernel's per-row page loads (no Hopper paged kernel yet) */
+    if (c->page_size > 0) return; /* paged K/V: some page sizes on the Hopper kernel (paged_tests checks those) */
     const int has[FEAT_N] = {!c->causal && (c->window_left >= 0 || c->window_right >= 0), c->softcap > 0.f,
                              c->alibi != 0, c->varlen != 0, c->seqused != 0, c->sinks != 0, c->block_q > 0,
                              c->positions != 0};
@@ -491,11 +491,18 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
     free_problem(&pb);
 }
 
-/* paged K/V (paged_vs_contiguous): decode with GQA heads as rows on the decode tile, the decode tile at page size
- * 1, split keys at page 256, and prefill on mma.sync (pages of 48 rows: not a power of two, tiles straddle pages).
- * The contiguous runs go to the mma.sync kernels too (FLASHC_CUDA_FWD=sm80), which take paged caches, so that
- * both run one kernel. */
-static void paged_tests(void) {
+/* paged K/V (paged_vs_contiguous): on the mma.sync kernels (FLASHC_CUDA_FWD=sm80, so that the contiguous runs take
+ * them too), decode with GQA heads as rows on the decode tile, the decode tile at page size 1, split keys at page
+ * 256, and prefill (pages of 48 rows: not a power of two, tiles straddle pages); then on the default context, which
+ * on a Hopper GPU runs the Hopper kernel's page boxes (fwd_sm90.cu's fc90_tile_pages) for both: 8 and 4 pages of a
+ * 128-key tile, a tile inside a page of 256 with split keys, a page per key tile (128), and 5 pages of d 256's
+ * 80-key tile, causal prefill among them. */
+static void paged_tests(flashc_context_t ctx) {
+    paged_vs_contiguous(ctx, "paged_pg16_decode_gqa", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 26);
+    paged_vs_contiguous(ctx, "paged_pg256_split", (shape){2, 1, 20480, 8, 2, 128, 0}, 256, 27);
+    paged_vs_contiguous(ctx, "paged_pg128_prefill_causal", (shape){3, 300, 1024, 4, 2, 128, 1}, 128, 28);
+    paged_vs_contiguous(ctx, "paged_pg32_d96", (shape){2, 64, 992, 4, 4, 96, 0}, 32, 29);
+    paged_vs_contiguous(ctx, "paged_pg16_d256_causal", (shape){2, 200, 480, 4, 2, 256, 1}, 16, 30);
     flashc_context_t c80 = gpu_context_with("FLASHC_CUDA_FWD", "sm80");
     paged_vs_contiguous(c80, "paged_decode_gqa_rows", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 21);
     paged_vs_contiguous(c80, "paged_decode_tile_pg1", (shape){16, 4, 700, 8, 8, 64, 1}, 1, 22);
@@ -509,7 +516,7 @@ int main(int argc, char **argv) {
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     flashc_context_t ctx = gpu_test_context();
     if (argc > 1 && strcmp(argv[1], "--paged") == 0) { /* the paged tests alone (for compute-sanitizer) */
-        paged_tests();
+        paged_tests(ctx);
         flashc_context_destroy(ctx);
         printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);
         return failures ? 1 : 0;
@@ -580,7 +587,7 @@ int main(int argc, char **argv) {
         determinism(ctx, "determinism_persistent", (shape){4, 2048, 2048, 16, 4, 128, 1}, 100, sm90);
         determinism(ctx, "determinism_d192", (shape){2, 1000, 1000, 8, 8, 192, 0}, 100, sm90);
         varlen_nan_neighbour(ctx, sm90);
-        paged_tests();
+        paged_tests(ctx);
         long_shape(ctx, "n64k_one_head_causal", (shape){1, 65536, 65536, 1, 1, 128, 1}, 64, 13);
         /* 2 * 65600 * 128 * 128 = 2.15e9 elements per tensor: offsets past 2^31 elements (2^32 bytes) */
         long_shape(ctx, "over_2e31_elements", (shape){2, 65600, 65600, 128, 128, 128, 1}, 64, 14);

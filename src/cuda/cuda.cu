@@ -404,7 +404,8 @@ static int fwd_gqa_rows(const flashc_problem *p, flashc_problem *out) {
  * supports, with its own split-KV count (its tile, one block per SM); the rest runs on the Ampere-class kernel,
  * with the decode tile for short query sides (fwd_dec) and its split-KV. The Hopper kernel takes decode too (its
  * TMA loads against the decode tile's cp.async: bench/RESULTS.md); the decode tile stays for what the Hopper
- * kernel does not take (paged caches, fp32, rows not 16-byte aligned) and for other GPUs.
+ * kernel does not take (paged caches at d 64 or at pages that do not tile its key tile, fp32, rows not 16-byte
+ * aligned) and for other GPUs.
  */
 static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *p0, flashc_plan *plan) {
     flashc_problem rows;
@@ -452,7 +453,8 @@ static flashc_status cuda_plan(struct flashc_context *ctx, const flashc_problem 
                           "positions q_position %lld and k_position %lld lie more than 2^29 apart: the CUDA kernels "
                           "do not take that (the CPU backend does)",
                           (long long)p->q_position, (long long)p->k_position);
-    /* Paged K/V: the mma.sync forward follows a block table (fc_load_tile_paged); no backward kernel does yet. */
+    /* Paged K/V: the forwards follow a block table (mma.sync: fc_load_kv_paged; Hopper: fc90_tile_pages); no backward
+     * kernel does yet. */
     if (p->block_table && p->op != FLASHC_OP_FORWARD)
         return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED,
                           "the backward of paged KV (block_table) is not supported by the CUDA backend yet "

@@ -67,6 +67,11 @@
  *
  * Attention sinks: a row's sink joins the denominator in the epilogue (fc_sink_fold; VARLEN kernels, which also
  * run fixed-length problems), the lse includes it.
+ *
+ * Split-KV (VARLEN kernels, when the tiles fill less than a wave: decode, short query sides): a tile's key range in
+ * nsplit pieces run as tiles of their own, each writing a normalized partial O and its lse (fc90_fwd_partials) for
+ * fwd_combine.cu's combine. Paged K/V (VARLEN kernels at d 96-256): the tensor maps span the page pools and a key
+ * tile loads as boxes of whole pages or one box inside a page (fc90_tile_pages).
  */
 #include "bm_tiles.h" /* the block mask as per-tile bitmaps */
 #include "common.cuh"
@@ -82,6 +87,7 @@ __host__ __device__ constexpr int fc90_threads(fc90_tile t) { return FC90_WG_THR
 #define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
 #define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
 #define FC90_BAR_VCLEAR 5   /* 5 .. 4 + consumers: one consumer's V tail cleared (varlen, fc90_clear_rows) */
+#define FC90_PAGED_BOXES 8  /* paged K/V: at most this many pages per key tile (128 keys at pages of 16) */
 
 /* Shared memory layout (bytes from a 1024-aligned base): Q, K stages, V stages, output staging (unless it
  * overlays Q and K), mbarriers. */
@@ -135,6 +141,13 @@ static_assert(fc90_smem_bytes(fc90_tile_for(64)) <= FC90_SMEM_MAX && fc90_smem_b
                   fc90_smem_bytes(fc90_tile_for(64, true)) <= FC90_SMEM_MAX,
               "shared memory per block");
 static_assert(fc90_o_bytes(fc90_tile_for(256)) <= fc90_end_v(fc90_tile_for(256)), "aliased staging within Q, K, V");
+
+/* The kernels that take paged K/V (fc90_tile_pages): the VARLEN ones but for block masks and dropout, and not at d 64,
+ * whose producer has 32 registers beside three consumers (the page loop made those kernels spill 60 bytes, not 12). */
+template <int D, bool VARLEN, bool BMASK, bool DROP>
+__host__ __device__ constexpr bool fc90_paged_kernel() {
+    return VARLEN && !BMASK && !DROP && fc90_consumers(fc90_tile_for(D)) == 2;
+}
 
 /* Whether a problem's scores take the generic element step (GENERIC kernels: a score modifier, softcap or ALiBi,
  * or a scale that the softmax's exponent cannot fold); the raw kernels keep their registers for the plain path
@@ -329,6 +342,45 @@ static __device__ __forceinline__ uint32_t fc90_split_of(const flashc_fwd_args &
 }
 
 
+/*
+ * Paged K/V (VARLEN kernels; flashc_fwd_sm90_supports: page sizes from 16 that divide the key tile or that it
+ * divides). The tensor maps span the pools as (d, page_size, Hkv, num_pages), boxes of min(bc, page_size) rows, so
+ * that a box never leaves its page: a tile of bc keys is bc / page_size boxes of whole pages, each at its row offset
+ * in the tile (a multiple of 16 rows: the 128-byte swizzle's 1024-byte pattern stays aligned), or one box of a page
+ * at (ktile bc) % page_size. Only the boxes that hold keys below nk (the sequence's used keys) are loaded, so no
+ * table entry past them is read; the tile's rows past nk keep what the slot held, which the consumers mask (K) and
+ * clear (V) as for any sequence end. A page outside [0, num_pages) is loaded from page 0 instead (never read out of
+ * the pool); the consumers find it in the table themselves (fc90_bad_pages) and write NaN.
+ */
+
+/* The pages of key tile ktile of sequence b (their boxes' count; pages[i] for box i, page 0 for one outside the
+ * pool): the table entries read together, before the loads that need them. */
+template <int BC>
+static __device__ __forceinline__ int fc90_tile_pages(const flashc_fwd_args &a, int b, int ktile, int nk,
+                                                      int (&pages)[FC90_PAGED_BOXES]) {
+    const int ps = a.page_size, box = min(BC, ps), key0 = ktile * BC;
+    const int nbox = (min(BC, nk - key0) + box - 1) / box;
+    const int32_t *bt = a.block_table + (int64_t)b * a.bt_stride + key0 / ps;
+#pragma unroll
+    for (int i = 0; i < FC90_PAGED_BOXES; ++i) {
+        const int e = i < nbox ? __ldg(bt + i) : 0;
+        pages[i] = (unsigned)e < (unsigned)a.num_pages ? e : 0;
+    }
+    return nbox;
+}
+
+/* Whether the table names a page outside the pool for some key of [tb bc, min(te bc, nk)) of sequence b (the keys
+ * this tile's split loaded): the warp's lanes read the entries in turn. Every lane of the warp calls it. */
+template <int BC>
+static __device__ __forceinline__ bool fc90_bad_pages(const flashc_fwd_args &a, int b, int tb, int te, int nk,
+                                                      int lane) {
+    const int ps = a.page_size, p1 = (min(te * BC, nk) + ps - 1) / ps;
+    const int32_t *bt = a.block_table + (int64_t)b * a.bt_stride;
+    bool bad = false;
+    for (int p = tb * BC / ps + lane; p < p1; p += 32) bad |= (unsigned)__ldg(bt + p) >= (unsigned)a.num_pages;
+    return __any_sync(0xffffffffu, bad);
+}
+
 /* The block's shared memory: the operand tiles (shared-memory addresses), the rings of Q (one slot per tile), K
  * and V, the output staging and the slot where the producer posts the block's next tile. */
 template <int ST>
@@ -347,7 +399,7 @@ struct fc90_fwd_smem {
  * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
  * none is left. The last block to finish sets the counters back to zero for the next launch.
  */
-template <int D, int BF, bool VARLEN, bool BMASK>
+template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
                                                          unsigned *ctr, int hg,
@@ -394,6 +446,29 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             ktile = BMASK ? fc_bits_next(keep, ktile + 1) : tb + it;
             /* The consumers read V one turn after K, so each has its own ring. */
             const uint32_t off = sm.kr.slot(kv_it) * KV_BYTES;
+            if (fc90_paged_kernel<D, VARLEN, BMASK, DROP>() && a.block_table) { /* paged: the tile's pages */
+                int pages[FC90_PAGED_BOXES];
+                const int nbox = fc90_tile_pages<BC>(a, b, ktile, sq.nk, pages);
+                const uint32_t box = (uint32_t)min(BC, a.page_size), bytes = (uint32_t)nbox * box * D * 2;
+                const int prow = (ktile * BC) % a.page_size; /* the first box's row in its page (the others: 0) */
+                sm.kr.wait_empty(kv_it);
+                sm.kr.expect(kv_it, bytes);
+#pragma unroll
+                for (int i = 0; i < FC90_PAGED_BOXES; ++i)
+                    if (i < nbox)
+                        for (int c = 0; c < NCH; ++c)
+                            fc90_tma_load(sm.k + off + (c * BC + i * box) * FC90_SW_ROW, &tm_k,
+                                          sm.kr.full_bar(kv_it), c * FC90_SW_COLS, prow, hk, pages[i]);
+                sm.vr.wait_empty(kv_it);
+                sm.vr.expect(kv_it, bytes);
+#pragma unroll
+                for (int i = 0; i < FC90_PAGED_BOXES; ++i)
+                    if (i < nbox)
+                        for (int c = 0; c < NCH; ++c)
+                            fc90_tma_load(sm.v + off + (c * BC + i * box) * FC90_SW_ROW, &tm_v,
+                                          sm.vr.full_bar(kv_it), c * FC90_SW_COLS, prow, hk, pages[i]);
+                continue;
+            }
             sm.kr.wait_empty(kv_it);
             sm.kr.expect(kv_it, KV_BYTES);
             for (int c = 0; c < NCH; ++c)
@@ -538,6 +613,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
  * O = 0 and lse = +inf), written in the output type. With 16-byte aligned rows each warp stages its own 16 rows
  * (no other warp touches them) and stores 16 bytes per lane; over Q and K (ALIASED) only after every consumer is
  * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
+ * bad (paged, fc90_bad_pages): the rows come out NaN, out and lse.
  */
 template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
@@ -545,7 +621,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
                                                          float (&o)[D / 2],
                                                          const float (&row_m)[2], const float (&row_l)[2],
                                                          const fc90_seq &sq, int m0, int h, int b, int cw, int warp,
-                                                         int lane) {
+                                                         int lane, bool bad) {
     constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr bool ALIASED = fc90_o_aliased(TL);
@@ -563,6 +639,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
         if constexpr (VARLEN) /* sinks take the VARLEN kernels, so that the fixed-length ones keep their code */
             if (a.sinks) inv = fc_sink_fold(a.sinks[h], row_m[hf], l, sink_lse);
         if (DROP) inv *= a.drop_scale; /* kept entries of P times 1 / (1 - p) */
+        if (VARLEN && bad) inv = sink_lse = __int_as_float(0x7fffffff); /* paged: a page outside the pool */
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             o[4 * j + 2 * hf] *= inv;
@@ -571,7 +648,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
         const int i = m0 + row0 + 8 * hf;
         if (tig == 0 && i < nq && a.lse)
             a.lse[(packed ? (int64_t)h * a.total_q + sq.q0 : ((int64_t)b * a.H + h) * nq) + i] =
-                VARLEN && a.sinks ? sink_lse : l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
+                VARLEN && (a.sinks || bad) ? sink_lse : l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : INFINITY;
     }
 
     const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
@@ -612,13 +689,14 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
 /*
  * Split-KV's epilogue (VARLEN kernels): this split's normalized partial O and its lse (natural log, -inf when the
  * split saw no key of the row), fp32, into the workspace in the layout the combine reads (fwd_combine.cu: (nsplit,
- * H, total_q, D) and (nsplit, H, total_q)); sinks are the combine's. Rows past the sequence's end are not written.
+ * H, total_q, D) and (nsplit, H, total_q)); sinks are the combine's; bad (paged, fc90_bad_pages): NaN for both. Rows
+ * past the sequence's end are not written.
  */
 template <int D>
 static __device__ __forceinline__ void fc90_fwd_partials(const flashc_fwd_args &a, const float (&o)[D / 2],
                                                          const float (&row_m)[2], const float (&row_l)[2],
                                                          const fc90_seq &sq, int m0, int h, int b, int split, int cw,
-                                                         int warp, int lane) {
+                                                         int warp, int lane, bool bad) {
     const int g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
     const int64_t grow0 = a.varlen ? sq.q0 : (int64_t)b * a.Nq; /* the sequence's first row in (H, total_q) */
 #pragma unroll
@@ -628,9 +706,9 @@ static __device__ __forceinline__ void fc90_fwd_partials(const flashc_fwd_args &
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int i = m0 + row0 + 8 * hf;
         if (i >= sq.nq) continue;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float nan = __int_as_float(0x7fffffff), inv = bad ? nan : l > 0.f ? 1.f / l : 0.f;
         const int64_t r = ((int64_t)split * a.H + h) * a.total_q + grow0 + i;
-        if (tig == 0) a.ws_lse[r] = l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : -INFINITY;
+        if (tig == 0) a.ws_lse[r] = bad ? nan : l > 0.f ? row_m[hf] * FC_LN2 + logf(l) : -INFINITY;
         float *wrow = a.ws_o + r * a.D;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
@@ -686,7 +764,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
     if (wg == 0) {
         /* The producer's warpgroup gives its registers back; one thread issues every load. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
-        if (threadIdx.x == 0) fc90_fwd_producer<D, BF, VARLEN, BMASK>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
+        if (threadIdx.x == 0) fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
         return;
     }
 
@@ -724,10 +802,13 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
                 BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw,
                 row0, tig, dq, dk, dv, o, s, row_m, row_l);
         kv_it += ntiles;
+        /* paged: a page outside the pool among the keys this tile loaded makes its rows NaN (fc90_tile_pages) */
+        const bool bad = fc90_paged_kernel<D, VARLEN, BMASK, DROP>() && a.block_table && ntiles > 0 &&
+                         fc90_bad_pages<BC>(a, b, tb, te, sq.nk, lane);
         if (VARLEN && a.nsplit > 1)
-            fc90_fwd_partials<D>(a, o, row_m, row_l, sq, m0, h, b, split, cw, warp, lane);
+            fc90_fwd_partials<D>(a, o, row_m, row_l, sq, m0, h, b, split, cw, warp, lane, bad);
         else
-            fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane);
+            fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane, bad);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
@@ -746,7 +827,8 @@ static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *t
 /* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
  * VARLEN kernels also take fixed-length problems whose sequences use fewer keys (seqused_k): the tail clear of V
  * is what those need too (the unused keys' rows are the caller's memory, NaN included); and attention sinks,
- * whose fold in the epilogue the fixed-length kernels leave out; and split-KV (fc90_split_of, fc90_fwd_partials).
+ * whose fold in the epilogue the fixed-length kernels leave out; split-KV (fc90_split_of, fc90_fwd_partials); and
+ * paged K/V (fc90_tile_pages).
  * Block masks take VARLEN kernels of their own (BMASK: the key tiles from the bitmaps, the element test on the
  * tiles the mask cuts). */
 template <int D, int BF>
@@ -758,7 +840,7 @@ static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, 
     if (k->bm)
         return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
-    if (k->varlen || k->seqused_k || k->sinks || k->nsplit > 1)
+    if (k->varlen || k->seqused_k || k->sinks || k->nsplit > 1 || k->block_table)
         return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
                        : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
     return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, hg, stream)
@@ -807,9 +889,12 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
     /* Varlen: one batch of the packed rows (the tensor's batch stride unused). */
     const int64_t qrows = a->varlen ? a->total_q : a->Nq, krows = a->varlen ? a->total_k : a->Nk;
     const int64_t nb = a->varlen ? 1 : a->B;
+    /* Paged: K and V are pools (d, page_size, Hkv, num_pages) with boxes that stay inside a page (fc90_tile_pages). */
+    const int64_t kr = a->block_table ? a->page_size : krows, kb = a->block_table ? a->num_pages : nb;
+    const int kbox = a->block_table && a->page_size < TL.bc ? a->page_size : TL.bc;
     cudaError_t e = fc90_map(&tq, a->q, BF, a->D, qrows, a->H, nb, a->q_sn, a->q_sh, a->q_sb, TL.br);
-    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, krows, a->Hkv, nb, a->k_sn, a->k_sh, a->k_sb, TL.bc);
-    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, krows, a->Hkv, nb, a->v_sn, a->v_sh, a->v_sb, TL.bc);
+    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, kr, a->Hkv, kb, a->k_sn, a->k_sh, a->k_sb, kbox);
+    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, kr, a->Hkv, kb, a->v_sn, a->v_sh, a->v_sb, kbox);
     if (e != cudaSuccess) return e;
     if (a->bm) { /* the bitmaps first, into the workspace (flashc_fwd_sm90_workspace) */
         if (!a->bm_tiles) return cudaErrorInvalidValue;
@@ -849,7 +934,14 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     if (fc90_kernel_d(head_dim_compiled) == 0 || a->D != head_dim_compiled) return 0;
     if (a->in_mode != FC_IN_ASYNC16 || a->out_f32 || a->nsplit < 1) return 0;
     if (a->nsplit > 1 && (a->dropout || a->bm)) return 0; /* split-KV: the VARLEN kernels without a block mask */
-    if (a->block_table) return 0; /* paged K/V: the mma.sync kernel's per-page loads (TMA by page: not yet) */
+    /* Paged K/V (fc90_tile_pages): boxes of whole pages from 16 rows that tile the key tile, or a key tile inside a
+     * page; not with dropout or a block mask, nor at d 64 (the mma.sync kernel's per-row page loads take the rest). */
+    if (a->block_table) {
+        const int bc = fc90_tile_for(fc90_kernel_d(head_dim_compiled)).bc, ps = a->page_size;
+        if (a->dropout || a->bm || ps < 16 || ps % 16 || (bc % ps && ps % bc) || (bc > ps && bc / ps > FC90_PAGED_BOXES))
+            return 0;
+        if (fc90_kernel_d(head_dim_compiled) == 64) return 0; /* fc90_paged_kernel */
+    }
     /* Dropout: plain scores (no softcap, ALiBi or block mask) in kernels of their own; the rest on mma.sync. */
     if (a->dropout && (fc90_generic(a) || a->bm)) return 0;
     /* Block masks: a bitmap row in a builder block's 48 KB of shared memory (bm_tiles.cu), Nk below 25M keys. */
@@ -857,7 +949,9 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
         return 0;
     if (a->B < 1 || a->H < 1 || a->Hkv < 1 || a->H % a->Hkv || a->Nq < 1 || a->Nk < 1) return 0;
     const int64_t nb = a->varlen ? 1 : a->B;
-    const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb}, ek[3] = {a->varlen ? a->total_k : a->Nk, a->Hkv, nb};
+    const int64_t eq[3] = {a->varlen ? a->total_q : a->Nq, a->H, nb},
+                  ek[3] = {a->block_table ? a->page_size : a->varlen ? a->total_k : a->Nk, a->Hkv,
+                           a->block_table ? a->num_pages : nb};
     const int64_t sq[3] = {a->q_sn, a->q_sh, a->q_sb}, sk[3] = {a->k_sn, a->k_sh, a->k_sb},
                   sv[3] = {a->v_sn, a->v_sh, a->v_sb};
     return fc90_tma_ok(a->q, eq, sq) && fc90_tma_ok(a->k, ek, sk) && fc90_tma_ok(a->v, ek, sv);

@@ -65,7 +65,9 @@ int flashc_fwd_sm90_available(int device);
 
 /* 1 when the Hopper kernel takes this configuration: a->D == head_dim_compiled (the forward entry cuda.cu picked)
  * in {64, 96, 128, 192, 256}, 16-bit inputs with 16-byte aligned rows (TMA); varlen, seqused_k, sinks, any window
- * (causal included), softcap, ALiBi and block masks; split-KV (a->nsplit > 1) but with dropout or a block mask. */
+ * (causal included), softcap, ALiBi and block masks; split-KV (a->nsplit > 1) but with dropout or a block mask;
+ * paged K/V at d 96-256 with pages of 16 rows or more that divide the key tile or that it divides (no dropout or
+ * block mask there either). */
 int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled);
 
 /* Split-KV pieces for the Hopper kernel (one block per SM, sms of them): 1 when its (query tile, head, sequence)
