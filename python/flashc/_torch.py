@@ -823,14 +823,17 @@ def _rotate(x, c, s, interleaved):
 
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                 alibi_slopes=None, sinks=None, block_table=None):
+                 alibi_slopes=None, sinks=None, block_table=None, cache_batch_idx=None, cache_leftpad=None):
     """(out, lse) of flash-attn's flash_attn_with_kvcache: k, v (B, Nnew, Hkv, D), rotated first when rotary tables
     are given, are written in place into k_cache, v_cache (B, Nk_max, Hkv, D) at rows cache_seqlens[b] .. + Nnew - 1
     (flashc_kvcache_append), then q (B, Nq, H, D) attends to each sequence's first cache_seqlens[b] + Nnew rows
     (seqused_k). With block_table (B, max_pages) int32 the caches are page pools (num_pages, page_size, Hkv, D) and
     row j of sequence b lives at row j % page_size of page block_table[b, j // page_size] (Nk_max = max_pages *
-    page_size; flashc_kvcache_append_paged). Everything stays on the device (no host sync) and on torch's current
-    stream; no autograd."""
+    page_size; flashc_kvcache_append_paged). cache_batch_idx (B,): sequence b's cache is k_cache[cache_batch_idx[b]]
+    of (B_cache, Nk_max, Hkv, D) caches; cache_leftpad (B,): its keys start at row cache_leftpad[b] (<=
+    cache_seqlens[b]), and causal, windows and ALiBi count from there; both are block tables over the caches seen
+    as pools (_cache_table), the rotary positions stay the cache rows. Everything stays on the device (no host sync)
+    and on torch's current stream; no autograd."""
     device = q.device if isinstance(q, torch.Tensor) else None
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     if (k is None) != (v is None):
@@ -849,7 +852,17 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
     b, nq, h, d = q.shape
     nk, hkv = k_cache.shape[1], k_cache.shape[2]
     table = None
-    if block_table is not None:
+    pools = (k_cache, v_cache)  # what the library reads and writes: the caches, or their rows as pages of one
+    lpad = None
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        if block_table is not None:
+            raise ValueError("flashc: cache_batch_idx and cache_leftpad index contiguous caches (B_cache, Nk_max, Hkv, "
+                             "D); they do not go with block_table (nor in flash-attn)")
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
+            raise ValueError("flashc: k_cache and v_cache must both be (B_cache, Nk_max, Hkv, D) with q's D = %d, got "
+                             "%s and %s" % (d, tuple(k_cache.shape), tuple(v_cache.shape)))
+        table, pools, lpad = _cache_table(cache_batch_idx, cache_leftpad, k_cache, v_cache, b, device)
+    elif block_table is not None:
         table = torch.as_tensor(block_table)
         _core.check_block_table_shape(tuple(table.shape), b, False)
         if table.device.type == "cpu" and table.dtype == torch.int64:
@@ -900,11 +913,54 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
                 k = _rotate(k, ck, sk, rotary_interleaved)
                 q = _rotate(q, cq, sq, rotary_interleaved)
         used = seqlens if nnew == 0 or seqlens is None else seqlens + nnew
-        opts = _Options(q, k_cache, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        at = seqlens  # where the new rows go, counted in the table's keys
+        if lpad is not None:  # keys from row cache_leftpad[b]: the table starts there
+            used = (used if used is not None else torch.full((b,), nk, dtype=torch.int32, device=device)) - lpad
+            at = None if seqlens is None else seqlens - lpad
+        opts = _Options(q, pools[0], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=used, sinks=sinks, block_table=table)
         if nnew > 0 and b > 0 and d > 0:
-            _append(q, k_cache, v_cache, k, v, seqlens, opts)
-        return _forward(q, k_cache, v_cache, opts)
+            _append(q, pools[0], pools[1], k, v, at, opts)
+        return _forward(q, pools[0], pools[1], opts)
+
+
+def _cache_table(cache_batch_idx, cache_leftpad, k_cache, v_cache, b, device):
+    """flash-attn's cache_batch_idx and cache_leftpad as a block table over the caches (B_cache, Nk_max, Hkv, D):
+    (table, (k pool, v pool), leftpad or None). Batch indices alone: each cache is one page of Nk_max rows, page
+    cache_batch_idx[b] for sequence b (the kernels' page paths; on Hopper a page of Nk_max rows a multiple of 128 is
+    as fast as the contiguous cache). With left padding the table has a page of one row per key, row
+    cache_batch_idx[b] * Nk_max + cache_leftpad[b] + j for key j (pages of one row take the mma.sync kernels on the
+    GPU: slower), which needs each cache's rows evenly strided across its batch (stride(0) = Nk_max * stride(1), as
+    torch.empty gives). Entries past a sequence's cache point at its last row: never read (the keys past
+    cache_seqlens are not used)."""
+    bc, nk = k_cache.shape[0], k_cache.shape[1]
+
+    def index(name, t):
+        t = torch.as_tensor(t)
+        if tuple(t.shape) != (b,):
+            raise ValueError("flashc: %s must be 1-d with one entry per sequence, (B,) = (%d,), got shape %s"
+                             % (name, b, tuple(t.shape)))
+        if t.device.type == "cpu" and t.dtype == torch.int64:
+            _core.check_int32_range(name, t)
+        return _index_tensor(name, t, device)
+
+    bidx = None if cache_batch_idx is None else index("cache_batch_idx", cache_batch_idx)
+    if cache_leftpad is None:
+        return bidx.view(b, 1), (k_cache, v_cache), None
+    lpad = index("cache_leftpad", cache_leftpad)
+    if bc * nk >= 2**31:
+        raise ValueError("flashc: cache_leftpad: %d x %d cache rows do not fit the block table's int32" % (bc, nk))
+    pools = []
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if nk > 1 and bc > 1 and c.stride(0) != nk * c.stride(1):
+            raise ValueError("flashc: cache_leftpad needs %s's rows evenly strided across its batch (stride(0) = "
+                             "Nk_max * stride(1) = %d, got %d), as a tensor from torch.empty is"
+                             % (name, nk * c.stride(1), c.stride(0)))
+        pools.append(c.as_strided((bc * nk, 1) + tuple(c.shape[2:]), (c.stride(1), c.stride(1)) + c.stride()[2:]))
+    first = (bidx.long() if bidx is not None else torch.arange(b, device=device)) * nk + lpad.long()
+    last = (bidx.long() if bidx is not None else torch.arange(b, device=device)) * nk + (nk - 1)
+    rows = torch.minimum(first[:, None] + torch.arange(nk, device=device)[None, :], last[:, None].clamp(min=0))
+    return rows.clamp_(0, max(bc * nk - 1, 0)).to(torch.int32), tuple(pools), lpad
 
 
 def _append(q, k_cache, v_cache, k, v, seqlens, opts):

@@ -40,12 +40,9 @@ Two keyword-only arguments of flashc's own follow flash-attn's on every function
 
 flash_attn_with_kvcache works on a contiguous cache (B, Nk_max, Hkv, D) or, with block_table, a paged one (page
 pools (num_pages, page_size, Hkv, D)): in-place append of k, v at cache_seqlens, rotary embedding, attention to each
-sequence's used rows (flashc's seqused_k); it takes sinks (keyword-only) but not seqused_k, which cache_seqlens sets.
-flash_attn_varlen_func takes block_table too. On CUDA the paged forward and append run; the paged backward is CPU-only
-for now.
-
-Not supported yet, each raising NotImplementedError that names it: flash_attn_with_kvcache's cache_batch_idx and
-cache_leftpad. torch is imported on the first call, not at import.
+sequence's used rows (flashc's seqused_k), cache_batch_idx and cache_leftpad; it takes sinks (keyword-only) but not
+seqused_k, which cache_seqlens sets. flash_attn_varlen_func takes block_table too. On CUDA the paged forward and
+append run; the paged backward is CPU-only for now. torch is imported on the first call, not at import.
 """
 
 from typing import TYPE_CHECKING, Optional, Tuple, Union
@@ -277,19 +274,20 @@ def flash_attn_with_kvcache(
     page_size, Hkv, D) and row j of sequence b lives at row j % page_size of page block_table[b, j // page_size]
     (Nk_max = max_pages * page_size); new rows are written at their pages. Any page size, on both backends.
 
-    Returns out (B, Nq, H, D), or (out, softmax_lse) with return_softmax_lse, softmax_lse fp32 (B, H, Nq). Not
-    supported yet, each raising NotImplementedError: cache_batch_idx and cache_leftpad.
+    cache_batch_idx (B,) int32: sequence b uses cache k_cache[cache_batch_idx[b]] of (B_cache, Nk_max, Hkv, D)
+    caches (its new rows are written there). cache_leftpad (B,) int32: sequence b's keys start at cache row
+    cache_leftpad[b] (0 <= cache_leftpad[b] <= cache_seqlens[b]); the rows before it are padding, never read, and
+    causal, windows and ALiBi count keys from it, as flash-attn does; the rotary positions stay the cache rows. Not
+    with block_table (as in flash-attn). On the GPU left padding runs the mma.sync kernels' paged path (pages of one
+    row): slower than a cache without it.
+
+    Returns out (B, Nq, H, D), or (out, softmax_lse) with return_softmax_lse, softmax_lse fp32 (B, H, Nq).
     """
-    for name, value, what in (("cache_batch_idx", cache_batch_idx, "indexing the caches by batch"),
-                              ("cache_leftpad", cache_leftpad, "left-padded caches")):
-        if value is not None:
-            raise NotImplementedError(
-                "flashc: flash_attn_with_kvcache's %s (%s): flashc does not support it yet; pass a contiguous cache "
-                "(B, Nk_max, Hkv, D) with cache_seqlens" % (name, what))
     from . import _torch
 
     out, lse = _torch.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    softcap=softcap, rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes,
-                                   sinks=sinks, block_table=block_table)
+                                   sinks=sinks, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                                   cache_leftpad=cache_leftpad)
     return (out, lse) if return_softmax_lse else out

@@ -62,17 +62,18 @@ def rotary_ref(x, cos, sin, pos, interleaved, dt):
     return torch.cat((xr * c + rotate_half(xr, interleaved) * s, x[..., r:].to(dt)), dim=-1)
 
 
-def reference(q, kc0, vc0, k, v, filled, opts, rotary=None, low=None):
+def reference(q, kc0, vc0, k, v, filled, opts, rotary=None, low=None, rot_base=None):
     """out, lse of the kvcache call, and the new key rows rotated in fp64 (None without rotary), computed from the
     cache before the call (kc0, vc0) without the library: in fp64, or (low: a dtype) the naive algorithm in that
     dtype. Rotated q and k are rounded to the inputs' dtype before the attention, in both: the cache has to store
     the rotated keys in its dtype (flash-attn's kernel rounds the rotated q too), so that rounding is part of the
-    operation and is checked on its own (the cache rows against the fp64 rotation), not charged to the attention."""
+    operation and is checked on its own (the cache rows against the fp64 rotation), not charged to the attention.
+    rot_base: each sequence's first new row's rotary position (default: filled)."""
     dt = torch.float64 if low is None else low
     rot_dt = torch.float64 if low is None else torch.float32
     b, nq = q.shape[:2]
     nnew = 0 if k is None else k.shape[1]
-    fl = torch.tensor(filled, device=q.device)[:, None]
+    fl = torch.tensor(filled if rot_base is None else rot_base, device=q.device)[:, None]
     kn, k_exact = (None if k is None else k.to(dt)), None
     if rotary is not None:
         cos, sin, interleaved, advance = rotary
@@ -195,6 +196,86 @@ def run_case(case, dtype, device, rotary=None, seqlens_as=torch.int32):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kvcache(case, dtype, device, gen):
     run_case(case, dtype, device)
+
+
+# ---- cache_batch_idx and cache_leftpad ---------------------------------------------------------------------------
+# (name, cache_batch_idx (None: the identity), cache_leftpad (None: none), cache_seqlens, Nq, Nnew, options)
+INDEX_CASES = [
+    ("batch_idx_decode_causal", [4, 0, 2], None, [10, 0, 63], 1, 1, dict(causal=True)),
+    ("batch_idx_no_kv", [1, 3, 0], None, [9, 40, 1], 3, None, {}),
+    ("leftpad_decode", None, [3, 0, 17], [10, 0, 40], 1, 1, {}),
+    ("leftpad_prefill_causal_window", None, [5, 2, 30], [5, 20, 40], 4, 4, dict(causal=True, window_size=(6, -1))),
+    ("leftpad_alibi_no_kv", None, [1, 8, 0], [12, 30, 5], 2, None, dict(causal=True, alibi="h")),
+    ("both_prefill_causal", [3, 1, 4], [2, 9, 0], [7, 33, 0], 3, 3, dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+@pytest.mark.parametrize("case", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
+def test_kvcache_batch_idx_leftpad(case, rotary, dtype, device, gen):
+    """flash-attn's cache_batch_idx and cache_leftpad: sequence b reads cache bidx[b] from row leftpad[b] on (keys
+    counted from there for causal, windows and ALiBi; rotary positions are the cache rows), its new rows are
+    written at row cache_seqlens[b] of that cache, and no other cache row changes."""
+    _, bidx, lpad, filled, nq, nnew, opts = case
+    if rotary and nnew is None:
+        pytest.skip("rotary needs new keys")
+    b, nk, h, hkv, d = 3, 64, 4, 2, 64
+    bc = 5 if bidx is not None else b
+    sel = bidx if bidx is not None else list(range(b))
+    lp = lpad if lpad is not None else [0] * b
+    fill_c = [7] * bc
+    for i, c in enumerate(sel):
+        fill_c[c] = filled[i]
+    opts = resolve(opts, b, h, device)
+    kc, vc = make_cache(bc, nk, hkv, d, fill_c, dtype, device)
+    for i, c in enumerate(sel):  # the left padding: NaN, never to be read
+        kc[c, :lp[i]] = float("nan")
+        vc[c, :lp[i]] = float("nan")
+    kc0, vc0 = kc.clone(), vc.clone()
+    q = (torch.randn(b, nq, h, d, device=device) * 2.0).to(dtype)
+    k = v = None
+    if nnew is not None:
+        k = torch.randn(b, nnew, hkv, d, device=device).to(dtype)
+        v = torch.randn(b, nnew, hkv, d, device=device).to(dtype)
+    kw = dict(opts)
+    rot = None
+    if rotary:
+        cos, sin = rotary_tables(nk, 32, dtype, device)
+        kw.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False)
+        rot = (cos, sin, False, True if opts.get("causal") or "window_size" in opts else False)
+    as_t = (lambda x: None if x is None else torch.tensor(x, dtype=torch.int32, device=device))
+    out, lse = flashc.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=as_t(filled), cache_batch_idx=as_t(bidx),
+                                              cache_leftpad=as_t(lpad), return_softmax_lse=True, **kw)
+    assert torch.isfinite(out).all(), "a padding row or a row past the used keys was read"
+
+    # reference: each sequence's keys are rows leftpad .. cache_seqlens of its cache (then the new ones), moved to
+    # the front of a cache of its own; rotary at the cache rows
+    ks0 = torch.full((b, nk, hkv, d), float("nan"), device=device).to(dtype)
+    vs0 = ks0.clone()
+    for i, c in enumerate(sel):
+        ks0[i, :filled[i] - lp[i]] = kc0[c, lp[i]:filled[i]]
+        vs0[i, :filled[i] - lp[i]] = vc0[c, lp[i]:filled[i]]
+    rel = [n - p for n, p in zip(filled, lp)]
+    low = rule_dtype(dtype, device)
+    ref_out, ref_lse, ref_k = reference(q, ks0, vs0, k, v, rel, opts, rot, rot_base=filled)
+    low_out, low_lse, _ = reference(q, ks0, vs0, k, v, rel, opts, rot, low=low, rot_base=filled)
+    check_close("out", out, ref_out, low_out, low, 2)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isinf(lse), ~fin)
+    check_close("lse", lse[fin], ref_lse[fin], low_lse[fin], low, 2)
+
+    # the caches: sequence b's new rows at rows cache_seqlens[b] .. of cache bidx[b]; every other row as it was
+    expect_k, expect_v = kc0.clone(), vc0.clone()
+    if nnew is not None:
+        for i, c in enumerate(sel):
+            expect_v[c, filled[i]:filled[i] + nnew] = v[i]
+            expect_k[c, filled[i]:filled[i] + nnew] = k[i] if rot is None else kc[c, filled[i]:filled[i] + nnew]
+            if rot is not None:
+                tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+                torch.testing.assert_close(kc[c, filled[i]:filled[i] + nnew].double(), ref_k[i], rtol=tol, atol=tol)
+    assert same_bits(kc, expect_k) and same_bits(vc, expect_v)
 
 
 # ---- rotary embedding --------------------------------------------------------------------------------------------
@@ -324,10 +405,18 @@ def test_errors_cpu(gen):
         args.update(kw)
         return flashc.flash_attn_with_kvcache(q, kc, vc, **args)
 
+    bt = torch.tensor([[0], [1]], dtype=torch.int32)
     for name, value in (("cache_batch_idx", torch.tensor([1, 0], dtype=torch.int32)),
                         ("cache_leftpad", torch.tensor([0, 1], dtype=torch.int32))):
-        with pytest.raises(NotImplementedError, match=r"%s.*flashc does not support it yet" % name):
-            call(**{name: value})
+        with pytest.raises(ValueError, match="do not go with block_table"):
+            call(**{name: value, "block_table": bt})
+        with pytest.raises(ValueError, match=r"%s must be 1-d .*\(B,\) = \(2,\), got shape \(3,\)" % name):
+            call(**{name: torch.tensor([0, 1, 0], dtype=torch.int32)})
+        with pytest.raises(TypeError, match=name):
+            call(**{name: torch.tensor([0.0, 1.0])})
+    with pytest.raises(ValueError, match=r"cache_leftpad needs k_cache's rows evenly strided"):
+        flashc.flash_attn_with_kvcache(q, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, k=k, v=v,
+                                       cache_seqlens=sl, cache_leftpad=torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"cache_seqlens must be an int or 1-d .*\(B,\) = \(2,\), got shape \(3,\)"):
         call(cache_seqlens=torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match=r"cache_seqlens .*got shape \(\)"):
