@@ -370,8 +370,15 @@ FLASHC_API flashc_status flashc_kvcache_append(flashc_context_t ctx, const flash
  * max_pages), as flashc_params describes it. Then attend with the same table and seqused_k = cache_seqlens + Nnew
  * (flash-attn's flash_attn_with_kvcache with block_table). Every other row is left as it was. The CPU backend refuses,
  * writing nothing, a length below 0 or whose new rows pass the table's max_pages * page_size, a page the new rows
- * need outside [0, num_pages), and two sequences writing one row. The CUDA backend does not append to paged caches
- * yet (NOT_SUPPORTED).
+ * need outside [0, num_pages), and two sequences writing one row; the CUDA backend (which does not read device memory
+ * before its launch) skips rows past the table and pages outside the pool, and of a row two sequences name keeps one
+ * write.
+ * flash-attn's cache_batch_idx and cache_leftpad are block tables over contiguous caches (B_cache, Nk_max, Hkv, D):
+ * sequence b on cache idx[b] is the caches as a pool of B_cache pages of Nk_max rows with block_table[b] = idx[b]
+ * (max_pages 1); keys from row leftpad[b] are pages of one row (the caches viewed as (B_cache * Nk_max, 1, Hkv, D))
+ * with block_table[b * Nk_max + j] = idx[b] * Nk_max + leftpad[b] + j, appended at cache_seqlens[b] - leftpad[b] and
+ * attended with seqused_k = cache_seqlens[b] + Nnew - leftpad[b] (masks and ALiBi then count keys from the padding's
+ * end, as in flash-attn). The Python package builds these tables (flash_attn_with_kvcache).
  */
 FLASHC_API flashc_status flashc_kvcache_append_paged(flashc_context_t ctx, const flashc_tensor *k_cache,
                                                      const flashc_tensor *v_cache, const flashc_tensor *k_new,
