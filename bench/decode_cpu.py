@@ -15,6 +15,10 @@ the same rotation for both. Time: median over --runs rounds of the per-call mean
 two libraries in turns. Bandwidth: K+V bytes one call reads over its time; beside it the machine's copy (torch
 copy_ of a 512 MiB buffer at the same thread count, read + write bytes over time) and read (torch sum of it).
 
+--pages P,...: flashc again on a paged copy of each cache per page size (pools of (pages, P, Hkv, D) in a shuffled
+order, through flash_attn_with_kvcache's block_table), checked bit for bit against the contiguous result and timed in
+the same turns; a second table gives paged time over contiguous time.
+
 OMP_WAIT_POLICY defaults to active here (set it to override): on the 2-vCPU dev VM an OpenMP worker that has gone to
 sleep between calls took 8-16 ms to wake while other processes ran, for torch and flashc alike (both use libgomp), so
 the default policy measured the hypervisor's scheduling rather than either library.
@@ -77,9 +81,11 @@ def main():
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--min-calls", type=int, default=8, help="at least this many calls per timed pass")
     ap.add_argument("--cold-bytes", type=int, default=max(3 * l3_bytes(), 64 << 20))
+    ap.add_argument("--pages", default="", help="page sizes to time paged caches at, e.g. 1,16,256")
     args = ap.parse_args()
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     threads = [int(x) for x in args.threads.split(",")]
+    pages = [int(x) for x in args.pages.split(",") if x]
     cpu = flashc.device_name(flashc.BACKEND_CPU, 0) if hasattr(flashc, "device_name") else "cpu"
     print(f"# {cpu}: {os.cpu_count()} cores, L3 {l3_bytes() >> 20} MiB; torch {torch.__version__}, flashc "
           f"{flashc.library_version()} ({flashc.library_path}), kernels {flashc.cpu_features()}")
@@ -111,6 +117,10 @@ def main():
                     return torch.nn.functional.scaled_dot_product_attention(
                         q[i].transpose(1, 2), kc[i].transpose(1, 2), vc[i].transpose(1, 2), enable_gqa=True)
 
+                fns = {"flashc": fc, "torch": sdpa}
+                for ps in pages:
+                    fns["paged %d" % ps] = paged_call(q, kc, vc, lens, ps, g)
+
                 ref = torch.nn.functional.scaled_dot_product_attention(
                     q[0].transpose(1, 2).double(), kc[0].transpose(1, 2).double(), vc[0].transpose(1, 2).double(),
                     enable_gqa=True).transpose(1, 2)
@@ -119,21 +129,53 @@ def main():
                     flashc.set_num_threads(n)
                     err = (fc(0).double() - ref).abs().max().item()
                     err_t = (sdpa(0).transpose(1, 2).double() - ref).abs().max().item()
-                    t = time_pair({"flashc": fc, "torch": sdpa}, copies, args.runs)
-                    rows.append((H, Hkv, D, dname, N, n, t, kv_bytes, err, err_t))
+                    same = {ps: torch.equal(fns["paged %d" % ps](0), fc(0)) for ps in pages}
+                    t = time_pair(fns, copies, args.runs)
+                    rows.append((H, Hkv, D, dname, N, n, t, kv_bytes, err, err_t, same))
                     print(f"# H {H} Hkv {Hkv} D {D} {dname} Nk {N} threads {n}: flashc {t['flashc']:.0f} us, torch "
                           f"{t['torch']:.0f} us; max |err| flashc {err:.2g}, torch {err_t:.2g}", flush=True)
-                del q, kc, vc
+                del q, kc, vc, fns
 
     print("\n| H/Hkv/D | dtype | Nk | threads | flashc | torch SDPA | flashc / torch speed | flashc K+V bandwidth "
           "| % of copy | copy (read + write) | read |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for H, Hkv, D, dname, N, n, t, kv_bytes, _, _ in rows:
+    for H, Hkv, D, dname, N, n, t, kv_bytes, _, _, _ in rows:
         gbs = kv_bytes / t["flashc"] / 1e3
         print(f"| {H}/{Hkv}/{D} | {dname} | {N} | {n} | {t['flashc']:.0f} µs | {t['torch']:.0f} µs | "
               f"{t['torch'] / t['flashc']:.2f} | {gbs:.1f} GB/s | {100 * gbs / bw[n][0]:.0f}% | {bw[n][0]:.1f} GB/s | "
               f"{bw[n][1]:.1f} GB/s |")
+    if pages:
+        print("\n| H/Hkv/D | dtype | Nk | threads | flashc contiguous | " +
+              " | ".join("paged %d (time / contiguous)" % ps for ps in pages) + " |")
+        print("|---|---|---|---|---|" + "---|" * len(pages))
+        for H, Hkv, D, dname, N, n, t, _, _, _, same in rows:
+            cells = ["%.0f µs (%.2f%s)" % (t["paged %d" % ps], t["paged %d" % ps] / t["flashc"],
+                                           "" if same[ps] else ", DIFFERS") for ps in pages]
+            print(f"| {H}/{Hkv}/{D} | {dname} | {N} | {n} | {t['flashc']:.0f} µs | " + " | ".join(cells) + " |")
     return 0
+
+
+def paged_call(q, kc, vc, lens, ps, g):
+    """fn(i): flash_attn_with_kvcache on copy i of the cache as a pool of pages of ps rows in a shuffled order."""
+    N, Hkv, D = kc[0].shape[1:]
+    npages = -(-N // ps)
+    pools, tables = [], []
+    for k, v in zip(kc, vc):
+        perm = torch.randperm(npages, generator=g)  # page j of the sequence is pool page perm[j]
+        pair = []
+        for c in (k, v):
+            flat = torch.zeros(npages * ps, Hkv, D, dtype=c.dtype)
+            flat[:N] = c[0]
+            pool = torch.empty(npages, ps, Hkv, D, dtype=c.dtype)
+            pool[perm] = flat.view(npages, ps, Hkv, D)
+            pair.append(pool)
+        pools.append(tuple(pair))
+        tables.append(perm.to(torch.int32)[None])
+
+    def fn(i):
+        return flashc.flash_attn_with_kvcache(q[i], pools[i][0], pools[i][1], cache_seqlens=lens,
+                                              block_table=tables[i], causal=True)
+    return fn
 
 
 if __name__ == "__main__":

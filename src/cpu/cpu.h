@@ -57,10 +57,12 @@ typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, in
  * base[i] + r * ld[i] (i < 2: the K and V rows decode reads next). dots_kv issues them a few at a time between its dot
  * products, so that they overlap the arithmetic instead of stalling the loads in one burst.
  */
+/* Lists of rows to prefetch: K and V, each in up to two pieces (a paged cache's key step across a page boundary). */
+#define FLASHC_CPU_PF_LISTS 4
 typedef struct flashc_cpu_prefetch {
-    const char *base[2];
-    int64_t ld[2];
-    int rows[2], bytes[2];
+    const char *base[FLASHC_CPU_PF_LISTS];
+    int64_t ld[FLASHC_CPU_PF_LISTS];
+    int rows[FLASHC_CPU_PF_LISTS], bytes[FLASHC_CPU_PF_LISTS];
 } flashc_cpu_prefetch;
 /*
  * A kernel's walk over a prefetch list: begin with the number of times the kernel will call issue, then each call
@@ -79,9 +81,9 @@ typedef struct flashc_cpu_pf_cursor {
 
 static inline void flashc_cpu_pf_list(flashc_cpu_pf_cursor *c) {
     const flashc_cpu_prefetch *pf = c->pf;
-    while (c->i < 2 && pf->rows[c->i] <= 0) c->i++;
+    while (c->i < FLASHC_CPU_PF_LISTS && pf->rows[c->i] <= 0) c->i++;
     c->left = 0;
-    if (c->i < 2) {
+    if (c->i < FLASHC_CPU_PF_LISTS) {
         c->row = pf->base[c->i];
         c->ld = pf->ld[c->i];
         c->left = pf->rows[c->i];
@@ -93,7 +95,7 @@ static inline void flashc_cpu_pf_begin(flashc_cpu_pf_cursor *c, const flashc_cpu
     c->pf = pf, c->i = 0, c->left = 0, c->per = 0;
     if (!pf || calls <= 0) return;
     int rows = 0;
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < FLASHC_CPU_PF_LISTS; i++)
         if (pf->rows[i] > 0) rows += pf->rows[i];
     c->per = (rows + calls - 1) / calls;
     flashc_cpu_pf_list(c);

@@ -55,23 +55,33 @@ enum {
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /*
- * The raw K and V rows [n0, n0 + cols) of head h as dots_kv's prefetch list, clipped to the rows on n0's page when
- * the cache is paged (the next step's first rows are what must arrive early).
+ * The raw K and V rows [n0, n0 + cols) of head h as dots_kv's prefetch lists: K's, then V's, each the rows on n0's
+ * page and those on the next when the cache is paged and the step crosses a page boundary (at pages smaller than
+ * half a step, the rows past the second page are left to the loads). Before the second piece, a step of 32 keys
+ * over pages of 16 had half its rows fetched by nothing ahead of use (the hardware prefetchers do not follow pages
+ * in a shuffled pool): 1.65-2.6x the contiguous time (bench/RESULTS.md).
  */
 static void next_rows(const flashc_problem *p, int64_t b, int64_t n0, int cols, int64_t h, flashc_cpu_prefetch *pf) {
     const int64_t tb = flashc_cpu_tensor_batch(p, b);
-    if (p->block_table) {
-        const int64_t left = p->page_size - n0 % p->page_size;
-        if (cols > left) cols = (int)left;
-    }
     const flashc_tensor *t[2] = {&p->k, &p->v};
     for (int i = 0; i < 2; i++) {
         const int64_t es = (int64_t)flashc_dtype_size(t[i]->dtype);
-        pf->base[i] = (const char *)t[i]->data + flashc_kv_offset(p, t[i], b, tb, n0, h) * es;
-        pf->ld[i] = t[i]->stride[1] * es;
-        pf->rows[i] = cols;
-        pf->bytes[i] = (int)(p->D * es);
-        if (t[i]->stride[3] != 1) pf->bytes[i] = (int)(((p->D - 1) * t[i]->stride[3] + 1) * es);
+        int64_t row = n0;
+        int left = cols;
+        for (int piece = 0; piece < 2; piece++) {
+            const int l = 2 * i + piece;
+            int rows = left;
+            if (p->block_table && rows > p->page_size - row % p->page_size)
+                rows = (int)(p->page_size - row % p->page_size);
+            pf->rows[l] = rows;
+            if (rows <= 0) continue;
+            pf->base[l] = (const char *)t[i]->data + flashc_kv_offset(p, t[i], b, tb, row, h) * es;
+            pf->ld[l] = t[i]->stride[1] * es;
+            pf->bytes[l] = (int)(p->D * es);
+            if (t[i]->stride[3] != 1) pf->bytes[l] = (int)(((p->D - 1) * t[i]->stride[3] + 1) * es);
+            row += rows;
+            left -= rows;
+        }
     }
 }
 
@@ -321,7 +331,6 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             if (!step_visible(p, rows, n, j0, cols)) continue;
             int64_t ldk, ldv;
             int kt, vt;
-            const void *k = step_rows(kern, p, &p->k, b, k0 + j0, cols, hk, t->kbuf, dp, &kt, &ldk);
             /* The rows of the head-step two ahead (the next head but one of this step, or of the next step) are
              * fetched into L2 while the dot products run (dots_kv's prefetches), 8-32 KiB ahead of use. On the Zen 4
              * VM (1 thread, cold, lab/LOG.md), against the next head-step into L1 as before: 32/8/128 1.4-1.6x,
@@ -333,8 +342,20 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             const int64_t nj0 = j0 + (j + 2) / nh * bc, nhk = hk0 + (j + 2) % nh;
             const int ncols = (int)(jhi - nj0 < bc ? jhi - nj0 : bc);
             if (ncols > 0) next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
-            kern->dots_kv(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, k, kt, ldk, t->s, DEC_BC,
-                          ncols > 0 ? &pf : NULL);
+            /* The scores page by page: dots_kv computes each score alone, so a paged step that crosses a page
+             * boundary reads K in place and still gives the contiguous cache's bits (V's rows are gathered below:
+             * pv's sum runs over the whole step). */
+            const flashc_cpu_prefetch *pfp = ncols > 0 ? &pf : NULL;
+            for (int c0 = 0; c0 < cols;) {
+                const int64_t row = k0 + j0 + c0;
+                const int piece = p->block_table && p->page_size >= 16 && cols - c0 > p->page_size - row % p->page_size
+                                      ? (int)(p->page_size - row % p->page_size)
+                                      : cols - c0; /* (pages below 16 rows: gathered, not a call per few keys) */
+                const void *k = step_rows(kern, p, &p->k, b, row, piece, hk, t->kbuf, dp, &kt, &ldk);
+                kern->dots_kv(n, piece, D, t->q + (size_t)j * L->cap * dp, dp, k, kt, ldk, t->s + c0, DEC_BC, pfp);
+                pfp = NULL; /* (the first piece's passes issue the whole list) */
+                c0 += piece;
+            }
             if (sk != 1.0f)
                 for (int r = 0; r < n; r++)
                     for (int c = 0; c < cols; c++) t->s[(size_t)r * DEC_BC + c] *= sk;
