@@ -932,7 +932,7 @@ def _cache_table(cache_batch_idx, cache_leftpad, k_cache, v_cache, b, device):
     cache_batch_idx[b] * Nk_max + cache_leftpad[b] + j for key j (pages of one row take the mma.sync kernels on the
     GPU: slower), which needs each cache's rows evenly strided across its batch (stride(0) = Nk_max * stride(1), as
     torch.empty gives). Entries past a sequence's cache point at its last row: never read (the keys past
-    cache_seqlens are not used)."""
+    cache_seqlens are not used). Bad indices are left for the library to find (below)."""
     bc, nk = k_cache.shape[0], k_cache.shape[1]
 
     def index(name, t):
@@ -957,10 +957,13 @@ def _cache_table(cache_batch_idx, cache_leftpad, k_cache, v_cache, b, device):
                              "Nk_max * stride(1) = %d, got %d), as a tensor from torch.empty is"
                              % (name, nk * c.stride(1), c.stride(0)))
         pools.append(c.as_strided((bc * nk, 1) + tuple(c.shape[2:]), (c.stride(1), c.stride(1)) + c.stride()[2:]))
-    first = (bidx.long() if bidx is not None else torch.arange(b, device=device)) * nk + lpad.long()
-    last = (bidx.long() if bidx is not None else torch.arange(b, device=device)) * nk + (nk - 1)
-    rows = torch.minimum(first[:, None] + torch.arange(nk, device=device)[None, :], last[:, None].clamp(min=0))
-    return rows.clamp_(0, max(bc * nk - 1, 0)).to(torch.int32), tuple(pools), lpad
+    base = (bidx.long() if bidx is not None else torch.arange(b, device=device)) * nk
+    rows = torch.minimum(base[:, None] + lpad.long()[:, None] + torch.arange(nk, device=device)[None, :],
+                         base[:, None] + (nk - 1))
+    # A batch index outside [0, B_cache) or a negative left padding names rows outside the pool (-1 or B_cache *
+    # Nk_max, never wrapped into it by the int32 table): the library refuses them (CPU) or gives NaN rows (CUDA).
+    rows = torch.where(lpad[:, None] < 0, -1, rows).clamp_(-1, bc * nk)
+    return rows.to(torch.int32), tuple(pools), lpad
 
 
 def _append(q, k_cache, v_cache, k, v, seqlens, opts):

@@ -414,6 +414,15 @@ def test_errors_cpu(gen):
             call(**{name: torch.tensor([0, 1, 0], dtype=torch.int32)})
         with pytest.raises(TypeError, match=name):
             call(**{name: torch.tensor([0.0, 1.0])})
+    # a batch index past the caches, or a negative left padding: refused by the library, nothing written
+    for kw in (dict(cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)),
+               dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32), cache_leftpad=torch.tensor([0, -1],
+                                                                                                      dtype=torch.int32)),
+               dict(cache_batch_idx=torch.tensor([-1, 1], dtype=torch.int32), cache_leftpad=torch.tensor([0, 1],
+                                                                                                       dtype=torch.int32))):
+        with pytest.raises(flashc.FlashcError):
+            call(**kw)
+        assert same_bits(kc, kc0) and same_bits(vc, vc0)
     with pytest.raises(ValueError, match=r"cache_leftpad needs k_cache's rows evenly strided"):
         flashc.flash_attn_with_kvcache(q, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, k=k, v=v,
                                        cache_seqlens=sl, cache_leftpad=torch.tensor([0, 1], dtype=torch.int32))
