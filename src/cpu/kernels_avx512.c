@@ -101,16 +101,10 @@ static void gemm_avx512(int m, int n, int k, const float *a, int64_t rs_a, int64
 }
 
 static void softmax_avx512(int cols, int rows, float *st, int64_t ld, float *m, float *l, float *alpha) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps();
     for (int r = 0; r < rows; r += 16) {
-        const __m512 m_old = _mm512_loadu_ps(m + r);
-        __m512 mx = m_old;
-        /* The row max skips NaN scores (max returns its second operand, mx, when the score is NaN), as fmaxf does
-         * in the portable kernel; a NaN score still makes its row NaN through exp2 and the sum. */
-        for (int c = 0; c < cols; c++) mx = _mm512_max_ps(_mm512_loadu_ps(st + (size_t)c * ld + r), mx);
-        const __mmask16 empty = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
-        const __m512 sub = _mm512_mask_mov_ps(mx, empty, zero);
-        const __m512 a = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, one);
+        __m512 mx, a;
+        const __m512 sub = flashc_softmax_sub_avx512(cols, st + r, ld, _mm512_loadu_ps(m + r), &mx, &a);
         __m512 sum = zero;
         for (int c = 0; c < cols; c++) {
             float *x = st + (size_t)c * ld + r;

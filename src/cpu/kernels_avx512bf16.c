@@ -525,17 +525,8 @@ static void pairs_t_avx512(int rows, int pad_rows, int pairs, const uint16_t *sr
  * largest P (1) joins, cannot hold it (half an ulp of 1 is 2^-24), so P's pair rows and l keep their bits.
  */
 AI __m512 exp2_p(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-150.0f), x); /* a NaN x is the second operand: returned as it is */
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(FLASHC_EXP2_C6);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C5));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(FLASHC_EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    /* a NaN x is max's second operand: returned as it is */
+    return flashc_exp2_poly_avx512(_mm512_max_ps(_mm512_set1_ps(-150.0f), x));
 }
 
 /* softmax_avx512's steps (max, alpha, exp2 and sum in column order) per 16 rows, the exp2 pass two columns (a pair)
@@ -544,14 +535,10 @@ static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld
                                  int lead, uint16_t *p2, int64_t ldp, float *o, int64_t ldo, int D) {
     const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps();
     for (int r = 0; r < rows; r += 16) {
-        const __m512 m_old = _mm512_loadu_ps(m + r);
-        __m512 mx = m_old;
-        for (int c = 0; c < cols; c++) mx = _mm512_max_ps(_mm512_loadu_ps(st + (size_t)c * ld + r), mx);
-        const __mmask16 empty = _mm512_cmp_ps_mask(mx, ninf, _CMP_EQ_OQ);
-        const __m512 sub = _mm512_mask_mov_ps(mx, empty, zero);
-        const __m512 a = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, one);
+        __m512 mx, a;
+        const __m512 sub = flashc_softmax_sub_avx512(cols, st + r, ld, _mm512_loadu_ps(m + r), &mx, &a);
         __m512 sum = zero;
         for (int p = 0; 2 * p < cols + lead; p++) {
             const int c0 = 2 * p - lead, c1 = c0 + 1;
