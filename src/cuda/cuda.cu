@@ -261,26 +261,14 @@ static flashc_status fwd_check(struct flashc_context *ctx, const flashc_problem 
     return FLASHC_STATUS_OK;
 }
 
-/*
- * Split-KV: split the keys only when the (query tile, head, sequence) blocks fill less than one wave, into as
- * many splits as fit in one wave (rounded down: one more split than fits starts a second, mostly idle wave),
- * keeping at least 4 key tiles per split (the combine's traffic and the partials' rescaling must stay small next to
- * the work saved). Rounding down instead of up took decode (H200, bench/decode.py, B 16, Nq 1, H 32 / Hkv 8, D 128)
- * from 103 to 82 us at Nk 4096 and 726 to 525 us at 32768 (3 splits of 128 pairs in a wave of 396 decode blocks,
- * not 4).
- */
+/* Split-KV pieces on the Ampere-class kernel (main or decode tile): fc_split_count's rule with its tile and
+ * resident blocks. */
 static int fwd_splits(struct flashc_context *ctx, const flashc_problem *p, int e, int dec) {
     const int bf16 = p->dtype != FLASHC_DTYPE_F16;
     const fc_tile t = dec ? state_of(ctx)->dec_tile[e][bf16] : state_of(ctx)->tile[e][bf16];
-    const int64_t blocks = (p->Nq + t.br - 1) / t.br * p->H * p->B;
     const int64_t wave =
         (int64_t)state_of(ctx)->sm_count * (dec ? state_of(ctx)->dec_occupancy : state_of(ctx)->occupancy)[e][bf16];
-    if (blocks <= 0 || blocks * 5 >= wave * 4) return 1;
-    const int64_t key_tiles = (p->Nk + t.bc - 1) / t.bc;
-    int64_t n = wave / blocks;
-    if (n > key_tiles / 4) n = key_tiles / 4;
-    if (n > 128) n = 128;
-    return n < 2 ? 1 : (int)n;
+    return fc_split_count((p->Nq + t.br - 1) / t.br * p->H * p->B, wave, (p->Nk + t.bc - 1) / t.bc);
 }
 
 /* The split-KV partials: nsplit x (H, rows) x (D + 1) floats (saturating: the front refuses SIZE_MAX). */

@@ -144,9 +144,10 @@ static_assert(fc90_o_bytes(fc90_tile_for(256)) <= fc90_end_v(fc90_tile_for(256))
 
 /* The kernels that take paged K/V (fc90_tile_pages): the VARLEN ones but for block masks and dropout, and not at d 64,
  * whose producer has 32 registers beside three consumers (the page loop made those kernels spill 60 bytes, not 12). */
+__host__ __device__ constexpr bool fc90_paged_tile(fc90_tile t) { return fc90_consumers(t) == 2; }
 template <int D, bool VARLEN, bool BMASK, bool DROP>
 __host__ __device__ constexpr bool fc90_paged_kernel() {
-    return VARLEN && !BMASK && !DROP && fc90_consumers(fc90_tile_for(D)) == 2;
+    return VARLEN && !BMASK && !DROP && fc90_paged_tile(fc90_tile_for(D));
 }
 
 /* Whether a problem's scores take the generic element step (GENERIC kernels: a score modifier, softcap or ALiBi,
@@ -937,10 +938,11 @@ int flashc_fwd_sm90_supports(const flashc_fwd_args *a, int head_dim_compiled) {
     /* Paged K/V (fc90_tile_pages): boxes of whole pages from 16 rows that tile the key tile, or a key tile inside a
      * page; not with dropout or a block mask, nor at d 64 (the mma.sync kernel's per-row page loads take the rest). */
     if (a->block_table) {
-        const int bc = fc90_tile_for(fc90_kernel_d(head_dim_compiled)).bc, ps = a->page_size;
-        if (a->dropout || a->bm || ps < 16 || ps % 16 || (bc % ps && ps % bc) || (bc > ps && bc / ps > FC90_PAGED_BOXES))
+        const fc90_tile tl = fc90_tile_for(fc90_kernel_d(head_dim_compiled));
+        const int bc = tl.bc, ps = a->page_size;
+        if (a->dropout || a->bm || !fc90_paged_tile(tl) || ps < 16 || ps % 16 || (bc % ps && ps % bc) ||
+            (bc > ps && bc / ps > FC90_PAGED_BOXES))
             return 0;
-        if (fc90_kernel_d(head_dim_compiled) == 64) return 0; /* fc90_paged_kernel */
     }
     /* Dropout: plain scores (no softcap, ALiBi or block mask) in kernels of their own; the rest on mma.sync. */
     if (a->dropout && (fc90_generic(a) || a->bm)) return 0;
@@ -962,12 +964,7 @@ int flashc_fwd_sm90_splits(const flashc_fwd_args *a, int sms) {
     const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D));
     flashc_fwd_args one = *a;
     one.nsplit = 1;
-    const int64_t blocks = fc90_tiles(&one, tl), key_tiles = (a->Nk + tl.bc - 1) / tl.bc;
-    if (blocks <= 0 || blocks * 5 >= (int64_t)sms * 4) return 1;
-    int64_t n = sms / blocks;
-    if (n > key_tiles / 4) n = key_tiles / 4;
-    if (n > 128) n = 128;
-    return n < 2 ? 1 : (int)n;
+    return fc_split_count(fc90_tiles(&one, tl), sms, (a->Nk + tl.bc - 1) / tl.bc);
 }
 
 cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {
