@@ -357,6 +357,10 @@ FLASHC_API flashc_status flashc_backward(flashc_context_t ctx, const flashc_tens
  * causal queries then sit at the end of each sequence's used keys). Rows that would land outside [0, Nk_max): the
  * CPU backend refuses the call and writes nothing; the CUDA backend (which does not read device memory before its
  * launch) skips them. Queued on the context's stream like the attention calls.
+ * Rotary embedding (flash-attn's rotary_cos, rotary_sin), before the append: flashc_rotary of k_new at seq_start =
+ * cache_seqlens (new row i at cache_seqlens[b] + i, into a copy or in place), then of q at cache_seqlens too (with
+ * causal or a window flash-attn puts query i at cache_seqlens[b] + i: q as it is; without, every query at
+ * cache_seqlens[b]: q viewed as (B, 1, Nq * H, D)); then append the rotated keys, then flashc_forward the rotated q.
  */
 FLASHC_API flashc_status flashc_kvcache_append(flashc_context_t ctx, const flashc_tensor *k_cache,
                                                const flashc_tensor *v_cache, const flashc_tensor *k_new,
@@ -405,6 +409,28 @@ FLASHC_API flashc_status flashc_kvcache_append_paged(flashc_context_t ctx, const
 FLASHC_API flashc_status flashc_merge(flashc_context_t ctx, const flashc_tensor *out_a, const float *lse_a,
                                       const flashc_tensor *out_b, const float *lse_b, const flashc_tensor *out,
                                       float *lse);
+
+/*
+ * Rotary position embedding (RoPE), flash-attn's apply_rotary_emb with seqlen_offsets: x (B, N, H, D) -> out
+ * (B, N, H, D), one shape and dtype, any strides, where row i of batch b sits at position p = seq_start[b] + i
+ * (seq_start: int32 (B), where the context's backend computes, as cache_seqlens; NULL: 0 for every b). cos, sin: the
+ * (P, R/2) tables as views of shape (1, P, 1, R/2) (P positions along shape[1], R/2 frequencies along shape[3]), any
+ * strides, f32, f16 or bf16 (one dtype for both, x's or another), R = 2 * shape[3] <= D the rotary dimension. For
+ * j < R/2, with c = cos[p][j], s = sin[p][j] and the pair of dims (u, w) = (j, j + R/2) (interleaved 0: GPT-NeoX
+ * halves) or (2j, 2j + 1) (interleaved nonzero: GPT-J), in each head's row:
+ *   out[u] = x[u] c - x[w] s,   out[w] = x[u] s + x[w] c,
+ * computed in fp32 as fmaf(-x[w], s, x[u] * c) and fmaf(x[w], c, x[u] * s) (the products x[u] c and x[u] s rounded
+ * to fp32 first, as torch's x1 * c then addcmul give it) and rounded once to out's dtype: the same bits on both
+ * backends. Dims R .. D - 1 are copied as they are. In place: out may be x's very view (the same data and strides);
+ * otherwise out shares no byte with x; and never one with cos, sin or seq_start. Every pointer aligned to its
+ * elements.
+ * A position outside [0, P) (p < 0 or p >= P): the CPU backend refuses the call and writes nothing; the CUDA backend
+ * (which does not read device memory before its launch) writes NaN to that row's first R elements of out (the rest
+ * copied as above) and never reads outside the tables. Queued on the context's stream like the attention calls.
+ */
+FLASHC_API flashc_status flashc_rotary(flashc_context_t ctx, const flashc_tensor *x, const flashc_tensor *cos,
+                                       const flashc_tensor *sin, const int32_t *seq_start, int interleaved,
+                                       const flashc_tensor *out);
 
 /* Fills a view of a contiguous (d0, d1, d2, d3) tensor. A stride that would overflow int64 is set to INT64_MIN,
  * which every call refuses. */

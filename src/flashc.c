@@ -1196,6 +1196,59 @@ flashc_status flashc_merge(flashc_context_t ctx, const flashc_tensor *out_a, con
     return FLASHC_STATUS_OK;
 }
 
+flashc_status flashc_rotary(flashc_context_t ctx, const flashc_tensor *x, const flashc_tensor *cos,
+                            const flashc_tensor *sin, const int32_t *seq_start, int interleaved,
+                            const flashc_tensor *out) {
+    if (!ctx) return FLASHC_ERR(NULL, FLASHC_STATUS_INVALID_ARGUMENT, "ctx is NULL");
+    enum { X, C, S, SS, O, N };
+    static const char *names[N] = {"x", "cos", "sin", "seq_start", "out"};
+    uintptr_t lo[N] = {0}, hi[N] = {0};
+    FLASHC_TRY(check_view(ctx, "x", x, 1, 0, &lo[X], &hi[X]));
+    FLASHC_TRY(check_view(ctx, "cos", cos, 1, 0, &lo[C], &hi[C]));
+    FLASHC_TRY(check_view(ctx, "sin", sin, 1, 0, &lo[S], &hi[S]));
+    FLASHC_TRY(check_view(ctx, "out", out, 1, 1, &lo[O], &hi[O]));
+    if (!same_shape(x, out) || out->dtype != x->dtype)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "x (%lld, %lld, %lld, %lld) %s and out (%lld, %lld, %lld, %lld) %s must have one shape "
+                          "(B, N, H, D) and dtype",
+                          (long long)x->shape[0], (long long)x->shape[1], (long long)x->shape[2],
+                          (long long)x->shape[3], flashc_dtype_name(x->dtype), (long long)out->shape[0],
+                          (long long)out->shape[1], (long long)out->shape[2], (long long)out->shape[3],
+                          flashc_dtype_name(out->dtype));
+    if (!same_shape(cos, sin) || sin->dtype != cos->dtype || cos->shape[0] != 1 || cos->shape[2] != 1)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "cos (%lld, %lld, %lld, %lld) %s and sin (%lld, %lld, %lld, %lld) %s must be tables of one "
+                          "shape (1, P, 1, R/2) and dtype",
+                          (long long)cos->shape[0], (long long)cos->shape[1], (long long)cos->shape[2],
+                          (long long)cos->shape[3], flashc_dtype_name(cos->dtype), (long long)sin->shape[0],
+                          (long long)sin->shape[1], (long long)sin->shape[2], (long long)sin->shape[3],
+                          flashc_dtype_name(sin->dtype));
+    if (cos->shape[3] > x->shape[3] / 2)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                          "the rotary dim 2 * %lld (twice the tables' shape[3]) exceeds the head dim %lld",
+                          (long long)cos->shape[3], (long long)x->shape[3]);
+    if (seq_start) FLASHC_TRY(byte_range(ctx, "seq_start", seq_start, x->shape[0], 4, &lo[SS], &hi[SS]));
+    /* Whole elements only: a GPU faults (and its context stays broken) on a misaligned load. */
+    const void *ptrs[N] = {x->data, cos->data, sin->data, seq_start, out->data};
+    const flashc_dtype types[N] = {x->dtype, cos->dtype, sin->dtype, FLASHC_DTYPE_F32, out->dtype};
+    for (int i = 0; i < N; i++)
+        if ((uintptr_t)ptrs[i] % flashc_dtype_size(types[i]))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "%s (%p) is not aligned to its %u-byte elements",
+                              names[i], ptrs[i], (unsigned)flashc_dtype_size(types[i]));
+    /* In place: out may be x's very view (each pair is read before it is written, by the thread that writes it);
+     * otherwise it shares no byte with x. The tables and seq_start are never written over. */
+    for (int i = X; i < O; i++)
+        if (hi[i] > lo[i] && overlaps(lo[O], hi[O], lo[i], hi[i]) && !(i == X && same_view(out, x)))
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT, "out overlaps %s in memory%s", names[i],
+                              i == X ? " (in place, it must be x's very view: the same data and strides)" : "");
+    if (!ctx->ops->rotary)
+        return FLASHC_ERR(ctx, FLASHC_STATUS_NOT_SUPPORTED, "the %s backend has no rotary embedding",
+                          flashc_backend_name(ctx->backend));
+    FLASHC_TRY(ctx->ops->rotary(ctx, x, cos, sin, seq_start, interleaved != 0, out));
+    flashc_clear_error(ctx);
+    return FLASHC_STATUS_OK;
+}
+
 flashc_status flashc_backward(flashc_context_t ctx, const flashc_tensor *q, const flashc_tensor *k,
                               const flashc_tensor *v, const flashc_tensor *out, const flashc_tensor *dout,
                               const float *softmax_lse, const flashc_params *params, const flashc_tensor *dq,

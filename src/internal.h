@@ -177,6 +177,12 @@ typedef struct flashc_backend_ops {
                                           const flashc_tensor *v_cache, const flashc_tensor *k_new,
                                           const flashc_tensor *v_new, const int32_t *cache_seqlens,
                                           const int32_t *block_table, int64_t max_pages, int64_t stride);
+    /* flashc_rotary on validated views: x and out of one shape (B, N, H, D) and dtype, out x's very view or sharing no
+     * byte with it; cos and sin (1, P, 1, R/2) of one dtype, R <= D; seq_start int32 (B) or NULL (0). The backend
+     * checks (CPU) or handles (CUDA: NaN) positions outside [0, P). NULL: not supported. */
+    flashc_status (*rotary)(struct flashc_context *ctx, const flashc_tensor *x, const flashc_tensor *cos,
+                            const flashc_tensor *sin, const int32_t *seq_start, int interleaved,
+                            const flashc_tensor *out);
 } flashc_backend_ops;
 
 /*
@@ -299,6 +305,19 @@ static inline FLASHC_HOST_DEVICE float flashc_merge_weights(float la, float lb, 
 /* One merged element from the weights above (fp32): a part of weight 0 is left out, not multiplied by 0. */
 static inline FLASHC_HOST_DEVICE float flashc_merge_value(float wa, float a, float wb, float b) {
     return wa == 0.0f ? (wb == 0.0f ? 0.0f : wb * b) : wb == 0.0f ? wa * a : wa * a + wb * b;
+}
+
+/* flashc_rotary's rule for one pair (a, b) of a row, in one place for both backends: out[a] = x[a] c - x[b] s, out[b] =
+ * x[a] s + x[b] c in fp32, each as one fma onto the rounded product x[a] c or x[a] s (torch's x1 * c then addcmul, as
+ * CUDA contracts it). The device multiply is __fmul_rn so that no compiler fuses it into the fma either. */
+static inline FLASHC_HOST_DEVICE void flashc_rotary_pair(float xa, float xb, float c, float s, float *oa, float *ob) {
+#if defined(__CUDA_ARCH__)
+    *oa = fmaf(-xb, s, __fmul_rn(xa, c));
+    *ob = fmaf(xb, c, __fmul_rn(xa, s));
+#else
+    *oa = fmaf(-xb, s, xa * c);
+    *ob = fmaf(xb, c, xa * s);
+#endif
 }
 
 /* The alignment of a sequence of nq queries and nk (used) keys: row i's diagonal key is i + diag, where the band is

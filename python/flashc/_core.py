@@ -220,6 +220,12 @@ def kvcache_append_paged_status(ctx, k_cache, v_cache, k_new, v_new, cache_seqle
                                                 block_table_ptr, max_pages, stride)
 
 
+def rotary_status(ctx, x, cos, sin, seq_start_ptr, interleaved, out):
+    """flashc_rotary on flashc_tensor views (cos, sin (1, P, 1, R/2); seq_start_ptr None: every sequence from 0): x
+    rotated into out (which may be x); returns the status. Callers check bound("flashc_rotary") first."""
+    return _lib.lib.flashc_rotary(ctx.handle, x, cos, sin, seq_start_ptr, 1 if interleaved else 0, out)
+
+
 def merge_lse_shape(out_shape):
     """The lse shape of merge parts shaped out_shape: (B, H, Nq) for (B, Nq, H, D), (H, total_q) for packed
     (total_q, H, D)."""

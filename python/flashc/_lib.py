@@ -176,6 +176,7 @@ _OPTIONAL_SIGNATURES = {
     "flashc_merge": (ctypes.c_int, [_p, _TP, _p, _TP, _p, _TP, _p]),
     "flashc_kvcache_append_paged": (ctypes.c_int, [_p, _TP, _TP, _TP, _TP, _p, _p, _i64, _i64]),
     "flashc_dropout_mask": (ctypes.c_int, [_PP, _i64, _i64, _i64, _i64, _p]),
+    "flashc_rotary": (ctypes.c_int, [_p, _TP, _TP, _TP, _p, ctypes.c_int, _TP]),
 }
 _BOUND = set()
 for _name, (_res, _args) in _OPTIONAL_SIGNATURES.items():

@@ -821,6 +821,39 @@ def _rotate(x, c, s, interleaved):
     return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
 
 
+def _rotary(x, cos, sin, start, interleaved, one_position=False):
+    """x (B, N, heads, D) rotated by the library (flashc_rotary) into a new contiguous tensor: row i of sequence b at
+    position start[b] + i, or with one_position every row at start[b] (x seen as (B, 1, N * heads, D)). What
+    _rotate computes from _angles there, bit for bit on CUDA (one fma onto each rounded product, as torch's addcmul
+    is compiled there). cos, sin: the (positions, R/2) tables on x's device, in any floating dtype (one that the
+    library does not take goes as float32, as _angles rounds it); the positions must lie inside them (the CPU backend
+    refuses others, CUDA gives NaN rows)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    b, n, h, d = x.shape
+    xv, ov = x, out
+    if one_position and n > 1:
+        xv, ov = x.reshape(b, 1, n * h, d), out.view(b, 1, n * h, d)
+    if cos.dtype != sin.dtype or cos.dtype not in _DTYPES:
+        cos, sin = cos.float(), sin.float()
+    with _device_guard(x.device):
+        ctx = _context(x.device)
+        st = _core.rotary_status(ctx, _view(xv), _view(cos[None, :, None, :]), _view(sin[None, :, None, :]),
+                                 start.data_ptr(), interleaved, _view(ov))
+        _lib.check(st, "flashc_rotary", ctx.handle)
+    return out
+
+
+def _rotary_torch(x, cos, sin, start, interleaved, one_position=False):
+    """_rotary with torch operations (_angles, _rotate), for a library without flashc_rotary or positions it would
+    refuse: positions past the tables are clamped to their last row (see _angles)."""
+    pos = start.long()[:, None]  # (B, 1): one position per sequence, broadcast over x's rows
+    if not one_position:
+        pos = pos + torch.arange(x.shape[1], device=x.device)
+    return _rotate(x, *_angles(cos, sin, pos), interleaved)
+
+
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                  alibi_slopes=None, sinks=None, block_table=None, cache_batch_idx=None, cache_leftpad=None):
@@ -902,16 +935,16 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
                 # at cache_seqlens + i; otherwise every query sits at cache_seqlens.
                 left, right = _core.window_pair(window_size)
                 advance = bool(causal) or 0 <= left < nk or 0 <= right < nk
-                start = seqlens.long()[:, None]  # (B, 1)
-                ck, sk = _angles(cos, sin, start + torch.arange(nnew, device=device))
-                if not advance:
-                    cq, sq = _angles(cos, sin, start)  # one position per sequence, broadcast over q's rows
-                elif nq == nnew:
-                    cq, sq = ck, sk  # decode and chunked prefill: q's rows are the new rows
-                else:
-                    cq, sq = _angles(cos, sin, start + torch.arange(nq, device=device))
-                k = _rotate(k, ck, sk, rotary_interleaved)
-                q = _rotate(q, cq, sq, rotary_interleaved)
+                # The library rotates where every position lies in the tables whenever the append takes the rows:
+                # k's (cache_seqlens + i < Nk_max <= positions), and q's unless its rows pass the new ones. Else (q's
+                # rows past them; or on the CPU, lengths the append will refuse, so that it names them) torch's
+                # operations, which clamp to the tables' last row.
+                lib = _lib.bound("flashc_rotary") and nnew > 0 and not (
+                    device.type == "cpu" and bool(((seqlens < 0) | (seqlens > cos.shape[0] - nnew)).any()))
+                rot_k = _rotary if lib else _rotary_torch
+                rot_q = _rotary if lib and not (advance and nq > nnew) else _rotary_torch
+                k = rot_k(k, cos, sin, seqlens, rotary_interleaved)
+                q = rot_q(q, cos, sin, seqlens, rotary_interleaved, one_position=not advance)
         used = seqlens if nnew == 0 or seqlens is None else seqlens + nnew
         at = seqlens  # where the new rows go, counted in the table's keys
         if lpad is not None:  # keys from row cache_leftpad[b]: the table starts there

@@ -481,6 +481,26 @@ static flashc_status cpu_merge(struct flashc_context *ctx, const flashc_tensor *
     return FLASHC_STATUS_OK;
 }
 
+/* Checks every sequence's positions first (nothing written on refusal): rows seq_start[b] .. seq_start[b] + N - 1 must
+ * all have a row of the tables. */
+static flashc_status cpu_rotary(struct flashc_context *ctx, const flashc_tensor *x, const flashc_tensor *cos,
+                                const flashc_tensor *sin, const int32_t *seq_start, int interleaved,
+                                const flashc_tensor *out) {
+    const int64_t B = x->shape[0], N = x->shape[1], P = cos->shape[1];
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t p0 = seq_start ? seq_start[b] : 0;
+        if (p0 < 0 || p0 > P - N)
+            return FLASHC_ERR(ctx, FLASHC_STATUS_INVALID_ARGUMENT,
+                              "seq_start[%lld] = %lld: rows at positions %lld .. %lld, outside the tables' %lld "
+                              "positions [0, %lld)",
+                              (long long)b, (long long)p0, (long long)p0, (long long)(p0 + N - 1), (long long)P,
+                              (long long)P);
+    }
+    const int in_place = out->data == x->data; /* the front let out meet x only as x's very view */
+    flashc_cpu_rotary(x, cos, sin, seq_start, interleaved, out, in_place, cpu_threads(ctx));
+    return FLASHC_STATUS_OK;
+}
+
 /* No set_stream: only the NULL stream is accepted. */
 const flashc_backend_ops flashc_cpu_ops = {
     .kind = FLASHC_BACKEND_CPU,
@@ -496,4 +516,5 @@ const flashc_backend_ops flashc_cpu_ops = {
     .kvcache_append = cpu_kvcache_append,
     .merge = cpu_merge,
     .kvcache_append_paged = cpu_kvcache_append_paged,
+    .rotary = cpu_rotary,
 };

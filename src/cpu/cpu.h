@@ -449,6 +449,11 @@ void flashc_cpu_decode(const flashc_problem *p, const flashc_cpu_kernels *kern, 
 void flashc_cpu_merge(const flashc_tensor *out_a, const float *lse_a, const flashc_tensor *out_b,
                       const float *lse_b, const flashc_tensor *out, float *lse, int threads);
 
+/* rotary.c: flashc_rotary on views the front validated and positions cpu_rotary checked (all in [0, P)), with
+ * threads OpenMP threads; in_place: out is x's very view (the dims past R are not copied onto themselves). */
+void flashc_cpu_rotary(const flashc_tensor *x, const flashc_tensor *cos, const flashc_tensor *sin,
+                       const int32_t *seq_start, int interleaved, const flashc_tensor *out, int in_place, int threads);
+
 /*
  * 2^f ~ 1 + f (C1 + f (C2 + ... + f C6)) on [-1/2, 1/2]: a near-minimax fit of the relative error (iteratively
  * reweighted least squares on Chebyshev nodes), 2e-9 relative before rounding, against 6e-9 for the degree-7

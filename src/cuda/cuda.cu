@@ -12,6 +12,7 @@
 #include "bwd_sm90.h"
 #include "fwd_sm90.h"
 #include "merge.h"
+#include "rotary.h"
 
 #include <cuda_runtime.h>
 #include <limits.h>
@@ -599,4 +600,5 @@ extern "C" const flashc_backend_ops flashc_cuda_ops = {
     .kvcache_append = cuda_kvcache_append,
     .merge = flashc_cuda_merge,
     .kvcache_append_paged = cuda_kvcache_append_paged,
+    .rotary = flashc_cuda_rotary,
 };

@@ -27,7 +27,8 @@ endif()
 
 set(FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/cuda.cu ${PROJECT_SOURCE_DIR}/src/cuda/fwd_combine.cu
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_simt.cu ${PROJECT_SOURCE_DIR}/src/cuda/bwd.cu
-    ${PROJECT_SOURCE_DIR}/src/cuda/merge.cu) # flashc_merge
+    ${PROJECT_SOURCE_DIR}/src/cuda/merge.cu # flashc_merge
+    ${PROJECT_SOURCE_DIR}/src/cuda/rotary.cu) # flashc_rotary
 list(APPEND FLASHC_CUDA_SOURCES ${PROJECT_SOURCE_DIR}/src/cuda/fwd_sm90.cu  # Hopper forward: d 64, 96, 128, 192, 256
     ${PROJECT_SOURCE_DIR}/src/cuda/bwd_sm90.cu  # Hopper backward (dK, dV, dQ by TMA reductions): d 64, 128, 256
     ${PROJECT_SOURCE_DIR}/src/cuda/bm_tiles.cu) # the block mask as per-tile bitmaps for the Hopper forward
