@@ -76,7 +76,7 @@ static void on_stream(flashc_context_t ctx, flashc_context_t cpu) {
 
 /* Bytes moved per second by a rotation of a (B, N, H, D) bf16 tensor into another (reads x, writes out; R = D, fp32
  * tables of 4096 positions), beside cudaMemcpy of x, median of 20 after a warm-up. */
-static void bandwidth(flashc_context_t ctx, int64_t B, int64_t N, int64_t H, int64_t D) {
+static void bandwidth(flashc_context_t ctx, int64_t B, int64_t N, int64_t H, int64_t D, int interleaved) {
     const int64_t P = 4096, half = D / 2;
     const size_t bytes = (size_t)(B * N * H * D) * 2;
     void *x, *o;
@@ -101,7 +101,7 @@ static void bandwidth(flashc_context_t ctx, int64_t B, int64_t N, int64_t H, int
     for (int rep = -3; rep < 20; rep++) {
         float ms;
         CHECK_CUDA(cudaEventRecord(e0, NULL));
-        CHECK_FC(ctx, flashc_rotary(ctx, &tx, &tc, &ts, sd, 0, &to));
+        CHECK_FC(ctx, flashc_rotary(ctx, &tx, &tc, &ts, sd, interleaved, &to));
         CHECK_CUDA(cudaEventRecord(e1, NULL));
         CHECK_CUDA(cudaEventSynchronize(e1));
         CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
@@ -119,8 +119,8 @@ static void bandwidth(flashc_context_t ctx, int64_t B, int64_t N, int64_t H, int
             if (t_copy[j] < t_copy[i]) { const float v = t_copy[i]; t_copy[i] = t_copy[j]; t_copy[j] = v; }
         }
     const double tr = t_rot[10] * 1e-3, tcp = t_copy[10] * 1e-3;
-    printf("bandwidth: rotary of B %lld N %lld H %lld D %lld bf16: %.1f us, %.2f TB/s; device copy %.1f us, "
-           "%.2f TB/s\n",
+    printf("bandwidth: rotary (%s) of B %lld N %lld H %lld D %lld bf16: %.1f us, %.2f TB/s; device copy %.1f us, "
+           "%.2f TB/s\n", interleaved ? "interleaved" : "halves",
            (long long)B, (long long)N, (long long)H, (long long)D, tr * 1e6, 2.0 * bytes / tr * 1e-12, tcp * 1e6,
            2.0 * bytes / tcp * 1e-12);
     cudaEventDestroy(e0), cudaEventDestroy(e1);
@@ -137,7 +137,9 @@ int main(void) {
     rotary_cases(ctx, &mem, cpu);
     refusal(ctx);
     on_stream(ctx, cpu);
-    bandwidth(ctx, 1, 8192, 32, 128);
+    bandwidth(ctx, 1, 8192, 32, 128, 0);
+    bandwidth(ctx, 1, 8192, 32, 128, 1);
+    bandwidth(ctx, 16, 1, 8, 128, 0); /* a decode step's keys: launch-bound */
     flashc_context_destroy(cpu);
     flashc_context_destroy(ctx);
     printf("%d checks, %d failed\n", g_checks, g_failed);

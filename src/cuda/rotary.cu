@@ -4,11 +4,13 @@
  * (j, j + R/2) or interleaved (2j, 2j + 1), turns by the tables' cosine and sine at that position, through
  * flashc_rotary_pair (src/internal.h), the rule the CPU backend runs too: both give the same bits.
  *
- * Elementwise and memory-bound: one thread per pair of a row (R/2 of them), and, when out is not x, one per element
- * past R to copy (D - R); consecutive threads take consecutive pairs of a row, so the halves layout reads and writes
- * whole rows in order. Any strides. A thread reads its pair before it writes it, so out may be x's very view (in
- * place; the dims past R are then not touched). The kernel cannot report a position outside the tables (seq_start
- * lives in device memory, read only here): that row's first R elements come out NaN and the tables are not read.
+ * Elementwise and memory-bound. A row's work items are its R/2 pairs and, when out is not x, its D - R elements past R
+ * to copy; TPR lanes take a row (the smallest power of two, at most 32, that covers its items), consecutive lanes
+ * consecutive pairs, so a warp reads and writes whole rows in order and short rows do not leave lanes idle. A row's
+ * indices are split once per row, in 32 bits where they fit. Any strides. A thread reads its pair before it writes
+ * it, so out may be x's very view (in place; the dims past R are then not touched). The kernel cannot report a
+ * position outside the tables (seq_start lives in device memory, read only here): that row's first R elements come out
+ * NaN and the tables are not read.
  */
 #include "rotary.h"
 
@@ -28,7 +30,9 @@ typedef struct fc_rotary_args {
     int64_t sin_row, sin_col;
     const int32_t *seq_start;     /* NULL: 0 */
     int64_t N, H, half, P, rows;  /* rows = B * N * H */
-    int64_t units;                /* threads per row: half pairs, then D - R copies (0 in place) */
+    int64_t units;                /* work items per row: half pairs, then D - R copies (none in place) */
+    int tpr;                      /* lanes per row, a power of two <= 32 */
+    int narrow;                   /* rows < 2^32: row indices split in 32 bits */
     int table_dtype;
     int interleaved;
 } fc_rotary_args;
@@ -52,25 +56,37 @@ static __device__ float fc_rot_table(const void *p, int dt, int64_t i) {
 
 template <int DT>
 __global__ void __launch_bounds__(FC_ROTARY_THREADS) fc_rotary_kernel(const __grid_constant__ fc_rotary_args a) {
-    const int64_t total = a.rows * a.units, stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < total; u += stride) {
-        const int64_t k = u % a.units, r = u / a.units; /* r = (b * N + i) * H + h */
-        const int64_t h = r % a.H, i = r / a.H % a.N, b = r / (a.H * a.N);
-        const int64_t ox = b * a.sx[0] + i * a.sx[1] + h * a.sx[2], oo = b * a.so[0] + i * a.so[1] + h * a.so[2];
-        if (k >= a.half) { /* a dim past R: copied */
-            const int64_t d = a.half + k;
-            fc_rot_store<DT>(a.o, oo + d * a.so[3], fc_rot_load<DT>(a.x, ox + d * a.sx[3]));
-            continue;
+    const int lane = threadIdx.x & 31, sub = lane & (a.tpr - 1);
+    const int64_t per_warp = 32 / a.tpr, warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5,
+                  warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r0 = warp * per_warp; r0 < a.rows; r0 += warps * per_warp) {
+        const int64_t r = r0 + lane / a.tpr; /* (b * N + i) * H + h: x's rows in memory order */
+        if (r >= a.rows) continue;
+        int64_t b, i, h; /* 32-bit divisions where the sizes allow (64-bit ones are long instruction sequences) */
+        if (a.narrow) {
+            const uint32_t r32 = (uint32_t)r, H32 = (uint32_t)a.H, q = r32 / H32;
+            h = r32 - q * H32, i = q % (uint32_t)a.N, b = q / (uint32_t)a.N;
+        } else {
+            h = r % a.H, i = r / a.H % a.N, b = r / (a.H * a.N);
         }
+        const int64_t ox = b * a.sx[0] + i * a.sx[1] + h * a.sx[2], oo = b * a.so[0] + i * a.so[1] + h * a.so[2];
         const int64_t p = (a.seq_start ? (int64_t)a.seq_start[b] : 0) + i;
-        const int64_t da = a.interleaved ? 2 * k : k, de = a.interleaved ? da + 1 : da + a.half;
-        float ya = NAN, ye = NAN;
-        if (p >= 0 && p < a.P)
-            flashc_rotary_pair(fc_rot_load<DT>(a.x, ox + da * a.sx[3]), fc_rot_load<DT>(a.x, ox + de * a.sx[3]),
-                               fc_rot_table(a.cos, a.table_dtype, p * a.cos_row + k * a.cos_col),
-                               fc_rot_table(a.sin, a.table_dtype, p * a.sin_row + k * a.sin_col), &ya, &ye);
-        fc_rot_store<DT>(a.o, oo + da * a.so[3], ya);
-        fc_rot_store<DT>(a.o, oo + de * a.so[3], ye);
+        const bool inside = p >= 0 && p < a.P;
+        for (int64_t k = sub; k < a.units; k += a.tpr) {
+            if (k >= a.half) { /* a dim past R: copied */
+                const int64_t d = a.half + k;
+                fc_rot_store<DT>(a.o, oo + d * a.so[3], fc_rot_load<DT>(a.x, ox + d * a.sx[3]));
+                continue;
+            }
+            const int64_t du = a.interleaved ? 2 * k : k, dw = a.interleaved ? du + 1 : du + a.half;
+            float yu = NAN, yw = NAN;
+            if (inside)
+                flashc_rotary_pair(fc_rot_load<DT>(a.x, ox + du * a.sx[3]), fc_rot_load<DT>(a.x, ox + dw * a.sx[3]),
+                                   fc_rot_table(a.cos, a.table_dtype, p * a.cos_row + k * a.cos_col),
+                                   fc_rot_table(a.sin, a.table_dtype, p * a.sin_row + k * a.sin_col), &yu, &yw);
+            fc_rot_store<DT>(a.o, oo + du * a.so[3], yu);
+            fc_rot_store<DT>(a.o, oo + dw * a.so[3], yw);
+        }
     }
 }
 
@@ -94,7 +110,11 @@ flashc_status flashc_cuda_rotary(struct flashc_context *ctx, const flashc_tensor
     a.units = a.half + (in_place ? 0 : x->shape[3] - 2 * a.half);
     a.table_dtype = (int)cos->dtype;
     a.interleaved = interleaved;
-    int64_t blocks = (a.rows * a.units + FC_ROTARY_THREADS - 1) / FC_ROTARY_THREADS;
+    a.tpr = 1;
+    while (a.tpr < 32 && a.tpr < a.units) a.tpr *= 2;
+    a.narrow = a.rows <= (int64_t)UINT32_MAX;
+    const int64_t rows_per_block = (FC_ROTARY_THREADS / 32) * (32 / a.tpr);
+    int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
     if (blocks > FC_ROTARY_MAX_BLOCKS) blocks = FC_ROTARY_MAX_BLOCKS;
     const cudaStream_t stream = (cudaStream_t)ctx->stream;
     const unsigned grid = (unsigned)blocks;
