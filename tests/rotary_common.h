@@ -278,7 +278,7 @@ static void rotary_case(flashc_context_t ctx, const flashc_case_memory *mem, fla
 
 /* The case table both programs run: every dtype pair, both pair layouts, R = D and R < D, every x layout with out in
  * place or in the next layout, seq_start NULL or set; then head dims 2 (one pair), 6 with R = 4 and 256 with R = 128,
- * and the rows outside the tables. */
+ * contiguous rows with R < D (the CUDA backend's 16-byte path), and the rows outside the tables. */
 static void rotary_cases(flashc_context_t ctx, const flashc_case_memory *mem, flashc_context_t cpu) {
     static const flashc_dtype dts[3] = {FLASHC_DTYPE_F32, FLASHC_DTYPE_F16, FLASHC_DTYPE_BF16};
     uint64_t seed = 1;
@@ -298,6 +298,12 @@ static void rotary_cases(flashc_context_t ctx, const flashc_case_memory *mem, fl
         {FLASHC_DTYPE_F16, FLASHC_DTYPE_F32, 2, 4, 2, 6, 4, 1, 1, 0, 1, 0},
         {FLASHC_DTYPE_F16, FLASHC_DTYPE_F16, 2, 17, 4, 256, 128, 0, 1, 0, 1, 0},
         {FLASHC_DTYPE_BF16, FLASHC_DTYPE_BF16, 1, 9, 8, 256, 128, 1, 0, -1, 1, 0},
+        /* contiguous rows with R < D: the CUDA backend's 16-byte path with the copy past R, and in place */
+        {FLASHC_DTYPE_F32, FLASHC_DTYPE_F32, 2, 5, 3, 32, 16, 0, 0, 0, 1, 0},
+        {FLASHC_DTYPE_BF16, FLASHC_DTYPE_BF16, 2, 5, 3, 64, 32, 1, 3, 0, 1, 0},
+        {FLASHC_DTYPE_F16, FLASHC_DTYPE_F32, 2, 5, 3, 64, 16, 0, 0, -1, 1, 0},
+        {FLASHC_DTYPE_F16, FLASHC_DTYPE_F32, 3, 4, 2, 64, 48, 0, 0, 0, 1, 1},
+        {FLASHC_DTYPE_F32, FLASHC_DTYPE_F32, 3, 4, 2, 32, 8, 1, 0, -1, 1, 1},
         {FLASHC_DTYPE_F32, FLASHC_DTYPE_F32, 3, 4, 2, 32, 16, 0, 0, 1, 1, 1},
         {FLASHC_DTYPE_BF16, FLASHC_DTYPE_F32, 3, 4, 2, 32, 32, 1, 1, -1, 1, 1},
         {FLASHC_DTYPE_F16, FLASHC_DTYPE_F16, 4, 1, 2, 64, 64, 0, 3, -1, 1, 1},
