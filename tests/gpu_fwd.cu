@@ -493,7 +493,8 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
 
 /* paged K/V (paged_vs_contiguous): on the mma.sync kernels (FLASHC_CUDA_FWD=sm80, so that the contiguous runs take
  * them too), decode with GQA heads as rows on the decode tile, the decode tile at page size 1, split keys at page
- * 256, and prefill (pages of 48 rows: not a power of two, tiles straddle pages); then on the default context, which
+ * 256, prefill (pages of 48 and 24 rows: not a power of two, tiles straddle pages) and pages of 200 rows (larger than
+ * the key tile, not a multiple of it) with split keys; then on the default context, which
  * on a Hopper GPU runs the Hopper kernel's page boxes (fwd_sm90.cu's fc90_tile_pages) for both: 8 and 4 pages of a
  * 128-key tile, a tile inside a page of 256 with split keys, a page per key tile (128), and 5 pages of d 256's
  * 80-key tile, causal prefill among them. */
@@ -509,6 +510,8 @@ static void paged_tests(flashc_context_t ctx) {
     paged_vs_contiguous(c80, "paged_splitkv_pg256", (shape){2, 1, 20000, 8, 2, 128, 0}, 256, 23);
     paged_vs_contiguous(c80, "paged_prefill_pg48_causal", (shape){3, 300, 1000, 4, 2, 96, 1}, 48, 24);
     paged_vs_contiguous(c80, "paged_prefill_pg64_d256", (shape){2, 200, 500, 4, 4, 256, 0}, 64, 25);
+    paged_vs_contiguous(c80, "paged_pg200_split", (shape){2, 1, 20000, 8, 2, 128, 0}, 200, 33);
+    paged_vs_contiguous(c80, "paged_pg24_prefill_causal", (shape){3, 300, 1000, 4, 2, 128, 1}, 24, 32);
     flashc_context_destroy(c80);
 }
 
