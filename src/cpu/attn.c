@@ -93,6 +93,10 @@ static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
     layout L;
     L.br = t.br;
     L.bc = t.bc;
+    /* Backward: a query side shorter than the tile makes the tile only as tall as it, in whole strips of 16 (the
+     * score and dP products, the exp2 and dS passes run over the tile's br rows: at Nq 16 against br 128 they computed
+     * eight times the rows there are). Each row's arithmetic is the same, so the gradients keep their bits. */
+    if (backward && round_up(p->Nq, 16) < L.br) L.br = (int)round_up(p->Nq, 16);
     L.dp = (int)round_up(p->D, 16);
     L.ld = L.br + FLASHC_CPU_LD_PAD;
     L.nqb = (p->Nq + L.br - 1) / L.br;
