@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--min-calls", type=int, default=8, help="at least this many calls per timed pass")
     ap.add_argument("--cold-bytes", type=int, default=max(3 * l3_bytes(), 64 << 20))
     ap.add_argument("--pages", default="", help="page sizes to time paged caches at, e.g. 1,16,256")
+    ap.add_argument("--no-torch", action="store_true", help="leave torch out of the timed turns (its column shows "
+                    "nan): paged-vs-contiguous runs, where torch's calls take most of the time")
     args = ap.parse_args()
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     threads = [int(x) for x in args.threads.split(",")]
@@ -117,7 +119,7 @@ def main():
                     return torch.nn.functional.scaled_dot_product_attention(
                         q[i].transpose(1, 2), kc[i].transpose(1, 2), vc[i].transpose(1, 2), enable_gqa=True)
 
-                fns = {"flashc": fc, "torch": sdpa}
+                fns = {"flashc": fc} if args.no_torch else {"flashc": fc, "torch": sdpa}
                 for ps in pages:
                     fns["paged %d" % ps] = paged_call(q, kc, vc, lens, ps, g)
 
@@ -131,6 +133,7 @@ def main():
                     err_t = (sdpa(0).transpose(1, 2).double() - ref).abs().max().item()
                     same = {ps: torch.equal(fns["paged %d" % ps](0), fc(0)) for ps in pages}
                     t = time_pair(fns, copies, args.runs)
+                    t.setdefault("torch", float("nan"))
                     rows.append((H, Hkv, D, dname, N, n, t, kv_bytes, err, err_t, same))
                     print(f"# H {H} Hkv {Hkv} D {D} {dname} Nk {N} threads {n}: flashc {t['flashc']:.0f} us, torch "
                           f"{t['torch']:.0f} us; max |err| flashc {err:.2g}, torch {err_t:.2g}", flush=True)

@@ -5,6 +5,8 @@
  *            dots' bit for bit; with a prefetch list too);
  *   pv:      O = alpha O + P V with V rows read in place as fp32 or bf16 (NaN past D), alpha 0, 1 and between, O
  *            past D left alone.
+ * Both take their rows through a table of addresses (decode's paged caches): half the cases name the rows in memory
+ * order, half in reverse, so a kernel that reads row c at first row + c * stride shows.
  * bf16 inputs are compared with the reference on the same bf16 values (the kernels widen them exactly). The
  * avx512bf16 set takes bf16 rows on vdpbf16ps: its dots_kv splits q into two bf16 terms, or one when q holds bf16
  * values (both cases run: q of fp32 values without the prefetch list, of bf16 values with it; within the same bound),
@@ -33,6 +35,14 @@ static float frand(void) {
     state ^= state >> 7;
     state ^= state << 17;
     return (float)((state >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+/* The addresses of rows 0 .. rows - 1 of x (row pitch ld elements of es bytes): tab[c] row c, or row rows - 1 - c
+ * when reversed. */
+static const void **row_table(const void *x, int rows, int ld, int es, int reversed) {
+    const void **tab = malloc(sizeof(void *) * (size_t)(rows > 0 ? rows : 1));
+    for (int c = 0; c < rows; c++) tab[c] = (const char *)x + (size_t)(reversed ? rows - 1 - c : c) * ld * es;
+    return tab;
 }
 
 /* rows x ld K-like rows of random values in [-1, 1) for d < D, NaN past D, as fp32 (kt 0) or bf16 (kt 1); vals
@@ -72,31 +82,33 @@ static void test_dots_kv(const flashc_cpu_kernels *k) {
                     }
                 void *kk = kv_rows(kt, cols, D, ldk, kv);
                 for (int j = 0; j < rows * lds; j++) s[j] = s2[j] = 12345.0f;
-                const int es = kt ? 2 : 4;
-                flashc_cpu_prefetch pf = {{(const char *)kk, (const char *)kk}, {ldk * es, ldk * es}, {cols, cols},
-                                          {D * es, D * es}};
-                k->dots_kv(rows, cols, D, q, ldq, kk, kt ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32, ldk, s, lds,
+                const int es = kt ? 2 : 4, rev = (int)(i % 2); /* reversed: row c of the table at memory row kr(c) */
+                const void **tab = row_table(kk, cols, ldk, es, rev);
+                const flashc_cpu_prefetch pf = {{tab, tab}, {0, 0}, cols, {D * es, D * es}, (int)(i / 2 % 2)};
+                k->dots_kv(rows, cols, D, q, ldq, tab, kt ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32, s, lds,
                            use_pf ? &pf : NULL);
                 double err = 0.0;
                 int bad = 0;
                 for (int r = 0; r < rows; r++) {
                     for (int c = 0; c < cols; c++) {
                         double x = 0.0;
-                        for (int d = 0; d < D; d++) x += (double)q[r * ldq + d] * kv[c * ldk + d];
+                        const int kr = rev ? cols - 1 - c : c;
+                        for (int d = 0; d < D; d++) x += (double)q[r * ldq + d] * kv[kr * ldk + d];
                         const double e = fabs(s[r * lds + c] - x);
                         if (e > err) err = e;
                         if (!(e <= 4e-5 * (D + 1))) bad++;
                     }
                     for (int c = cols; c < lds; c++) bad += s[r * lds + c] != 12345.0f;
                 }
-                CHECK(bad == 0, "%s dots_kv %s rows=%d cols=%d D=%d pf=%d q bf16=%d: max error %g, %d bad elements",
-                      k->name, kt ? "bf16" : "f32", rows, cols, D, use_pf, qb, err, bad);
-                if (!kt) { /* fp32: dots' scores bit for bit */
+                CHECK(bad == 0,
+                      "%s dots_kv %s rows=%d cols=%d D=%d pf=%d q bf16=%d reversed=%d: max error %g, %d bad elements",
+                      k->name, kt ? "bf16" : "f32", rows, cols, D, use_pf, qb, rev, err, bad);
+                if (!kt && !rev) { /* fp32: dots' scores bit for bit */
                     k->dots(rows, cols, D, q, ldq, (const float *)kk, ldk, s2, lds);
                     CHECK(memcmp(s, s2, sizeof(float) * (size_t)rows * lds) == 0,
                           "%s dots_kv f32 rows=%d cols=%d D=%d differs from dots", k->name, rows, cols, D);
                 }
-                free(q), free(kv), free(s), free(s2), free(kk);
+                free(q), free(kv), free(s), free(s2), free(kk), free(tab);
             }
 }
 
@@ -118,7 +130,9 @@ static void test_pv(const flashc_cpu_kernels *k) {
             }
             void *v = kv_rows(vt, cols, D, ldv, vv);
             const int p_bf16 = vt && !strncmp(k->name, "avx512bf16", 10); /* P rounded to bf16 before P V */
-            k->pv(rows, cols, D, p, ldp, alpha, v, vt ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32, ldv, o, ldo);
+            const int rev = (int)(i % 2);
+            const void **tab = row_table(v, cols, ldv, vt ? 2 : 4, rev);
+            k->pv(rows, cols, D, p, ldp, alpha, tab, vt ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32, o, ldo);
             double err = 0.0;
             int bad = 0;
             for (int r = 0; r < rows; r++)
@@ -130,16 +144,17 @@ static void test_pv(const flashc_cpu_kernels *k) {
                     double x = (double)alpha[r] * o0[r * ldo + d], mag = fabs(x);
                     for (int c = 0; c < cols; c++) {
                         const float pr = p[r * ldp + c], pc = p_bf16 ? flashc_bf16_to_f32(flashc_f32_to_bf16(pr)) : pr;
-                        x += (double)pc * vv[c * ldv + d];
-                        mag += fabs((double)pc * vv[c * ldv + d]);
+                        const int vr = rev ? cols - 1 - c : c;
+                        x += (double)pc * vv[vr * ldv + d];
+                        mag += fabs((double)pc * vv[vr * ldv + d]);
                     }
                     const double e = fabs(o[r * ldo + d] - x);
                     if (e > err) err = e;
                     if (!(e <= 1e-6 * (mag + 1.0))) bad++;
                 }
-            CHECK(bad == 0, "%s pv %s rows=%d cols=%d D=%d: max error %g, %d bad elements", k->name,
-                  vt ? "bf16" : "f32", rows, cols, D, err, bad);
-            free(p), free(vv), free(o), free(o0), free(alpha), free(v);
+            CHECK(bad == 0, "%s pv %s rows=%d cols=%d D=%d reversed=%d: max error %g, %d bad elements", k->name,
+                  vt ? "bf16" : "f32", rows, cols, D, rev, err, bad);
+            free(p), free(vv), free(o), free(o0), free(alpha), free(v), free(tab);
         }
 }
 

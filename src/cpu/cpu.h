@@ -53,17 +53,26 @@ typedef void (*flashc_cpu_cvt_fn)(int n, const uint16_t *src, float *dst);
 typedef void (*flashc_cpu_dots_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const float *k,
                                    int64_t ldk, float *s, int64_t lds);
 /*
- * Cache lines to start on their way (into L2) while a kernel computes: rows[i] rows of bytes[i] bytes each at
- * base[i] + r * ld[i] (i < 2: the K and V rows decode reads next). dots_kv issues them a few at a time between its dot
- * products, so that they overlap the arithmetic instead of stalling the loads in one burst.
+ * Cache lines to start on their way (into L2) while a kernel computes: list i (K's rows, then V's, of the key step
+ * decode reads next) is n rows of bytes[i] bytes each at (const char *)rows[i][r] + off[i], a table of row addresses
+ * as the decode kernels take (a paged cache's step may lie on several pages) and a head's offset from them. dots_kv
+ * issues them a few at a time between its dot products, so that they overlap the arithmetic instead of stalling the
+ * loads in one burst. spread: the rows go out in a bit-reversed order within each 32 (0, 16, 8, 24, ...) instead of
+ * the table's, for rows far apart (flashc_cpu_pf_spread).
  */
-/* Lists of rows to prefetch: K and V, each in up to two pieces (a paged cache's key step across a page boundary). */
-#define FLASHC_CPU_PF_LISTS 4
+#define FLASHC_CPU_PF_LISTS 2
 typedef struct flashc_cpu_prefetch {
-    const char *base[FLASHC_CPU_PF_LISTS];
-    int64_t ld[FLASHC_CPU_PF_LISTS];
-    int rows[FLASHC_CPU_PF_LISTS], bytes[FLASHC_CPU_PF_LISTS];
+    const void *const *rows[FLASHC_CPU_PF_LISTS];
+    int64_t off[FLASHC_CPU_PF_LISTS];
+    int n, bytes[FLASHC_CPU_PF_LISTS], spread;
 } flashc_cpu_prefetch;
+/*
+ * Whether rows ld bytes apart are prefetched out of order. Measured on the Zen 4 VM (decode, cold, 1 thread,
+ * lab/LOG.md): rows 2-4 KiB apart (32/8/128) prefetched in address order cost the contiguous cache 5-18%, and pages of 16 rows took
+ * 1.3x the time of pages of 1 to 8 at bf16 (each page's rows in address order, then a jump); rows 128-256 B apart
+ * (8/2/32, a step's rows nearly one stream) lost 8-15% scrambled. Why is not measured (the VM has no counters).
+ */
+static inline int flashc_cpu_pf_spread(int64_t ld) { return ld >= 1024 || ld <= -1024; }
 /*
  * A kernel's walk over a prefetch list: begin with the number of times the kernel will call issue, then each call
  * issues the next few rows, every line of each, into L2 (T2). Measured on the Zen 4 VM (decode, cold): T1 as T2, T0
@@ -73,60 +82,78 @@ typedef struct flashc_cpu_prefetch {
  */
 typedef struct flashc_cpu_pf_cursor {
     const flashc_cpu_prefetch *pf;
-    const char *row; /* next row of list i */
-    int64_t ld;
-    int i, left;     /* list, rows left in it */
-    int lines, per;  /* lines per row of list i, rows per issue */
+    const void *const *row; /* list i's table */
+    int64_t off;
+    int i, left, next;      /* list, rows left in it, next position in the order */
+    int lines, per;         /* lines per row of list i, rows per issue */
+    int n, spread;          /* the list's */
 } flashc_cpu_pf_cursor;
 
 static inline void flashc_cpu_pf_list(flashc_cpu_pf_cursor *c) {
     const flashc_cpu_prefetch *pf = c->pf;
-    while (c->i < FLASHC_CPU_PF_LISTS && pf->rows[c->i] <= 0) c->i++;
     c->left = 0;
     if (c->i < FLASHC_CPU_PF_LISTS) {
-        c->row = pf->base[c->i];
-        c->ld = pf->ld[c->i];
-        c->left = pf->rows[c->i];
+        c->row = pf->rows[c->i];
+        c->off = pf->off[c->i];
+        c->left = pf->n;
+        c->next = 0;
         c->lines = (pf->bytes[c->i] + 63) / 64;
     }
 }
 
 static inline void flashc_cpu_pf_begin(flashc_cpu_pf_cursor *c, const flashc_cpu_prefetch *pf, int calls) {
     c->pf = pf, c->i = 0, c->left = 0, c->per = 0;
-    if (!pf || calls <= 0) return;
-    int rows = 0;
-    for (int i = 0; i < FLASHC_CPU_PF_LISTS; i++)
-        if (pf->rows[i] > 0) rows += pf->rows[i];
-    c->per = (rows + calls - 1) / calls;
+    if (!pf || calls <= 0 || pf->n <= 0) return;
+    c->n = pf->n, c->spread = pf->spread;
+    c->per = (FLASHC_CPU_PF_LISTS * pf->n + calls - 1) / calls;
     flashc_cpu_pf_list(c);
 }
 
 static inline void flashc_cpu_pf_issue(flashc_cpu_pf_cursor *c) {
+    static const unsigned char order[32] = {0, 16, 8, 24, 4, 20, 12, 28, 2, 18, 10, 26, 6, 22, 14, 30,
+                                            1, 17, 9, 25, 5, 21, 13, 29, 3, 19, 11, 27, 7, 23, 15, 31};
     for (int n = c->per; n > 0 && c->left > 0;) {
         const int k = n < c->left ? n : c->left, lines = c->lines;
-        const int64_t ld = c->ld;
-        const char *row = c->row;
-        for (int j = 0; j < k; j++, row += ld)
-            for (int x = 0; x < lines; x++) __builtin_prefetch(row + 64 * x, 0, 1); /* locality 1: prefetcht2 */
-        c->row = row, c->left -= k, n -= k;
+        const int64_t off = c->off;
+        const void *const *row = c->row;
+        int next = c->next;
+        if (!c->spread)
+            for (int j = 0; j < k; j++, next++) {
+                const char *r = (const char *)row[next] + off;
+                for (int x = 0; x < lines; x++) __builtin_prefetch(r + 64 * x, 0, 1); /* locality 1: prefetcht2 */
+            }
+        else
+            for (int j = 0, rows = c->n; j < k; j++) {
+                int idx;
+                do idx = order[next & 31] + next / 32 * 32;
+                while (++next, idx >= rows); /* (positions past n skipped) */
+                const char *r = (const char *)row[idx] + off;
+                for (int x = 0; x < lines; x++) __builtin_prefetch(r + 64 * x, 0, 1);
+            }
+        c->next = next, c->left -= k, n -= k;
         if (c->left == 0) c->i++, flashc_cpu_pf_list(c);
     }
 }
-/* How decode's kernels read K and V rows in place: fp32 or bf16 elements, unit stride along D. */
+/*
+ * How decode's kernels read K and V rows in place: fp32 or bf16 elements, unit stride along D, row c of a key step at
+ * the address k[c] of a table (one per key). A table rather than (first row, row stride): a paged cache's step that
+ * crosses page boundaries is still one call reading every page in place, and its sums run over the same values in
+ * the same order as the contiguous cache's, so both give the same bits.
+ */
 enum { FLASHC_CPU_KV_F32 = 0, FLASHC_CPU_KV_BF16 = 1 };
 /*
- * dots on K rows of element type kt (FLASHC_CPU_KV_*) read in place, and the lines of pf (NULL: none) prefetched
- * along the way. With fp32 K the scores are dots' bit for bit; bf16 rows are widened to fp32 inside.
+ * dots on the K rows k[0 .. cols) of element type kt (FLASHC_CPU_KV_*) read in place, and the lines of pf (NULL:
+ * none) prefetched along the way. With fp32 K the scores are dots' bit for bit; bf16 rows are widened to fp32 inside.
  */
-typedef void (*flashc_cpu_dots_kv_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
-                                      int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+typedef void (*flashc_cpu_dots_kv_fn)(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k,
+                                      int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 /*
  * Decode's O update for one key step: o[r][d] = alpha[r] o[r][d] + sum_{c < cols} p[r][c] v[c][d] for r < rows,
- * d < D, V rows of element type vt (FLASHC_CPU_KV_*) at v + c * ldv read in place, only their first D values; o
+ * d < D, the V rows v[0 .. cols) of element type vt (FLASHC_CPU_KV_*) read in place, only their first D values; o
  * past D is left alone. The online softmax's rescale and the product in one pass over the O rows.
  */
 typedef void (*flashc_cpu_pv_fn)(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
-                                 const void *v, int vt, int64_t ldv, float *o, int64_t ldo);
+                                 const void *const *v, int vt, float *o, int64_t ldo);
 
 /*
  * The online-softmax step of softmax_fn on a query-row-major tile s[r][c] (cols a multiple of 16; the caller fills
@@ -238,20 +265,20 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
 /* kernels_avx512bf16.c: the bf16 products that the "avx512bf16" set adds to the AVX-512 table (backend.c). */
 extern const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512;
 /* ... and its decode kernels: bf16 K / V rows on vdpbf16ps (fp32 rows go to the AVX2 ones). */
-void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
-                                   int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k,
+                                   int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
-                              const void *v, int vt, int64_t ldv, float *o, int64_t ldo);
+                              const void *const *v, int vt, float *o, int64_t ldo);
 #  endif
 /* The AVX2 decode kernels, which the AVX-512 table shares but for softmax_rows (every AVX-512 CPU has AVX2; decode
  * streams K and V at memory speed, where the wider vectors have little to add), and the avx512bf16 set for fp32 K
  * and V rows. */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
-void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
-                             int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
-void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
-                        int vt, int64_t ldv, float *o, int64_t ldo);
+void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
+                             float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                        const void *const *v, int vt, float *o, int64_t ldo);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
 /* The AVX2 dropout, which the AVX-512 table shares too (its cost is the Philox rounds' 32-bit multiplies). */
 void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,

@@ -7,7 +7,8 @@
  * 64-row query tile that is nearly all padding at Nq = 1. Per key step (DEC_BC keys): scores by dot
  * products over D (kern->dots_kv), the online softmax along each row (kern->softmax_rows), then O = alpha O + P V in
  * one pass over the O rows (kern->pv). Both kernels read fp32 and bf16 K and V rows in place (bf16 widened in
- * registers); other dtypes and layouts are converted to fp32 rows first.
+ * registers), through a table of the step's row addresses (a paged cache's step may span pages); other dtypes and
+ * layouts are converted to fp32 rows first.
  *
  * Work: each sequence's keys are cut into `splits` pieces, chosen from the shape alone (enough units to spread
  * over many threads, pieces of at least DEC_MIN_PIECE keys). One unit per (sequence, piece, block of kv heads, row
@@ -55,62 +56,68 @@ enum {
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /*
- * The raw K and V rows [n0, n0 + cols) of head h as dots_kv's prefetch lists: K's, then V's, each the rows on n0's
- * page and those on the next when the cache is paged and the step crosses a page boundary (at pages smaller than
- * half a step, the rows past the second page are left to the loads). Before the second piece, a step of 32 keys
- * over pages of 16 had half its rows fetched by nothing ahead of use (the hardware prefetchers do not follow pages
- * in a shuffled pool): 1.65-2.6x the contiguous time (bench/RESULTS.md).
+ * A key step's raw K and V rows: the addresses of rows [n0, n0 + cols) of sequence b at head 0, a paged cache's page
+ * piece by page piece (one table lookup per piece). Filled once per step for all the unit's heads (a head adds its
+ * offset), and read twice: by the prefetch lists of the head-steps two ahead, then by the kernels (head_rows).
+ * Before tables, pages of 16 had their V rows gathered into a buffer (pv's sum runs over the whole step) and K read by
+ * one dots_kv call per page, 1.3-1.6x the contiguous time (a quarter of it the copy; lab/LOG.md), and pages of 1 had
+ * all but two of each step's rows fetched by nothing ahead of use.
  */
-static void next_rows(const flashc_problem *p, int64_t b, int64_t n0, int cols, int64_t h, flashc_cpu_prefetch *pf) {
+typedef struct dec_step {
+    const void *k[DEC_BC], *v[DEC_BC];
+    int cols;
+} dec_step;
+
+static void step_tables(const flashc_problem *p, int64_t b, int64_t n0, int cols, dec_step *st) {
     const int64_t tb = flashc_cpu_tensor_batch(p, b);
     const flashc_tensor *t[2] = {&p->k, &p->v};
+    const void **tab[2] = {st->k, st->v};
+    st->cols = cols;
     for (int i = 0; i < 2; i++) {
-        const int64_t es = (int64_t)flashc_dtype_size(t[i]->dtype);
-        int64_t row = n0;
-        int left = cols;
-        for (int piece = 0; piece < 2; piece++) {
-            const int l = 2 * i + piece;
-            int rows = left;
-            if (p->block_table && rows > p->page_size - row % p->page_size)
-                rows = (int)(p->page_size - row % p->page_size);
-            pf->rows[l] = rows;
-            if (rows <= 0) continue;
-            pf->base[l] = (const char *)t[i]->data + flashc_kv_offset(p, t[i], b, tb, row, h) * es;
-            pf->ld[l] = t[i]->stride[1] * es;
-            pf->bytes[l] = (int)(p->D * es);
-            if (t[i]->stride[3] != 1) pf->bytes[l] = (int)(((p->D - 1) * t[i]->stride[3] + 1) * es);
-            row += rows;
-            left -= rows;
+        const int64_t es = (int64_t)flashc_dtype_size(t[i]->dtype), ld = t[i]->stride[1] * es;
+        for (int c = 0; c < cols;) {
+            const int64_t row = n0 + c;
+            int n = cols - c;
+            if (p->block_table && n > p->page_size - row % p->page_size) n = (int)(p->page_size - row % p->page_size);
+            const char *x = (const char *)t[i]->data + flashc_kv_offset(p, t[i], b, tb, row, 0) * es;
+            for (int r = 0; r < n; r++) tab[i][c + r] = x + r * ld;
+            c += n;
         }
     }
 }
 
+/* The prefetch lists of head h's rows of step st. */
+static void step_prefetch(const flashc_problem *p, const dec_step *st, int64_t h, flashc_cpu_prefetch *pf) {
+    const flashc_tensor *t[2] = {&p->k, &p->v};
+    pf->rows[0] = st->k, pf->rows[1] = st->v;
+    pf->n = st->cols;
+    pf->spread = flashc_cpu_pf_spread(p->k.stride[1] * (int64_t)flashc_dtype_size(p->k.dtype));
+    for (int i = 0; i < 2; i++) {
+        const int64_t es = (int64_t)flashc_dtype_size(t[i]->dtype);
+        pf->off[i] = h * t[i]->stride[2] * es;
+        pf->bytes[i] = (int)(((p->D - 1) * t[i]->stride[3] + 1) * es);
+    }
+}
+
 /*
- * K-like rows [row0, row0 + rows) of sequence b (row0 counting as flashc_cpu_kv_rows does), head h, as dots_kv and pv
- * take them: in place when the view holds fp32 or bf16 with unit stride along D and the rows lie on one page (always,
- * unpaged), so bf16 caches are widened inside the kernels instead of row by row into a buffer; bf16 rows with unit
- * stride across pages gathered as bf16 rows into buf (a row pitch of 2 buf_ld), since a kernel set's bf16 path may
- * round differently from its fp32 one (the avx512bf16 set's products and P in bf16), and a paged cache must give the
- * contiguous one's bits; otherwise (fp16, other strides; fp32 rows across pages) converted to fp32 into buf (leading
- * dim buf_ld).
+ * Head h's K-like rows of a step (tab: the step's raw rows at head 0, [row0, row0 + rows) of sequence b) as dots_kv
+ * and pv take them, in out; returns their element type. In place when the view holds fp32 or bf16 with unit stride
+ * along D (bf16 widened inside the kernels; a paged step one call over the contiguous cache's values in its order,
+ * hence its bits); otherwise (fp16, other strides) converted to fp32 rows in buf (leading dim buf_ld).
  */
-static const void *step_rows(const flashc_cpu_kernels *kern, const flashc_problem *p, const flashc_tensor *t,
-                             int64_t b, int64_t row0, int rows, int64_t h, float *buf, int64_t buf_ld, int *kt,
-                             int64_t *ld) {
+static int head_rows(const flashc_cpu_kernels *kern, const flashc_problem *p, const flashc_tensor *t,
+                     const void *const *tab, int64_t b, int64_t row0, int rows, int64_t h, float *buf, int64_t buf_ld,
+                     const void **out) {
     const int bf16 = t->dtype == FLASHC_DTYPE_BF16;
-    const int64_t tb = flashc_cpu_tensor_batch(p, b);
-    if ((bf16 || t->dtype == FLASHC_DTYPE_F32) && t->stride[3] == 1 &&
-        (!p->block_table || row0 / p->page_size == (row0 + rows - 1) / p->page_size)) {
-        *kt = bf16 ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32;
-        *ld = t->stride[1];
-        return (const char *)t->data + flashc_kv_offset(p, t, b, tb, row0, h) * (bf16 ? 2 : 4);
+    if ((bf16 || t->dtype == FLASHC_DTYPE_F32) && t->stride[3] == 1) {
+        const int64_t off = h * t->stride[2] * (bf16 ? 2 : 4);
+        for (int c = 0; c < rows; c++) out[c] = (const char *)tab[c] + off;
+        return bf16 ? FLASHC_CPU_KV_BF16 : FLASHC_CPU_KV_F32;
     }
-    if (bf16 && t->stride[3] == 1) {
-        *kt = FLASHC_CPU_KV_BF16;
-        return flashc_cpu_kv_rows_bf16(p, t, b, row0, rows, h, (uint16_t *)buf, 2 * buf_ld, ld);
-    }
-    *kt = FLASHC_CPU_KV_F32;
-    return flashc_cpu_kv_rows(kern, p, t, b, row0, rows, h, buf, buf_ld, ld);
+    int64_t ld;
+    const float *x = flashc_cpu_kv_rows(kern, p, t, b, row0, rows, h, buf, buf_ld, &ld);
+    for (int c = 0; c < rows; c++) out[c] = x + c * ld;
+    return FLASHC_CPU_KV_F32;
 }
 
 /* What one packed row stands for. */
@@ -309,28 +316,36 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             for (int d = D; d < dp; d++) dst[d] = 0.0f;
         }
     const int bc = DEC_BC;
+    /* The raw rows of steps si, si + 1 and si + 2 in ring[si % 3]: the head-step two ahead lies up to two steps ahead
+     * (one kv head per unit). */
+    dec_step ring[3];
+    const int64_t nsteps = ceil_div(jhi - jlo, bc);
+    for (int64_t si = 0; si < 2 && si < nsteps; si++) {
+        const int64_t n0 = jlo + si * bc;
+        step_tables(p, b, k0 + n0, (int)(jhi - n0 < bc ? jhi - n0 : bc), &ring[si]);
+    }
     /* The unit's first two head-steps, which no earlier head-step prefetches (below), issued at once: with pieces of
      * 256 keys they are an eighth of a unit's rows at 8/2/32 (1 thread, cold: 1.09-1.11x there, 1.00-1.05x at
      * 32/8/128, where they are a 32nd). */
-    for (int j = 0; j < 2; j++) {
-        const int64_t nj0 = jlo + j / nh * bc, nhk = hk0 + j % nh;
-        const int ncols = (int)(jhi - nj0 < bc ? jhi - nj0 : bc);
-        if (ncols <= 0) break;
+    for (int j = 0; j < 2 && j / nh < nsteps; j++) {
         flashc_cpu_prefetch pf;
         flashc_cpu_pf_cursor cur;
-        next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
+        step_prefetch(p, &ring[j / nh], hk0 + j % nh, &pf);
         flashc_cpu_pf_begin(&cur, &pf, 1);
         flashc_cpu_pf_issue(&cur);
     }
-    for (int64_t j0 = jlo; j0 < jhi; j0 += bc) {
+    for (int64_t j0 = jlo, si = 0; j0 < jhi; j0 += bc, si++) {
         const int cols = (int)(jhi - j0 < bc ? jhi - j0 : bc), padded = (cols + 15) / 16 * 16;
+        const dec_step *st = &ring[si % 3];
+        if (si + 2 < nsteps) {
+            const int64_t n0 = j0 + 2 * bc;
+            step_tables(p, b, k0 + n0, (int)(jhi - n0 < bc ? jhi - n0 : bc), &ring[(si + 2) % 3]);
+        }
         for (int j = 0; j < nh; j++) {
             const int64_t hk = hk0 + j;
             const dec_row *rows = t->rows + (size_t)j * L->cap;
             float *o = t->st + (size_t)j * L->hs, *m = o + (size_t)L->cap * dp, *l = m + L->cap;
             if (!step_visible(p, rows, n, j0, cols)) continue;
-            int64_t ldk, ldv;
-            int kt, vt;
             /* The rows of the head-step two ahead (the next head but one of this step, or of the next step) are
              * fetched into L2 while the dot products run (dots_kv's prefetches), 8-32 KiB ahead of use. On the Zen 4
              * VM (1 thread, cold, lab/LOG.md), against the next head-step into L1 as before: 32/8/128 1.4-1.6x,
@@ -339,23 +354,12 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
              * head-steps ahead had lost (lines evicted before use), into L2 three or more measured no better than
              * two, and the whole head-step issued at once before the dots lost (1.2x against 1.5x). */
             flashc_cpu_prefetch pf;
-            const int64_t nj0 = j0 + (j + 2) / nh * bc, nhk = hk0 + (j + 2) % nh;
-            const int ncols = (int)(jhi - nj0 < bc ? jhi - nj0 : bc);
-            if (ncols > 0) next_rows(p, b, k0 + nj0, ncols, nhk, &pf);
-            /* The scores page by page: dots_kv computes each score alone, so a paged step that crosses a page
-             * boundary reads K in place and still gives the contiguous cache's bits (V's rows are gathered below:
-             * pv's sum runs over the whole step). */
-            const flashc_cpu_prefetch *pfp = ncols > 0 ? &pf : NULL;
-            for (int c0 = 0; c0 < cols;) {
-                const int64_t row = k0 + j0 + c0;
-                const int piece = p->block_table && p->page_size >= 16 && cols - c0 > p->page_size - row % p->page_size
-                                      ? (int)(p->page_size - row % p->page_size)
-                                      : cols - c0; /* (pages below 16 rows: gathered, not a call per few keys) */
-                const void *k = step_rows(kern, p, &p->k, b, row, piece, hk, t->kbuf, dp, &kt, &ldk);
-                kern->dots_kv(n, piece, D, t->q + (size_t)j * L->cap * dp, dp, k, kt, ldk, t->s + c0, DEC_BC, pfp);
-                pfp = NULL; /* (the first piece's passes issue the whole list) */
-                c0 += piece;
-            }
+            const int64_t ahead = si + (j + 2) / nh;
+            if (ahead < nsteps) step_prefetch(p, &ring[ahead % 3], hk0 + (j + 2) % nh, &pf);
+            const void *krow[DEC_BC], *vrow[DEC_BC];
+            const int kt = head_rows(kern, p, &p->k, st->k, b, k0 + j0, cols, hk, t->kbuf, dp, krow);
+            kern->dots_kv(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, krow, kt, t->s, DEC_BC,
+                          ahead < nsteps ? &pf : NULL);
             if (sk != 1.0f)
                 for (int r = 0; r < n; r++)
                     for (int c = 0; c < cols; c++) t->s[(size_t)r * DEC_BC + c] *= sk;
@@ -370,8 +374,8 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
                     flashc_cpu_dropout_of(p, b, rows[r].h, 1.0f, &drop);
                     kern->dropout(cols, 1, t->s + (size_t)r * DEC_BC, 1, &drop, rows[r].i, j0);
                 }
-            const void *v = step_rows(kern, p, &p->v, b, k0 + j0, cols, hk, t->vbuf, dp, &vt, &ldv);
-            kern->pv(n, cols, D, t->s, DEC_BC, t->alpha, v, vt, ldv, o, dp); /* O = alpha O + P V */
+            const int vt = head_rows(kern, p, &p->v, st->v, b, k0 + j0, cols, hk, t->vbuf, dp, vrow);
+            kern->pv(n, cols, D, t->s, DEC_BC, t->alpha, vrow, vt, o, dp); /* O = alpha O + P V */
         }
     }
     return n;

@@ -265,18 +265,19 @@ AI void dots_block(const int R, const int kt, int D, const float *q, int64_t ldq
  * Scores for each group of eight keys: rows four at a time (two keys per pass), then a pair (four keys), then one
  * (eight keys), so each K vector is loaded (and widened, when bf16) once per four rows and every hsum8 reduces eight
  * useful accumulators. The D tail is masked, since the K rows are read in place. With pf, its rows are spread evenly
- * over the passes, a few before each.
+ * over the passes, a few before each. K rows from the table kr (decode's), or without one at k + c * ldk (dots).
  */
-AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int64_t ldk,
-                  float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
-    const int64_t es = kt == FLASHC_CPU_KV_BF16 ? 2 : 4; /* signed: ldk may be negative */
+AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64_t ldq, const void *const *kr,
+                  const float *k, int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     flashc_cpu_pf_cursor cur; /* a block of R rows takes R passes per eight keys */
     flashc_cpu_pf_begin(&cur, pf, (cols + 7) / 8 * rows);
     for (int c8 = 0; c8 < cols; c8 += 8) {
         const int n8 = cols - c8 < 8 ? cols - c8 : 8;
         const void *kp[8];
-        for (int j = 0; j < 8; j++)
-            kp[j] = (const char *)k + (int64_t)(c8 + (j < n8 ? j : n8 - 1)) * ldk * es;
+        for (int j = 0; j < 8; j++) {
+            const int c = c8 + (j < n8 ? j : n8 - 1);
+            kp[j] = kr ? kr[c] : (const void *)(k + (int64_t)c * ldk);
+        }
         int r = 0;
         /* Rows in blocks of four, then two, so that each K vector loaded (and widened, when bf16) feeds that many
          * FMAs. For fp32 K, one row against eight keys had measured faster on the earlier AVX2 VM (EPYC family 25
@@ -301,15 +302,15 @@ AI void dots_kv_t(const int kt, int rows, int cols, int D, const float *q, int64
     }
 }
 
-void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
-                             int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
-    if (kt == FLASHC_CPU_KV_BF16) dots_kv_t(FLASHC_CPU_KV_BF16, rows, cols, D, q, ldq, k, ldk, s, lds, pf);
-    else dots_kv_t(FLASHC_CPU_KV_F32, rows, cols, D, q, ldq, k, ldk, s, lds, pf);
+void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
+                             float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    if (kt == FLASHC_CPU_KV_BF16) dots_kv_t(FLASHC_CPU_KV_BF16, rows, cols, D, q, ldq, k, NULL, 0, s, lds, pf);
+    else dots_kv_t(FLASHC_CPU_KV_F32, rows, cols, D, q, ldq, k, NULL, 0, s, lds, pf);
 }
 
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds) {
-    flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, FLASHC_CPU_KV_F32, ldk, s, lds, NULL);
+    dots_kv_t(FLASHC_CPU_KV_F32, rows, cols, D, q, ldq, NULL, k, ldk, s, lds, NULL);
 }
 
 /*
@@ -320,8 +321,8 @@ void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq
  * microkernel does with its C tile; loading and scaling O first measured the same within noise (32/8/128 fp32,
  * cold). Columns past D are neither read from V nor written to O.
  */
-AI void pv_rows(const int MR, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v, int vt,
-                int64_t ldv, float *o, int64_t ldo) {
+AI void pv_rows(const int MR, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *const *v,
+                int vt, float *o, int64_t ldo) {
     for (int j0 = 0; j0 < D; j0 += 16) {
         const int nr = D - j0 < 16 ? D - j0 : 16;
         const __m256i m0 = lanes(nr), m1 = lanes(nr - 8);
@@ -338,31 +339,29 @@ AI void pv_rows(const int MR, int cols, int D, const float *p, int64_t ldp, cons
         c1[i] = _mm256_fmadd_ps(pi, b1, c1[i]);                                                                       \
     }
         if (vt == FLASHC_CPU_KV_BF16) {
-            const uint16_t *vb = (const uint16_t *)v + j0;
             if (nr == 16)
                 for (int c = 0; c < cols; c++) {
-                    const uint16_t *vc = vb + (int64_t)c * ldv;
+                    const uint16_t *vc = (const uint16_t *)v[c] + j0;
                     const __m256 b0 = bf16x8(vc), b1 = bf16x8(vc + 8);
                     KEY(b0, b1)
                 }
             else
                 for (int c = 0; c < cols; c++) {
-                    const uint16_t *vc = vb + (int64_t)c * ldv;
+                    const uint16_t *vc = (const uint16_t *)v[c] + j0;
                     const __m256 b0 = bf16x8_first(vc, nr < 8 ? nr : 8), b1 = nr > 8 ? bf16x8_first(vc + 8, nr - 8)
                                                                                        : _mm256_setzero_ps();
                     KEY(b0, b1)
                 }
         } else {
-            const float *vf = (const float *)v + j0;
             if (nr == 16)
                 for (int c = 0; c < cols; c++) {
-                    const float *vc = vf + (int64_t)c * ldv;
+                    const float *vc = (const float *)v[c] + j0;
                     const __m256 b0 = _mm256_loadu_ps(vc), b1 = _mm256_loadu_ps(vc + 8);
                     KEY(b0, b1)
                 }
             else
                 for (int c = 0; c < cols; c++) {
-                    const float *vc = vf + (int64_t)c * ldv;
+                    const float *vc = (const float *)v[c] + j0;
                     const __m256 b0 = _mm256_maskload_ps(vc, m0), b1 = _mm256_maskload_ps(vc + 8, m1);
                     KEY(b0, b1)
                 }
@@ -383,17 +382,17 @@ AI void pv_rows(const int MR, int cols, int D, const float *p, int64_t ldp, cons
     }
 }
 
-void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
-                        int vt, int64_t ldv, float *o, int64_t ldo) {
+void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                        const void *const *v, int vt, float *o, int64_t ldo) {
     int r = 0;
     for (; r + 4 <= rows; r += 4)
-        pv_rows(4, cols, D, p + (int64_t)r * ldp, ldp, alpha + r, v, vt, ldv, o + (int64_t)r * ldo, ldo);
+        pv_rows(4, cols, D, p + (int64_t)r * ldp, ldp, alpha + r, v, vt, o + (int64_t)r * ldo, ldo);
     const float *pr = p + (int64_t)r * ldp, *ar = alpha + r;
     float *orow = o + (int64_t)r * ldo;
     switch (rows - r) {
-    case 3: pv_rows(3, cols, D, pr, ldp, ar, v, vt, ldv, orow, ldo); break;
-    case 2: pv_rows(2, cols, D, pr, ldp, ar, v, vt, ldv, orow, ldo); break;
-    case 1: pv_rows(1, cols, D, pr, ldp, ar, v, vt, ldv, orow, ldo); break;
+    case 3: pv_rows(3, cols, D, pr, ldp, ar, v, vt, orow, ldo); break;
+    case 2: pv_rows(2, cols, D, pr, ldp, ar, v, vt, orow, ldo); break;
+    case 1: pv_rows(1, cols, D, pr, ldp, ar, v, vt, orow, ldo); break;
     default: break;
     }
 }

@@ -339,8 +339,8 @@ AI void dots_bf16_short(const int R, const int T, const __m512i t[16], const uin
 
 /* dots_kv for D <= 32: sixteen query rows at a time as bf16 words, then per sixteen keys one transpose16 shared by
  * the rows, blocks of four rows against it. */
-static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq, const uint16_t *kb, int64_t ldk,
-                          float *s, int64_t lds, flashc_cpu_pf_cursor *cur) {
+static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, float *s,
+                          int64_t lds, flashc_cpu_pf_cursor *cur) {
     const __mmask32 tail = first32(D);
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int nr = rows - r0 < 16 ? rows - r0 : 16;
@@ -359,7 +359,7 @@ static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq
             __m512i t[16];
 #pragma GCC unroll 16
             for (int c = 0; c < 16; c++)
-                t[c] = _mm512_maskz_loadu_epi16(tail, kb + (int64_t)(c0 + (c < n ? c : n - 1)) * ldk);
+                t[c] = _mm512_maskz_loadu_epi16(tail, k[c0 + (c < n ? c : n - 1)]);
             transpose16(t);
             flashc_cpu_pf_issue(cur);
             const __mmask16 mn = first(n);
@@ -379,13 +379,12 @@ static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq
     }
 }
 
-void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
-                                   int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k,
+                                   int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     if (kt != FLASHC_CPU_KV_BF16 || D > 32 * DEC_CHUNKS) {
-        flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, ldk, s, lds, pf);
+        flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, s, lds, pf);
         return;
     }
-    const uint16_t *kb = k;
     const int nd = (D + 31) / 32;
     const __mmask32 tail = first32(D - 32 * (nd - 1));
     flashc_cpu_pf_cursor cur; /* an issue per block (per sixteen keys when D <= 32) */
@@ -393,7 +392,7 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
     const int blocks = nd == 1 ? (cols + 15) / 16 : (cols + 16 / R0 - 1) / (16 / R0) * ((rows + R0 - 1) / R0);
     flashc_cpu_pf_begin(&cur, pf, blocks);
     if (nd == 1) {
-        dots_kv_short(rows, cols, D, q, ldq, kb, ldk, s, lds, &cur);
+        dots_kv_short(rows, cols, D, q, ldq, k, s, lds, &cur);
         return;
     }
     __m512i qh[4][DEC_CHUNKS], ql[4][DEC_CHUNKS];
@@ -404,7 +403,7 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
         for (int c0 = 0; c0 < cols; c0 += KC) {
             const int n = cols - c0 < KC ? cols - c0 : KC;
             const uint16_t *kp[16];
-            for (int c = 0; c < KC; c++) kp[c] = kb + (int64_t)(c0 + (c < n ? c : n - 1)) * ldk;
+            for (int c = 0; c < KC; c++) kp[c] = k[c0 + (c < n ? c : n - 1)];
             flashc_cpu_pf_issue(&cur);
             float *sb = s + r0 * lds + c0;
 #define BLOCK(R_, T_) dots_bf16_block(R_, T_, nd, tail, qh, ql, kp, sb, lds, n)
@@ -426,7 +425,7 @@ enum { PV_KEYS = 64 }; /* keys of P rounded to bf16 at a time */
  * the bf16 gemm's pairs_f32 does here); the sums are fp32.
  */
 AI void pv_bf16_rows(const int MR, int keys, int D, const uint16_t *pb, int ldpb, const float *alpha, int first_chunk,
-                     const uint16_t *v, int64_t ldv, float *o, int64_t ldo) {
+                     const void *const *v, float *o, int64_t ldo) {
     const __m512i z0 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i z1 = _mm512_add_epi16(z0, _mm512_set1_epi16(16));
@@ -437,8 +436,8 @@ AI void pv_bf16_rows(const int MR, int keys, int D, const uint16_t *pb, int ldpb
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
         for (int c = 0; c < keys; c += 2) {
-            const __m512i a = _mm512_maskz_loadu_epi16(mv, v + (int64_t)c * ldv + j0);
-            const __m512i b = c + 1 < keys ? _mm512_maskz_loadu_epi16(mv, v + (int64_t)(c + 1) * ldv + j0)
+            const __m512i a = _mm512_maskz_loadu_epi16(mv, (const uint16_t *)v[c] + j0);
+            const __m512i b = c + 1 < keys ? _mm512_maskz_loadu_epi16(mv, (const uint16_t *)v[c + 1] + j0)
                                            : _mm512_setzero_si512();
             const __m512bh b0 = (__m512bh)_mm512_permutex2var_epi16(a, z0, b);
             const __m512bh b1 = (__m512bh)_mm512_permutex2var_epi16(a, z1, b);
@@ -461,9 +460,9 @@ AI void pv_bf16_rows(const int MR, int keys, int D, const uint16_t *pb, int ldpb
 }
 
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
-                              const void *v, int vt, int64_t ldv, float *o, int64_t ldo) {
+                              const void *const *v, int vt, float *o, int64_t ldo) {
     if (vt != FLASHC_CPU_KV_BF16) {
-        flashc_cpu_pv_avx2(rows, cols, D, p, ldp, alpha, v, vt, ldv, o, ldo);
+        flashc_cpu_pv_avx2(rows, cols, D, p, ldp, alpha, v, vt, o, ldo);
         return;
     }
     enum { LDPB = PV_KEYS + 2 };
@@ -484,14 +483,14 @@ void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t
                                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first(keys - c), pr + c)));
                 d[keys] = 0;
             }
-            const uint16_t *vc = (const uint16_t *)v + (int64_t)c0 * ldv;
+            const void *const *vc = v + c0;
             float *orow = o + (int64_t)r0 * ldo;
             const int fc = c0 == 0;
             switch (mr) {
-            case 4: pv_bf16_rows(4, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
-            case 3: pv_bf16_rows(3, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
-            case 2: pv_bf16_rows(2, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
-            default: pv_bf16_rows(1, keys, D, pb, LDPB, alpha + r0, fc, vc, ldv, orow, ldo); break;
+            case 4: pv_bf16_rows(4, keys, D, pb, LDPB, alpha + r0, fc, vc, orow, ldo); break;
+            case 3: pv_bf16_rows(3, keys, D, pb, LDPB, alpha + r0, fc, vc, orow, ldo); break;
+            case 2: pv_bf16_rows(2, keys, D, pb, LDPB, alpha + r0, fc, vc, orow, ldo); break;
+            default: pv_bf16_rows(1, keys, D, pb, LDPB, alpha + r0, fc, vc, orow, ldo); break;
             }
             if (cols == 0) break;
         }

@@ -78,15 +78,15 @@ static void dots_generic(int rows, int cols, int D, const float *q, int64_t ldq,
 }
 
 /* dots on K rows read in place as fp32 or bf16; no prefetching (pf is ignored). */
-static void dots_kv_generic(int rows, int cols, int D, const float *q, int64_t ldq, const void *k, int kt,
-                            int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
-    if (kt == FLASHC_CPU_KV_F32) {
-        dots_generic(rows, cols, D, q, ldq, (const float *)k, ldk, s, lds);
-        return;
-    }
+static void dots_kv_generic(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
+                            float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     float kc[FLASHC_MAX_HEAD_DIM];
     for (int c = 0; c < cols; c++) {
-        const uint16_t *src = (const uint16_t *)k + (int64_t)c * ldk;
+        if (kt == FLASHC_CPU_KV_F32) { /* dots' loop, one key */
+            dots_generic(rows, 1, D, q, ldq, (const float *)k[c], 0, s + c, lds);
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)k[c];
         for (int d = 0; d < D; d++) kc[d] = flashc_bf16_to_f32(src[d]);
         for (int r = 0; r < rows; r++) {
             const float *qr = q + (int64_t)r * ldq;
@@ -98,15 +98,14 @@ static void dots_kv_generic(int rows, int cols, int D, const float *q, int64_t l
     (void)pf;
 }
 
-static void pv_generic(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha, const void *v,
-                       int vt, int64_t ldv, float *o, int64_t ldo) {
-    const int64_t es = vt == FLASHC_CPU_KV_BF16 ? 2 : 4; /* signed: ldv may be negative */
+static void pv_generic(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                       const void *const *v, int vt, float *o, int64_t ldo) {
     for (int r = 0; r < rows; r++) {
         float *restrict orow = o + (int64_t)r * ldo;
         for (int d = 0; d < D; d++) orow[d] *= alpha[r];
         for (int c = 0; c < cols; c++) {
             const float prc = p[(int64_t)r * ldp + c];
-            const char *vc = (const char *)v + (int64_t)c * ldv * es;
+            const void *vc = v[c];
             if (vt == FLASHC_CPU_KV_BF16)
                 for (int d = 0; d < D; d++) orow[d] += prc * flashc_bf16_to_f32(((const uint16_t *)vc)[d]);
             else
