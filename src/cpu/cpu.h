@@ -329,6 +329,22 @@ int flashc_cpu_key_group(int64_t D, flashc_cpu_tiles t, int nthreads);
 
 
 /* The first 64-byte boundary at or after ptr: where a workspace's float buffers start (one cache line). */
+/* Element i of a tensor's data in dtype t, as fp32 (f16 / bf16 widened exactly); the store rounds v to t once. */
+static inline float flashc_cpu_load_elem(const void *p, flashc_dtype t, int64_t i) {
+    switch (t) {
+    case FLASHC_DTYPE_F16: return flashc_f16_to_f32(((const uint16_t *)p)[i]);
+    case FLASHC_DTYPE_BF16: return flashc_bf16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+static inline void flashc_cpu_store_elem(void *p, flashc_dtype t, int64_t i, float v) {
+    switch (t) {
+    case FLASHC_DTYPE_F16: ((uint16_t *)p)[i] = flashc_f32_to_f16(v); break;
+    case FLASHC_DTYPE_BF16: ((uint16_t *)p)[i] = flashc_f32_to_bf16(v); break;
+    default: ((float *)p)[i] = v;
+    }
+}
+
 static inline float *flashc_cpu_align64(void *ptr) { return (float *)(((uintptr_t)ptr + 63) & ~(uintptr_t)63); }
 
 /* Element offset of (batch b, row n, head h, dim 0) in a view. */

@@ -11,22 +11,6 @@
 /* Below this many elements one thread does it all: an OpenMP region costs more than the copy. */
 #define MERGE_MIN_PARALLEL (1 << 16)
 
-static inline float load(const void *p, flashc_dtype t, int64_t i) {
-    switch (t) {
-    case FLASHC_DTYPE_F16: return flashc_f16_to_f32(((const uint16_t *)p)[i]);
-    case FLASHC_DTYPE_BF16: return flashc_bf16_to_f32(((const uint16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
-
-static inline void store(void *p, flashc_dtype t, int64_t i, float v) {
-    switch (t) {
-    case FLASHC_DTYPE_F16: ((uint16_t *)p)[i] = flashc_f32_to_f16(v); break;
-    case FLASHC_DTYPE_BF16: ((uint16_t *)p)[i] = flashc_f32_to_bf16(v); break;
-    default: ((float *)p)[i] = v;
-    }
-}
-
 /* One row of D elements at element offsets oa, ob, o (strides sa, sb, so along D). */
 static void merge_row(const flashc_tensor *out_a, int64_t oa, const flashc_tensor *out_b, int64_t ob,
                       const flashc_tensor *out, int64_t o, int64_t D, float wa, float wb) {
@@ -39,8 +23,9 @@ static void merge_row(const flashc_tensor *out_a, int64_t oa, const flashc_tenso
         return;
     }
     for (int64_t d = 0; d < D; d++)
-        store(out->data, t, o + d * so,
-              flashc_merge_value(wa, load(out_a->data, t, oa + d * sa), wb, load(out_b->data, t, ob + d * sb)));
+        flashc_cpu_store_elem(out->data, t, o + d * so,
+                              flashc_merge_value(wa, flashc_cpu_load_elem(out_a->data, t, oa + d * sa), wb,
+                                                 flashc_cpu_load_elem(out_b->data, t, ob + d * sb)));
 }
 
 /* What the merge's team shares. */

@@ -12,22 +12,6 @@
 /* Below this many elements one thread does it all: an OpenMP region costs more than the pass. */
 #define ROTARY_MIN_PARALLEL (1 << 16)
 
-static inline float load(const void *p, flashc_dtype t, int64_t i) {
-    switch (t) {
-    case FLASHC_DTYPE_F16: return flashc_f16_to_f32(((const uint16_t *)p)[i]);
-    case FLASHC_DTYPE_BF16: return flashc_bf16_to_f32(((const uint16_t *)p)[i]);
-    default: return ((const float *)p)[i];
-    }
-}
-
-static inline void store(void *p, flashc_dtype t, int64_t i, float v) {
-    switch (t) {
-    case FLASHC_DTYPE_F16: ((uint16_t *)p)[i] = flashc_f32_to_f16(v); break;
-    case FLASHC_DTYPE_BF16: ((uint16_t *)p)[i] = flashc_f32_to_bf16(v); break;
-    default: ((float *)p)[i] = v;
-    }
-}
-
 /* What the team shares. */
 typedef struct rotary_job {
     const flashc_tensor *x, *cos, *sin, *out;
@@ -58,13 +42,16 @@ static void rotary_body(void *arg, int tid) {
         for (int64_t j = 0; j < half; j++) {
             const int64_t a = j * step, e = a + other;
             float ya, ye;
-            flashc_rotary_pair(load(x->data, t, ox + a * sx), load(x->data, t, ox + e * sx),
-                               load(J->cos->data, tt, oc + j * sc), load(J->sin->data, tt, os + j * ss), &ya, &ye);
-            store(out->data, t, oo + a * so, ya);
-            store(out->data, t, oo + e * so, ye);
+            flashc_rotary_pair(flashc_cpu_load_elem(x->data, t, ox + a * sx),
+                               flashc_cpu_load_elem(x->data, t, ox + e * sx),
+                               flashc_cpu_load_elem(J->cos->data, tt, oc + j * sc),
+                               flashc_cpu_load_elem(J->sin->data, tt, os + j * ss), &ya, &ye);
+            flashc_cpu_store_elem(out->data, t, oo + a * so, ya);
+            flashc_cpu_store_elem(out->data, t, oo + e * so, ye);
         }
         if (!J->in_place)
-            for (int64_t d = 2 * half; d < D; d++) store(out->data, t, oo + d * so, load(x->data, t, ox + d * sx));
+            for (int64_t d = 2 * half; d < D; d++)
+                flashc_cpu_store_elem(out->data, t, oo + d * so, flashc_cpu_load_elem(x->data, t, ox + d * sx));
     }
 }
 

@@ -144,14 +144,6 @@ int flashc_cpu_key_group(int64_t D, flashc_cpu_tiles t, int nthreads) {
 
 /* ---- loads and stores ---------------------------------------------------------------------------------- */
 
-static inline float load_elem(const void *base, flashc_dtype dt, int64_t off) {
-    switch (dt) {
-    case FLASHC_DTYPE_F32: return ((const float *)base)[off];
-    case FLASHC_DTYPE_F16: return flashc_f16_to_f32(((const uint16_t *)base)[off]);
-    default: return flashc_bf16_to_f32(((const uint16_t *)base)[off]);
-    }
-}
-
 /* One row of D values to fp32; contiguous rows go through the ISA's converters. */
 static void load_row(const flashc_cpu_kernels *kern, float *dst, const flashc_tensor *t, int64_t off, int64_t D) {
     const int64_t sd = t->stride[3];
@@ -162,7 +154,7 @@ static void load_row(const flashc_cpu_kernels *kern, float *dst, const flashc_te
         default: kern->bf16_to_f32((int)D, (const uint16_t *)t->data + off, dst); return;
         }
     }
-    for (int64_t d = 0; d < D; d++) dst[d] = load_elem(t->data, t->dtype, off + d * sd);
+    for (int64_t d = 0; d < D; d++) dst[d] = flashc_cpu_load_elem(t->data, t->dtype, off + d * sd);
 }
 
 const float *flashc_cpu_rows(const flashc_cpu_kernels *kern, const flashc_tensor *t, int64_t b, int64_t row0,
