@@ -103,6 +103,7 @@ def main():
         graphs = {"flashc": graph_of(fc, args.calls),
                   "copy": graph_of(lambda: copy_dst.copy_(copy_src), args.calls)}
         paged_same = {}
+        held = []  # the page pools and tables the paged graphs read
         for ps in (int(x) for x in args.pages.split(",") if x):
             pages = (N + ps - 1) // ps
             perm = torch.randperm(B * pages, generator=torch.Generator().manual_seed(ps)).to("cuda", torch.int32)
@@ -118,6 +119,7 @@ def main():
 
             paged_same[ps] = torch.equal(fcp(), fc())
             graphs[f"paged {ps}"] = graph_of(fcp, args.calls)
+            held.append((kp, vp, table))  # a graph holds no reference to what it reads: keep the pools to its replays
         peers = () if args.no_peers else (("cuDNN", SDPBackend.CUDNN_ATTENTION),
                                           ("torch flash", SDPBackend.FLASH_ATTENTION))
         for name, backend in peers:
