@@ -354,19 +354,15 @@ static __device__ __forceinline__ uint32_t fc90_split_of(const flashc_fwd_args &
  * the pool); the consumers find it in the table themselves (fc90_bad_pages) and write NaN.
  */
 
-/* The pages of key tile ktile of sequence b (their boxes' count; pages[i] for box i, page 0 for one outside the
- * pool): the table entries read together, before the loads that need them. */
+/* The boxes of key tile ktile of sequence b (their count) and the page of box i (page 0 for one outside the pool,
+ * or for i past the count, whose entry is not read): each lane of the producer warp reads the entry of its box. */
 template <int BC>
-static __device__ __forceinline__ int fc90_tile_pages(const flashc_fwd_args &a, int b, int ktile, int nk,
-                                                      int (&pages)[FC90_PAGED_BOXES]) {
+static __device__ __forceinline__ int fc90_tile_pages(const flashc_fwd_args &a, int b, int ktile, int nk, int i,
+                                                      int *page) {
     const int ps = a.page_size, box = min(BC, ps), key0 = ktile * BC;
     const int nbox = (min(BC, nk - key0) + box - 1) / box;
-    const int32_t *bt = a.block_table + (int64_t)b * a.bt_stride + key0 / ps;
-#pragma unroll
-    for (int i = 0; i < FC90_PAGED_BOXES; ++i) {
-        const int e = i < nbox ? __ldg(bt + i) : 0;
-        pages[i] = (unsigned)e < (unsigned)a.num_pages ? e : 0;
-    }
+    const int e = i < nbox ? __ldg(a.block_table + (int64_t)b * a.bt_stride + key0 / ps + i) : 0;
+    *page = (unsigned)e < (unsigned)a.num_pages ? e : 0;
     return nbox;
 }
 
@@ -394,7 +390,10 @@ struct fc90_fwd_smem {
 };
 
 /*
- * Producer (one thread of warpgroup 0): takes the tiles and issues every load. Per tile Q once (q_full; a tile
+ * Producer (warp 0 of warpgroup 0 in the kernels that take paged K/V, else its first thread; lane 0 leads): takes
+ * the tiles and issues the loads. Lane 0 does every barrier arrival, counter step and load but the paged K and V
+ * boxes, which the lanes issue one box and 64-column chunk each (at pages of 16, 16 boxes of 2 KB per operand and
+ * d 128 tile: from one thread they took 1.4x the contiguous time). Per tile Q once (q_full; a tile
  * without keys arrives without bytes, since its rows still get O = 0 and lse = +inf), then the K and V tiles of
  * its key range into the rings. PERSIST: the next tile comes from the counter while the current one loads, and
  * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
@@ -404,26 +403,34 @@ template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
                                                          unsigned *ctr, int hg,
-                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm) {
+                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
+                                                         int lane) {
     constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int BR = TL.br, BC = TL.bc, NCH = D / FC90_SW_COLS;
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
-    constexpr bool PERSIST = fc90_persistent(TL);
+    constexpr bool PERSIST = fc90_persistent(TL), PAGED = fc90_paged_kernel<D, VARLEN, BMASK, DROP>();
+    static_assert(!PAGED || FC90_PAGED_BOXES * NCH <= 32, "a lane per paged box and chunk");
+    const unsigned warp = PAGED ? 0xffffffffu : 1u; /* the lanes in the producer */
+    const bool lead = lane == 0;
     const uint32_t tiles = (uint32_t)a.n_mblk * a.H * a.B * (VARLEN ? a.nsplit : 1); /* below 2^31 (fc90_run) */
-    fc90_tma_prefetch(&tm_q);
-    fc90_tma_prefetch(&tm_k);
-    fc90_tma_prefetch(&tm_v);
+    if (lead) {
+        fc90_tma_prefetch(&tm_q);
+        fc90_tma_prefetch(&tm_k);
+        fc90_tma_prefetch(&tm_v);
+    }
     uint32_t kv_it = 0; /* K/V tiles loaded so far: the rings' use count */
     uint32_t tile = blockIdx.x;
     for (uint32_t nt = 0;; ++nt) {
         if (PERSIST) {
             sm.qr.wait_empty(nt); /* the consumers are done with the last tile's Q */
             if (tile >= tiles) {
-                *sm.tile_slot = -1; /* no more tiles */
-                sm.qr.arrive_full(nt);
+                if (lead) {
+                    *sm.tile_slot = -1; /* no more tiles */
+                    sm.qr.arrive_full(nt);
+                }
                 break;
             }
-            *sm.tile_slot = (int)tile;
+            if (lead) *sm.tile_slot = (int)tile;
         }
         int mblk, h, b, split;
         fc90_tile_of(fc90_split_of<VARLEN>(a, tile, split), a.n_mblk, a.H, a.B, hg, mblk, h, b);
@@ -433,58 +440,65 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
         /* BMASK: the band's key tiles that the block mask keeps for the tile (its bitmap row, fc_bm_tile_bits) */
         const uint32_t *keep = BMASK ? fc_bm_tile_bits(a, b, h, mblk, a.n_mblk) : NULL;
         const int hk = h / (a.H / a.Hkv), ntiles = BMASK && te > tb ? fc_bits_count(keep, tb, te) : te - tb;
-        if (ntiles > 0) {
+        if (lead && ntiles > 0) {
             sm.qr.expect(nt, fc90_q_bytes(TL));
             for (int c = 0; c < NCH; ++c)
                 fc90_tma_load(sm.q + c * BR * FC90_SW_ROW, &tm_q, sm.qr.full_bar(nt), c * FC90_SW_COLS,
                               sq.q0 + mblk * BR, h, sq.qb);
-        } else {
+        } else if (lead) {
             sm.qr.arrive_full(nt);
         }
-        const uint32_t next = PERSIST && ctr ? gridDim.x + atomicAdd(ctr, 1u) : tiles;
+        uint32_t next = tiles;
+        if (PERSIST && ctr) {
+            if (lead) next = gridDim.x + atomicAdd(ctr, 1u);
+            next = __shfl_sync(warp, next, 0);
+        }
         int ktile = tb - 1; /* the key tile of turn it */
         for (int it = 0; it < ntiles; ++it, ++kv_it) {
             ktile = BMASK ? fc_bits_next(keep, ktile + 1) : tb + it;
             /* The consumers read V one turn after K, so each has its own ring. */
             const uint32_t off = sm.kr.slot(kv_it) * KV_BYTES;
-            if (fc90_paged_kernel<D, VARLEN, BMASK, DROP>() && a.block_table) { /* paged: the tile's pages */
-                int pages[FC90_PAGED_BOXES];
-                const int nbox = fc90_tile_pages<BC>(a, b, ktile, sq.nk, pages);
+            if (PAGED && a.block_table) { /* paged: lane i NCH + c loads chunk c of box i */
+                const int i = lane / NCH, c = lane % NCH;
+                int page;
+                const int nbox = fc90_tile_pages<BC>(a, b, ktile, sq.nk, i, &page);
                 const uint32_t box = (uint32_t)min(BC, a.page_size), bytes = (uint32_t)nbox * box * D * 2;
                 const int prow = (ktile * BC) % a.page_size; /* the first box's row in its page (the others: 0) */
                 sm.kr.wait_empty(kv_it);
-                sm.kr.expect(kv_it, bytes);
-#pragma unroll
-                for (int i = 0; i < FC90_PAGED_BOXES; ++i)
-                    if (i < nbox)
-                        for (int c = 0; c < NCH; ++c)
-                            fc90_tma_load(sm.k + off + (c * BC + i * box) * FC90_SW_ROW, &tm_k,
-                                          sm.kr.full_bar(kv_it), c * FC90_SW_COLS, prow, hk, pages[i]);
+                if (lead) sm.kr.expect(kv_it, bytes);
+                __syncwarp(); /* the bytes expected before any box lands */
+                if (i < nbox)
+                    fc90_tma_load(sm.k + off + (c * BC + i * box) * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it),
+                                  c * FC90_SW_COLS, prow, hk, page);
                 sm.vr.wait_empty(kv_it);
-                sm.vr.expect(kv_it, bytes);
-#pragma unroll
-                for (int i = 0; i < FC90_PAGED_BOXES; ++i)
-                    if (i < nbox)
-                        for (int c = 0; c < NCH; ++c)
-                            fc90_tma_load(sm.v + off + (c * BC + i * box) * FC90_SW_ROW, &tm_v,
-                                          sm.vr.full_bar(kv_it), c * FC90_SW_COLS, prow, hk, pages[i]);
+                if (lead) sm.vr.expect(kv_it, bytes);
+                __syncwarp();
+                if (i < nbox)
+                    fc90_tma_load(sm.v + off + (c * BC + i * box) * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it),
+                                  c * FC90_SW_COLS, prow, hk, page);
                 continue;
             }
+            /* Every lane waits with the lead, so that the warp stays converged (lanes that ran ahead to the next
+             * tile's wait took issue slots from the lead's loads: contiguous decode 4% slower). */
             sm.kr.wait_empty(kv_it);
-            sm.kr.expect(kv_it, KV_BYTES);
-            for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it), c * FC90_SW_COLS,
-                              sq.k0 + ktile * BC, hk, sq.qb);
+            if (lead) {
+                sm.kr.expect(kv_it, KV_BYTES);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it),
+                                  c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
+            }
             sm.vr.wait_empty(kv_it);
-            sm.vr.expect(kv_it, KV_BYTES);
-            for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it), c * FC90_SW_COLS,
-                              sq.k0 + ktile * BC, hk, sq.qb);
+            if (lead) {
+                sm.vr.expect(kv_it, KV_BYTES);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it),
+                                  c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
+            }
         }
         tile = next;
         if (!PERSIST) break;
     }
-    if (PERSIST && ctr) {
+    if (PERSIST && ctr && lead) {
         /* Every block's last counter increment precedes its arrival here; the last one resets both. */
         __threadfence();
         if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
@@ -763,9 +777,11 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
 
     const int wg = threadIdx.x / FC90_WG_THREADS;
     if (wg == 0) {
-        /* The producer's warpgroup gives its registers back; one thread issues every load. */
+        /* The producer's warpgroup gives its registers back; its first warp (paged kernels) or thread issues the
+         * loads. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
-        if (threadIdx.x == 0) fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP>(a, tm_q, tm_k, tm_v, ctr, hg, sm);
+        if (fc90_paged_kernel<D, VARLEN, BMASK, DROP>() ? threadIdx.x < 32 : threadIdx.x == 0)
+            fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP>(a, tm_q, tm_k, tm_v, ctr, hg, sm, threadIdx.x);
         return;
     }
 
