@@ -381,9 +381,11 @@ static int fc90_tma_ok(const void *base, const int64_t extent[3], const int64_t 
  * A 16-bit (d, rows, heads, batch) tensor with element strides (1, sn, sh, sb), boxes of 64 columns x box_rows
  * rows, 128-byte swizzle, out-of-bounds elements zero. A dimension of extent 1 is never stepped, so its stride
  * (free in flashc's API) is replaced by the packed one, which meets TMA's rules for any tensor below 1 TB.
+ * L2 promotion: 256 bytes (a row's first 64-column chunk fetches the second's with it), or with l2_128 128 bytes,
+ * one chunk's row (fwd_sm90.cu takes it for decode, where each K/V row is read once).
  */
 static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d, int64_t rows, int64_t heads,
-                            int64_t batch, int64_t sn, int64_t sh, int64_t sb, int box_rows) {
+                            int64_t batch, int64_t sn, int64_t sh, int64_t sb, int box_rows, bool l2_128 = false) {
     const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
     if (!enc) return cudaErrorNotSupported;
     const int64_t ext[4] = {d, rows, heads, batch}, el[3] = {sn, sh, sb};
@@ -399,7 +401,8 @@ static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d,
     const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, estr[4] = {1, 1, 1, 1};
     const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                            (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                           l2_128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
