@@ -9,6 +9,9 @@
  *                            no standard attention (its N x N matrix is 4 GiB at N = 32768); --reps: timed runs;
  *                            --nq: NQ query rows against N keys (a long key length at a fraction of the time);
  *                            --cpu-time: time by CPU time per thread (see now())
+ *   cpu_speed --dropout P [...] each shape without dropout and with dropout_p = P, timed in turns (one call of each
+ *                            per round, so a load that comes and goes hits both): ms and the ratio of the speeds
+ *                            (without / with time) of the forward and of forward + backward; no standard attention
  *   cpu_speed --kernels      one thread: GFLOP/s of each microkernel product at the forward's tile shapes, and the
  *                            share of a forward tile that the online softmax takes
  *
@@ -60,6 +63,25 @@ static double time_median(bench_fn fn, void *arg, int reps) {
     return t[reps / 2];
 }
 
+/* Median seconds of two functions timed in turns, reps rounds after one warm-up of each; 0 when either fails. */
+static int time_pair(bench_fn fa, void *a, bench_fn fb, void *b, int reps, double *ta, double *tb) {
+    double x[MAX_REPS], y[MAX_REPS];
+    if (fa(a) != 0 || fb(b) != 0) return 0;
+    for (int i = 0; i < reps; i++) {
+        double t0 = now();
+        if (fa(a) != 0) return 0;
+        double t1 = now();
+        if (fb(b) != 0) return 0;
+        x[i] = t1 - t0;
+        y[i] = now() - t1;
+    }
+    qsort(x, (size_t)reps, sizeof(double), cmp_double);
+    qsort(y, (size_t)reps, sizeof(double), cmp_double);
+    *ta = x[reps / 2];
+    *tb = y[reps / 2];
+    return 1;
+}
+
 static int reps_forced; /* --reps */
 static int reps_for(double flops) {
     if (reps_forced > 0) return reps_forced < MAX_REPS ? reps_forced : MAX_REPS;
@@ -85,6 +107,8 @@ static int run_bwd(void *arg) {
     return flashc_backward(c->ctx, &c->q, &c->k, &c->v, &c->o, &c->dout, c->lse, &c->params, &c->dq, &c->dk, &c->dv,
                            c->ws, c->ws_bytes) != 0;
 }
+
+static int run_fwd_bwd(void *arg) { return run_fwd(arg) || run_bwd(arg); }
 
 static void *alloc_tensor(flashc_tensor *t, flashc_dtype dt, int64_t B, int64_t N, int64_t H, int64_t D, int fill) {
     size_t n = (size_t)(B * N * H * D), esz = dt == FLASHC_DTYPE_F32 ? 4 : 2;
@@ -252,6 +276,7 @@ static void memory_report(flashc_context_t ctx) {
 int main(int argc, char **argv) {
     int nmax = 8192, dims[4] = {64, 128}, ndims = 2, threads[8], nthreads = 0, do_bwd = 1, memory = 0;
     int dt_f32 = 1, dt_bf16 = 1, kernels = 0, ns[16], nns = 0, causal_only = -1, heads = 8, no_std = 0, nq_fixed = 0;
+    float dropout = 0.0f;
 #ifdef _OPENMP
     const int all = omp_get_max_threads();
 #else
@@ -276,10 +301,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--cpu-time")) cpu_clock = 1;
         else if (!strcmp(argv[i], "--no-std")) no_std = 1;
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps_forced = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--dropout") && i + 1 < argc) dropout = (float)atof(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--quick] [--nmax N] [--threads 1,2] [--dims 64,128] [--dtypes f32,bf16] "
                             "[--no-bwd] [--memory] [--ns N1,N2] [--nq NQ] [--causal 0|1] [--heads H] [--no-std] "
-                            "[--reps R] [--cpu-time] | --kernels\n", argv[0]);
+                            "[--reps R] [--cpu-time] [--dropout P] | --kernels\n", argv[0]);
             return 2;
         }
     }
@@ -322,8 +348,13 @@ int main(int argc, char **argv) {
 #endif
     if (cpu_clock) printf("\ntimes are CPU time per thread (--cpu-time), not wall clock");
     if (nq_fixed > 0) printf("\n%d query rows against N keys", nq_fixed);
-    printf("\n%-5s %4s %6s %3s %6s | %9s %8s %7s | %9s %8s %6s | %9s %8s\n", "dtype", "D", "causal", "thr", "N",
-           "fwd ms", "GFLOP/s", "%sgemm", "std ms", "GFLOP/s", "ratio", "bwd ms", "GFLOP/s");
+    if (dropout > 0.0f)
+        printf("\ndropout_p %.2f: ratio = speed with dropout / speed without (time without / time with), in turns"
+               "\n%-5s %4s %6s %3s %6s | %9s %9s %6s | %9s %9s %6s\n", dropout, "dtype", "D", "causal", "thr", "N",
+               "fwd ms", "p ms", "ratio", "f+b ms", "p ms", "ratio");
+    else
+        printf("\n%-5s %4s %6s %3s %6s | %9s %8s %7s | %9s %8s %6s | %9s %8s\n", "dtype", "D", "causal", "thr", "N",
+               "fwd ms", "GFLOP/s", "%sgemm", "std ms", "GFLOP/s", "ratio", "bwd ms", "GFLOP/s");
     if (nns == 0)
         for (int n = 512; n <= nmax && nns < 16; n *= 2) ns[nns++] = n;
     const int64_t B = 1, H = heads;
@@ -351,12 +382,32 @@ int main(int argc, char **argv) {
                                          alloc_tensor(&c.dv, dt, B, N, H, D, 0)};
                         c.lse = malloc(sizeof(float) * (size_t)(B * H * NQ));
                         size_t wf = 0, wb = 0;
-                        flashc_forward_workspace_size(ctx, &c.q, &c.k, &c.v, &c.params, &wf);
-                        flashc_backward_workspace_size(ctx, &c.q, &c.k, &c.v, &c.params, &wb);
+                        flashc_params sized = c.params; /* with dropout the backward takes one more tile a thread */
+                        sized.dropout_p = dropout;
+                        flashc_forward_workspace_size(ctx, &c.q, &c.k, &c.v, &sized, &wf);
+                        flashc_backward_workspace_size(ctx, &c.q, &c.k, &c.v, &sized, &wb);
                         c.ws_bytes = wf > wb ? wf : wb;
                         c.ws = malloc(c.ws_bytes);
                         /* (with NQ != N and causal, only roughly half the scores are visible) */
                         const double flops = 4.0 * B * H * (double)NQ * N * D * (causal ? 0.5 : 1.0);
+                        if (dropout > 0.0f) {
+                            attn_case cd = c; /* the same tensors and workspace, with dropout */
+                            cd.params.dropout_p = dropout;
+                            cd.params.dropout_seed = 0x5eed;
+                            double f0 = -1.0, f1 = -1.0, b0 = -1.0, b1 = -1.0;
+                            int ok = time_pair(run_fwd, &c, run_fwd, &cd, reps_for(flops), &f0, &f1);
+                            if (ok && do_bwd)
+                                ok = time_pair(run_fwd_bwd, &c, run_fwd_bwd, &cd, reps_for(3.5 * flops), &b0, &b1);
+                            printf("%-5s %4lld %6d %3d %6lld | %9.2f %9.2f %6.3f |", flashc_dtype_name(dt),
+                                   (long long)D, causal, threads[ti], (long long)N, f0 * 1e3, f1 * 1e3, f0 / f1);
+                            if (ok && do_bwd) printf(" %9.2f %9.2f %6.3f\n", b0 * 1e3, b1 * 1e3, b0 / b1);
+                            else printf(" %9s %9s %6s\n", "-", "-", ok ? "-" : "FAIL");
+                            fflush(stdout);
+                            for (int i = 0; i < 8; i++) free(bufs[i]);
+                            free(c.lse);
+                            free(c.ws);
+                            continue;
+                        }
                         const double tf = time_median(run_fwd, &c, reps_for(flops));
                         double tb = -1.0, ts = -1.0;
                         if (do_bwd) tb = time_median(run_bwd, &c, reps_for(2.5 * flops));

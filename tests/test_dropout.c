@@ -3,7 +3,8 @@
  *
  *  1. Philox4x32-10 (src/dropout.h) against Random123's published known-answer vectors; the threshold at its edges.
  *  2. The CPU dropout kernels, every set this CPU runs, bit for bit against dropout.h on ragged tiles, their (i, j)
- *     moved by positions (up to the ends of Philox's 32-bit row and key-group counters).
+ *     moved by positions (up to the ends of Philox's 32-bit row and key-group counters); likewise the keep masks that
+ *     the bf16 kernels' fused steps read (the avx512bf16 set).
  *  3. flashc_dropout_mask: the kept fraction within 5 sigma for p in {0.1, 0.17, 0.5}, overall and per column residue
  *     mod 4 and row parity (where a mix-up of Philox's four outputs would show); another offset or seed gives an
  *     independent mask (agreement q^2 + (1 - q)^2 within 5 sigma).
@@ -133,6 +134,45 @@ static void test_kernels(void) {
     }
     CHECK(ran >= 1, "no kernel set ran");
     printf("kernels: %d kernel set(s) checked against dropout.h\n", ran);
+
+    /* the keep masks: keep[r / 16 * ldk + c] bit b for row r + b, rows rounded up to 16; words past them untouched */
+    const flashc_cpu_kernels *bf = flashc_cpu_kernels_by_name("avx512bf16");
+    if (!bf || !bf->bf16 || !bf->bf16->keep) {
+        printf("kernels: no avx512bf16 set here, keep masks not checked\n");
+        return;
+    }
+    enum { LDK = 41, WORDS = LDK * 4 };
+    static uint16_t keep[WORDS];
+    long bad = 0, untouched = 0;
+    const int64_t row0s[2] = {0, 4294967296 - 40}, col0s[2] = {0, 17179869184 - 30};
+    for (int a = 0; a < 3; a++)
+        for (int pos = 0; pos < 2; pos++)
+            for (int shape = 0; shape < 4; shape++) {
+                /* rows 45 (two vectors and a tail), 64 (one batch of 32 twice), 16, 1; cols 37, 40, 3, 1 */
+                const int rows = shape == 0 ? 45 : shape == 1 ? 64 : shape == 2 ? 16 : 1;
+                const int cols = shape == 0 ? 37 : shape == 1 ? 40 : shape == 2 ? 3 : 1;
+                const int64_t i0 = shape * 1000 + a, j0 = shape == 3 ? 4097 : a + shape;
+                const float ps[3] = {0.1f, 0.5f, 0.93f};
+                flashc_cpu_dropout d = {flashc_rand_u64(&rng), flashc_rand_u64(&rng), flashc_dropout_threshold(ps[a]),
+                                        1.0f, row0s[pos], col0s[pos]};
+                memset(keep, 0xa5, sizeof keep);
+                bf->bf16->keep(cols, rows, keep, LDK, &d, i0, j0);
+                for (int w = 0; w < WORDS; w++) {
+                    const int rb = w / LDK, c = w % LDK;
+                    if (c >= cols || 16 * rb >= rows) {
+                        untouched += keep[w] != 0xa5a5;
+                        continue;
+                    }
+                    for (int bit = 0; bit < 16; bit++) {
+                        const int want = flashc_dropout_keep(d.seed, d.stream, d.row0 + i0 + 16 * rb + bit,
+                                                             d.col0 + j0 + c, d.threshold);
+                        bad += ((keep[w] >> bit) & 1) != want;
+                    }
+                }
+            }
+    CHECK(bad == 0, "keep masks (%s): %ld bits differ from dropout.h", bf->name, bad);
+    CHECK(untouched == 0, "keep masks (%s): %ld words written outside the tile", bf->name, untouched);
+    printf("kernels: keep masks of %s checked against dropout.h\n", bf->name);
 }
 
 /* ---- 3. the mask's statistics -------------------------------------------------------------------------- */

@@ -31,25 +31,28 @@
  * operands with fp32 sums, as flash-attn does on tensor cores: K and V as bf16 rows or pair rows (two rows side by
  * side, the operand form of a reduction over them), Q and dO as pair rows, and P (forward and backward) and dS rounded
  * to bf16 after the fp32 softmax and dS steps, which stay as above; score_operands, pv_operands, kv_block and key_side
- * carry either form to the same loops. Without dropout or softcap the backward's P, dS and their bf16 forms come from
- * one kernel pass over the tile (the bf16 kernels' ds).
+ * carry either form to the same loops. Without softcap the backward's P, dS and their bf16 forms come from one kernel
+ * pass over the tile (the bf16 kernels' ds), and the forward's P and its pair rows from another (softmax_pairs).
  *
  * Dropout (src/dropout.h): each (sequence, head) is a Philox stream and the keep bit of (i, j) depends on nothing
  * else, so tiles, split-KV pieces, the backward's modes and thread counts all drop the same elements. The forward
  * zeroes dropped entries of the tile's P after the online-softmax step (l keeps the undropped sum, so the lse is the
  * whole softmax's) and the store scales by 1 / (1 - p) with 1 / l; the backward regenerates Z = keep / (1 - p) per
- * tile into a buffer, dS = P (Z dP - D) and dV += (P Z)^T dO.
+ * tile into a buffer, dS = P (Z dP - D) and dV += (P Z)^T dO. With the bf16 products the keep bits go to the fused
+ * steps (softmax_pairs, ds) as a tile of 16-bit masks instead, so dropout keeps their one pass over the tile.
  *
  * Extra memory: per thread a few tiles (sizes below, O(G * br * D + bc * D + br * bc)); split-KV partials
  * (O(threads * br * D)); in backward D (B * H * Nq floats), and in the single-pass mode dQ, Q^T and dO^T of one
  * sequence per thread (3 * Nq * D floats) plus, with GQA, per-head dK, dV (2 * B * H * Nk * D floats); with dropout
- * one more bc x br tile per thread in backward.
+ * one more bc x br tile per thread in backward, and bc x br bits of keep masks in both.
  */
 #include "cpu.h"
 
 #include <string.h>
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+/* floats that hold the keep masks of a bc x br tile (16-bit words of 16 rows), a whole number of cache lines */
+static size_t keep_floats(size_t bc, size_t br) { return (size_t)round_up((int64_t)(bc * ((br + 15) / 16)), 32) / 2; }
 static int imin(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
 
 /* Per-thread tiles; every piece 64-byte aligned (sizes are multiples of 16 floats). */
@@ -61,6 +64,7 @@ typedef struct tile_bufs {
     float *qbuf, *dobuf; /* br x dp: converted Q, dO rows */
     float *dk, *dv;     /* bc x dp, one per key block of the backward's group */
     float *z;           /* bc x ld: the backward's dropout factors (0 or 1 / (1 - p)); NULL without dropout */
+    uint16_t *keep;     /* br / 16 x bc: dropout's keep masks for the bf16 kernels' fused steps; NULL without dropout */
     uint16_t *p2;       /* forward, bf16 inputs: P's pair rows (bc / 2 + 1 of them, leading dim 2 ld bf16) */
     uint16_t *p16, *ds16, *ds2; /* backward, bf16 inputs: P and dS in bf16 (bc x ld), dS's pair rows (as p2) */
     float *m, *l, *alpha, *lse2, *di; /* br */
@@ -73,7 +77,7 @@ typedef struct layout {
     int gq;      /* forward: query blocks per task (tiles.c, flashc_cpu_query_group); 1 in backward */
     int64_t ngq; /* forward: query groups per (sequence, head), ceil(nqb / gq) */
     int gk;      /* backward, one task per head: key blocks per pass over the queries (flashc_cpu_key_group); else 1 */
-    int dropout;       /* the backward keeps a tile of dropout factors */
+    int dropout;       /* a tile of keep masks, and in the backward one of dropout factors */
     int pairs;         /* bf16 inputs: tiles for the bf16 products' operands */
     int bf16;          /* the products run on the kernels' bf16 products (flashc_cpu_forward / _backward set it) */
     size_t per_thread; /* floats */
@@ -121,8 +125,8 @@ static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
         L.per_thread = gq * (dp * ld + br * dp + 2 * br) + bc * ld + 2 * bc * dp + br;
     else
         L.per_thread = 2 * dp * ld + br * dp + 3 * bc * ld + 4 * gk * bc * dp + 2 * br * dp + 2 * br;
-    L.dropout = backward && p->dropout_p > 0.0f;
-    if (L.dropout) L.per_thread += bc * ld;
+    L.dropout = p->dropout_p > 0.0f;
+    if (L.dropout) L.per_thread += (backward ? bc * ld : 0) + keep_floats(bc, br);
     L.pairs = bf16_inputs(p);
     if (L.pairs) L.per_thread += (backward ? bc * ld : 0) + (bc / 2 + 1) * ld; /* floats: 2 bf16 each */
     L.bf16 = 0;
@@ -163,6 +167,7 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
             b.ds2 = (uint16_t *)x, x += (bc / 2 + 1) * ld;
         }
     }
+    if (L->dropout) b.keep = (uint16_t *)x, x += keep_floats(bc, br);
 #undef TAKE
     return b;
 }
@@ -389,9 +394,10 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
     if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
     const pv_operands v = tile_pv(p, L, t, kv, off);
-    if (v.p2 && !drop) { /* the softmax writes P's pair rows and rescales O itself */
-        kern->bf16->softmax_pairs(cols, br, t->st, ld, q->m, q->l, t->alpha, v.lead, t->p2, 2 * (int64_t)ld, q->o, dp,
-                                  D);
+    if (v.p2) { /* the softmax writes P's pair rows (with dropout 0 where dropped) and rescales O itself */
+        if (drop) kern->bf16->keep(cols, br, t->keep, L->bc, drop, q->i0, j0);
+        kern->bf16->softmax_pairs(cols, br, t->st, ld, q->m, q->l, t->alpha, drop ? t->keep : NULL, L->bc, v.lead,
+                                  t->p2, 2 * (int64_t)ld, q->o, dp, D);
     } else {
         kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
         for (int r = 0; r < rows; r++)
@@ -401,7 +407,6 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
             }
         /* l has summed P undropped (the lse is of the whole softmax); O takes only the kept entries */
         if (drop) kern->dropout(cols, br, t->st, ld, drop, q->i0, j0);
-        if (v.p2) kern->bf16->pairs_f32(cols, v.lead, br, t->st, ld, t->p2, 2 * (int64_t)ld);
     }
     if (edge) edge_pv(kern, L, q, lo, hi, &v, cols, ch);
     else pv_product(kern, &v, 0, rows, 0, cols, q->o, dp); /* O += P V */
@@ -797,8 +802,11 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
     else score_product(kern, &s_ops, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
     if (e->on || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, i0, rows, j0, cols, t->st, ld, p->softcap > 0.0f ? t->t : NULL);
-    /* bf16 products without dropout or softcap: P, dS and their bf16 forms in one pass after dP (fused) */
-    const int fused = L->bf16 && !t->z && !(p->softcap > 0.0f);
+    /* bf16 products without softcap: P, dS and their bf16 forms in one pass after dP (fused), dropout's factors
+     * from keep masks */
+    flashc_cpu_dropout drop;
+    const int dropout = flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop);
+    const int fused = L->bf16 && !(p->softcap > 0.0f);
     if (!fused) kern->exp2_sub(cols, br, t->st, ld, qs->lse2); /* P = 2^(S - lse) */
     if (e->on) edge_scores(kern, br, rows, e->lo, e->hi, &dp_ops, cols, t->dpt, ld, e->ch);
     else score_product(kern, &dp_ops, 0, cols, 0, br, t->dpt, ld); /* dP^T = V dO^T */
@@ -813,11 +821,12 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
             for (int r = 0; r < ra; r++) dsc[r] = 0.0f;
             for (int r = rb; r < br; r++) dsc[r] = 0.0f;
         }
-        kern->bf16->ds(cols, br, t->st, t->dpt, ld, qs->lse2, qs->di, t->p16, t->ds16, t->ds2);
+        if (dropout) kern->bf16->keep(cols, br, t->keep, L->bc, &drop, i0, j0);
+        kern->bf16->ds(cols, br, t->st, t->dpt, ld, qs->lse2, qs->di, dropout ? t->keep : NULL, L->bc,
+                       dropout ? drop.kept : 1.0f, t->p16, t->ds16, t->ds2);
         return;
     }
-    flashc_cpu_dropout drop;
-    if (flashc_cpu_dropout_of(p, b, h, flashc_dropout_scale(p->dropout_p), &drop)) {
+    if (dropout) {
         for (int c = 0; c < cols; c++)
             for (int r = 0; r < br; r++) t->z[(size_t)c * ld + r] = 1.0f;
         kern->dropout(cols, br, t->z, ld, &drop, i0, j0);
@@ -835,7 +844,7 @@ static void tile_ds(const flashc_problem *p, const flashc_cpu_kernels *kern, con
             for (int r = 0; r < r0; r++) dsc[r] = pc[r] = 0.0f;
             for (int r = r1; r < br; r++) dsc[r] = pc[r] = 0.0f;
         }
-        if (t->z) { /* dS = P (Z dP - D), then P o Z */
+        if (dropout) { /* dS = P (Z dP - D), then P o Z */
             const float *zc = t->z + (size_t)c * ld;
             for (int r = r0; r < r1; r++) {
                 dsc[r] = pc[r] * (zc[r] * dsc[r] - qs->di[r]);

@@ -206,11 +206,19 @@ typedef void (*flashc_cpu_to_bf16_fn)(int n, const float *src, uint16_t *dst);
  * gives it and dS = P (dP - di[r]), written only as bf16 (nearest even): P and dS key-major (p16, ds16, leading dim
  * ld as st and dpt) and dS's pair rows along the keys (ds2: (cols + 1) / 2 rows of leading dim 2 ld, the second key
  * of the last pair 0 after an odd count), the operands of dV += P^T dO, dK += dS^T Q and dQ += dS K. st and dpt are
- * only read.
+ * only read. With dropout, keep (NULL without) holds the keep_fn masks of the tile (leading dim ldk) and
+ * Z = kept where kept, else 0: dS = P (Z dP - di[r]) and p16 gets P Z, the arithmetic of attn.c's unfused loop.
  */
 typedef void (*flashc_cpu_ds_bf16_fn)(int cols, int rows, const float *st, const float *dpt, int64_t ld,
-                                      const float *lse2, const float *di, uint16_t *p16, uint16_t *ds16,
-                                      uint16_t *ds2);
+                                      const float *lse2, const float *di, const uint16_t *keep, int64_t ldk,
+                                      float kept, uint16_t *p16, uint16_t *ds16, uint16_t *ds2);
+/*
+ * Dropout's keep bits of a key-major tile, as flashc_cpu_dropout_fn decides them, for the fused steps: keep[r / 16 *
+ * ldk + c] bit b is 1 where element (row r + b, key c) is kept, for rows rounded up to 16 (ldk >= cols; keys side by
+ * side, so that a pair of keys' masks is one 32-bit word).
+ */
+typedef void (*flashc_cpu_keep_fn)(int cols, int rows, uint16_t *keep, int64_t ldk, const flashc_cpu_dropout *d,
+                                   int64_t i0, int64_t j0);
 /*
  * Pair rows along D from rows whose pairs are 32-bit words: dst[q * ldd + 2 r + e] = src[r * lds + 2 q + e] for
  * q < pairs, e in {0, 1} and r < rows, 0 for rows <= r < pad_rows (Q and dO as the B operands of S^T = K Q^T and
@@ -223,11 +231,12 @@ typedef void (*flashc_cpu_pairs_t_fn)(int rows, int pad_rows, int pairs, const u
  * softmax_fn computes them from st (cols keys x rows queries, rows a multiple of 16; st is only read), P = 2^(st - m')
  * rounded to nearest even into pair rows p2 as pairs_f32(cols, lead, rows, P, ...) lays them out (leading dim ldp),
  * and the first D values of each O row r (o, leading dim ldo) multiplied by alpha[r]. The bits of softmax_fn,
- * pairs_f32 and the rescale in turn.
+ * pairs_f32 and the rescale in turn. With dropout, keep (NULL without) holds the keep_fn masks of the tile (leading
+ * dim ldk): l sums P undropped, and the pair rows take 0 where dropped (as dropout_fn with kept 1 between the two).
  */
 typedef void (*flashc_cpu_softmax_pairs_fn)(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
-                                            float *alpha, int lead, uint16_t *p2, int64_t ldp, float *o, int64_t ldo,
-                                            int D);
+                                            float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2,
+                                            int64_t ldp, float *o, int64_t ldo, int D);
 typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_gemm_bf16_fn gemm;
     flashc_cpu_pairs_f32_fn pairs_f32;
@@ -236,6 +245,7 @@ typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_ds_bf16_fn ds;
     flashc_cpu_pairs_t_fn pairs_t;
     flashc_cpu_softmax_pairs_fn softmax_pairs;
+    flashc_cpu_keep_fn keep;
 } flashc_cpu_bf16_kernels;
 
 typedef struct flashc_cpu_kernels {
@@ -280,9 +290,6 @@ void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t 
 void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                         const void *const *v, int vt, float *o, int64_t ldo);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
-/* The AVX2 dropout, which the AVX-512 table shares too (its cost is the Philox rounds' 32-bit multiplies). */
-void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
-                             int64_t j0);
 #endif
 /* The portable dropout (kernels_generic.c): the definition the SIMD ones must match bit for bit. */
 void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,

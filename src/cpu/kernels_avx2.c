@@ -515,8 +515,8 @@ AI void philox8(__m256i out[PHILOX_NV][4], uint32_t c0, const __m256i c1[PHILOX_
     }
 }
 
-void flashc_cpu_dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
-                             int64_t j0) {
+static void dropout_avx2(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
+                         int64_t j0) {
     if (cols <= 0 || rows <= 0) return;
     const int64_t ri0 = i0, rj0 = j0; /* the tile's own coordinates, for the generic tail (which shifts them too) */
     i0 += d->row0, j0 += d->col0;     /* dropout's (i, j) from here on; columns c = j - j0 as before */
@@ -560,7 +560,7 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx2 = {
     .bf16_to_f32 = bf16_avx2,
     .dots = flashc_cpu_dots_avx2,
     .softmax_rows = flashc_cpu_softmax_rows_avx2,
-    .dropout = flashc_cpu_dropout_avx2,
+    .dropout = dropout_avx2,
     .dots_kv = flashc_cpu_dots_kv_avx2,
     .pv = flashc_cpu_pv_avx2,
 };

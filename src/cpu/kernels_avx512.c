@@ -2,7 +2,8 @@
  * AVX-512F microkernels (built with -mavx512f -mfma -mf16c, chosen at run time).
  * gemm: a 12x32 register tile (24 zmm accumulators, 2 for the B row, 1 for the A broadcast), masked for the
  * last columns, A read in place through either stride (no packing). exp2: as the AVX2 kernel (degree-6 polynomial
- * of 2^f), scaled by 2^n with vscalefps (exp2_avx512.h, shared with the bf16 backward's fused step).
+ * of 2^f), scaled by 2^n with vscalefps (exp2_avx512.h, shared with the bf16 backward's fused step). dropout: Philox
+ * in sixteen lanes (philox_avx512.h, shared with the bf16 kernels' keep masks), applied with zero-masking multiplies.
  */
 #include "cpu.h"
 
@@ -10,6 +11,7 @@
 #include <immintrin.h>
 
 #include "exp2_avx512.h"
+#include "philox_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -188,6 +190,15 @@ static void bf16_avx512(int n, const uint16_t *src, float *dst) {
     for (; i < n; i++) dst[i] = flashc_bf16_to_f32(src[i]);
 }
 
+/* Dropout with sixteen rows a vector (philox_avx512.h); a single row (decode's row-major rows) takes the portable
+ * kernel, where sixteen lanes of rows would compute fifteen for nothing. */
+static void dropout_avx512(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
+                           int64_t j0) {
+    if (cols <= 0 || rows <= 0) return;
+    if (rows == 1) flashc_cpu_dropout_generic(cols, rows, st, ld, d, i0, j0);
+    else flashc_dropout_tile_avx512(cols, rows, d, i0, j0, st, ld, NULL, 0);
+}
+
 const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
     .name = "avx512_12x32",
     .mr = 12,
@@ -202,6 +213,6 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
     .softmax_rows = softmax_rows_avx512,
     .dots_kv = flashc_cpu_dots_kv_avx2,
     .pv = flashc_cpu_pv_avx2,
-    .dropout = flashc_cpu_dropout_avx2,
+    .dropout = dropout_avx512,
 };
 #endif

@@ -10,7 +10,8 @@
  * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout. ds: the backward's P, dS and
  * their bf16 forms in one pass over the tile (exp2 from exp2_avx512.h, so P is exp2_sub's bit for bit); pairs_t: Q's
  * and dO's pair rows by 16x16 transposes of pair words; softmax_pairs: the forward's online-softmax step writing P's
- * pair rows (no fp32 P) and rescaling O.
+ * pair rows (no fp32 P) and rescaling O; both take dropout's keep bits as masks (keep: philox_avx512.h's sixteen rows
+ * a vector, written as 16-bit masks that the two steps apply with zero-masking moves).
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX2 kernels): dots_kv, 4x4, 2x8 or 1x16 blocks of
  * (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen keys in the
  * lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of
@@ -23,6 +24,7 @@
 #include <string.h>
 
 #include "exp2_avx512.h"
+#include "philox_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -166,24 +168,39 @@ static void to_bf16_avx512(int n, const float *src, uint16_t *dst) {
 /*
  * Two keys (columns c, c + 1 of the tile) at a time, so that one vcvtne2ps2bf16 rounds both columns' 16 rows into one
  * register: its halves are the two p16 / ds16 rows, and vpermw zips them into dS's pair row. One pass over st and dpt
- * where exp2_sub, the dS loop, two to_bf16 and pairs_f32 made five over the tile.
+ * where exp2_sub, the dS loop, two to_bf16 and pairs_f32 made five over the tile (seven with dropout's factor tile,
+ * which keep's masks replace). DROP: with keep.
  */
-static void ds_avx512(int cols, int rows, const float *st, const float *dpt, int64_t ld, const float *lse2,
-                      const float *di, uint16_t *p16, uint16_t *ds16, uint16_t *ds2) {
+AI void ds_tile(const int DROP, int cols, int rows, const float *st, const float *dpt, int64_t ld, const float *lse2,
+                const float *di, const uint16_t *keep, int64_t ldk, float kept, uint16_t *p16, uint16_t *ds16,
+                uint16_t *ds2) {
     const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 kv = _mm512_set1_ps(kept);
     for (int c = 0; c < cols; c += 2) {
         const int two = c + 1 < cols;
         const float *s0 = st + (int64_t)c * ld, *d0 = dpt + (int64_t)c * ld;
         uint16_t *pr = p16 + (int64_t)c * ld, *dr = ds16 + (int64_t)c * ld, *pair = ds2 + (int64_t)c * ld;
         for (int r = 0; r < rows; r += 16) {
             const __m512 lse = _mm512_loadu_ps(lse2 + r), dv = _mm512_loadu_ps(di + r);
-            const __m512 p0 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + r), lse));
-            const __m512 g0 = _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(d0 + r), dv));
-            __m512 p1 = _mm512_setzero_ps(), g1 = p1;
+            __m512 p0 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + r), lse)), g0, p1 = _mm512_setzero_ps(),
+                   g1 = p1;
+            if (DROP) { /* dS = P (Z dP - D), then P Z, Z = kept or 0 */
+                const __m512 z = _mm512_maskz_mov_ps(keep[r / 16 * ldk + c], kv);
+                g0 = _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_loadu_ps(d0 + r)), dv));
+                p0 = _mm512_mul_ps(p0, z);
+            } else {
+                g0 = _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(d0 + r), dv));
+            }
             if (two) {
                 p1 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + ld + r), lse));
-                g1 = _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(d0 + ld + r), dv));
+                if (DROP) {
+                    const __m512 z = _mm512_maskz_mov_ps(keep[r / 16 * ldk + c + 1], kv);
+                    g1 = _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_loadu_ps(d0 + ld + r)), dv));
+                    p1 = _mm512_mul_ps(p1, z);
+                } else {
+                    g1 = _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_loadu_ps(d0 + ld + r), dv));
+                }
             }
             const __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(p1, p0), gb = (__m512i)_mm512_cvtne2ps_pbh(g1, g0);
             _mm256_storeu_si256((__m256i *)(pr + r), _mm512_castsi512_si256(pb));
@@ -195,6 +212,18 @@ static void ds_avx512(int cols, int rows, const float *st, const float *dpt, int
             _mm512_storeu_si512(pair + 2 * r, _mm512_permutexvar_epi16(zip, gb));
         }
     }
+}
+
+static void ds_avx512(int cols, int rows, const float *st, const float *dpt, int64_t ld, const float *lse2,
+                      const float *di, const uint16_t *keep, int64_t ldk, float kept, uint16_t *p16, uint16_t *ds16,
+                      uint16_t *ds2) {
+    if (keep) ds_tile(1, cols, rows, st, dpt, ld, lse2, di, keep, ldk, kept, p16, ds16, ds2);
+    else ds_tile(0, cols, rows, st, dpt, ld, lse2, di, NULL, 0, 1.0f, p16, ds16, ds2);
+}
+
+static void keep_avx512(int cols, int rows, uint16_t *keep, int64_t ldk, const flashc_cpu_dropout *d, int64_t i0,
+                        int64_t j0) {
+    if (cols > 0 && rows > 0) flashc_dropout_tile_avx512(cols, rows, d, i0, j0, NULL, 0, keep, ldk);
 }
 
 /* ---- decode (decode.c): dots_kv and pv on vdpbf16ps when K / V are bf16; fp32 rows take the AVX2 kernels -------- */
@@ -529,9 +558,12 @@ AI __m512 exp2_p(__m512 x) {
 }
 
 /* softmax_avx512's steps (max, alpha, exp2 and sum in column order) per 16 rows, the exp2 pass two columns (a pair)
- * at a time into one vcvtne2ps2bf16 and vpermw, as pairs_f32 rounds and zips them, with no fp32 P stored. */
-static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld, float *m, float *l, float *alpha,
-                                 int lead, uint16_t *p2, int64_t ldp, float *o, int64_t ldo, int D) {
+ * at a time into one vcvtne2ps2bf16 and vpermw, as pairs_f32 rounds and zips them, with no fp32 P stored. DROP: with
+ * keep, the pair's two masks (one 32-bit word) zero the dropped bf16 lanes before the zip (bf16(0) = 0, so the bits
+ * of zeroing P first). */
+AI void softmax_pairs_tile(const int DROP, int cols, int rows, const float *st, int64_t ld, float *m, float *l,
+                           float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2, int64_t ldp,
+                           float *o, int64_t ldo, int D) {
     const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 zero = _mm512_setzero_ps();
@@ -550,8 +582,15 @@ static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld
                 e1 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c1 * ld + r), sub));
                 sum = _mm512_add_ps(sum, e1);
             }
-            _mm512_storeu_si512(p2 + (int64_t)p * ldp + 2 * r,
-                                _mm512_permutexvar_epi16(zip, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+            __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+            if (DROP) {
+                const uint16_t *kr = keep + r / 16 * ldk;
+                uint32_t bits;
+                if (c0 >= 0 && c1 < cols) memcpy(&bits, kr + c0, 4); /* little-endian: key c0's mask low */
+                else bits = c0 >= 0 ? kr[c0] : (uint32_t)kr[c1] << 16;
+                pb = _mm512_maskz_mov_epi16((__mmask32)bits, pb);
+            }
+            _mm512_storeu_si512(p2 + (int64_t)p * ldp + 2 * r, _mm512_permutexvar_epi16(zip, pb));
         }
         _mm512_storeu_ps(alpha + r, a);
         _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
@@ -567,6 +606,13 @@ static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld
     }
 }
 
+static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld, float *m, float *l, float *alpha,
+                                 const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2, int64_t ldp, float *o,
+                                 int64_t ldo, int D) {
+    if (keep) softmax_pairs_tile(1, cols, rows, st, ld, m, l, alpha, keep, ldk, lead, p2, ldp, o, ldo, D);
+    else softmax_pairs_tile(0, cols, rows, st, ld, m, l, alpha, NULL, 0, lead, p2, ldp, o, ldo, D);
+}
+
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .gemm = gemm_bf16_avx512,
     .pairs_f32 = pairs_f32_avx512,
@@ -575,5 +621,6 @@ const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .ds = ds_avx512,
     .pairs_t = pairs_t_avx512,
     .softmax_pairs = softmax_pairs_avx512,
+    .keep = keep_avx512,
 };
 #endif
