@@ -26,6 +26,8 @@ jobs use, time spent waiting for a core no longer counts (a CPU call runs its au
 so nothing of the call is missed; flashc's OpenMP workers would be, hence --threads 1 with it).
 --profile prints a cProfile of flashc's forward and of its forward + backward (CPU: flash_attn_func at N 16; CUDA:
 attention_backward, and flash_attn_func's forward + backward).
+--cpp-autograd adds the forward + backward rows again with flashc.cpp_autograd enabled (flashc's autograd function
+in C++; it is compiled first if its cache has none), timed in the same turns as the others.
 """
 import argparse
 import contextlib
@@ -63,6 +65,18 @@ def host_us(fn, device, n):
     t1 = _clock()
     sync(device)
     return (t1 - t0) / n * 1e6
+
+
+@contextlib.contextmanager
+def cpp_autograd_on():
+    """flashc.cpp_autograd enabled for the block (built on first use)."""
+    from flashc import cpp_autograd
+
+    cpp_autograd.enable()
+    try:
+        yield
+    finally:
+        cpp_autograd.disable()
 
 
 def rows_cpu(b, n, h, d, dtype):
@@ -110,7 +124,12 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="wall: time.perf_counter; thread: the calling thread's CPU time (--device cpu only)")
+    ap.add_argument("--cpp-autograd", action="store_true",
+                    help="also the forward + backward rows with flashc.cpp_autograd enabled")
     args = ap.parse_args()
+    if args.cpp_autograd:
+        with cpp_autograd_on():  # built here, before anything is timed
+            pass
     if args.clock == "thread":
         if args.device != "cpu":
             ap.error("--clock thread times the calling thread only: CUDA backward passes run on autograd's device "
@@ -131,10 +150,14 @@ def cpu_table(args):
     print("%-30s %-12s %12s %12s %7s   (median of %d rounds; min in brackets)"
           % ("shape", "row", "flashc us", "torch us", "ratio", args.rounds))
     for shape in ((1, 16, 2, 32), (1, 128, 2, 64)):
-        for name, ours, peer in rows_cpu(*shape, torch.float32):
+        rows = [r + (contextlib.nullcontext,) for r in rows_cpu(*shape, torch.float32)]
+        if args.cpp_autograd:
+            rows += [(name + " C++", ours, peer, cpp_autograd_on) for name, ours, peer, _ in rows if name == "fwd+bwd"]
+        for name, ours, peer, context in rows:
             t_ours, t_peer = [], []
             for _ in range(args.rounds):
-                t_ours.append(host_us(ours, "cpu", args.calls))
+                with context():
+                    t_ours.append(host_us(ours, "cpu", args.calls))
                 t_peer.append(host_us(peer, "cpu", args.calls))
             mo, mp = statistics.median(t_ours), statistics.median(t_peer)
             print("B%d N%d H%d D%d f32 causal        %-12s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
@@ -178,6 +201,9 @@ def cuda_table(args, device="cuda", backends=(("torch-flash", SDPBackend.FLASH_A
             ("flash_attn_func fwd+bwd", fa_fwd_bwd, contextlib.nullcontext),
             ("attention fwd+bwd", attention_fwd_bwd, contextlib.nullcontext),
             ("flashc sdpa fwd+bwd", fc_sdpa_fwd_bwd, contextlib.nullcontext)]
+    if args.cpp_autograd:
+        rows += [("flash_attn_func fwd+bwd C++", fa_fwd_bwd, cpp_autograd_on),
+                 ("attention fwd+bwd C++", attention_fwd_bwd, cpp_autograd_on)]
     for name, backend in backends:
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)

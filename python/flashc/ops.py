@@ -377,7 +377,7 @@ class _Fallback(Exception):
 class _Plan:
     __slots__ = ("key", "layout", "options", "thread", "ctx", "device", "index", "cuda", "params", "views", "vq", "vk",
                  "vv", "vo", "vdq", "vdk", "vdv", "vdo", "out_shape", "out_stride", "out_like_q", "grad_alloc",
-                 "do_stride", "lse_like", "fwd_ws", "bwd_ws", "fwd_ws_like", "bwd_ws_like", "peer")
+                 "do_stride", "lse_like", "fwd_ws", "bwd_ws", "fwd_ws_like", "bwd_ws_like", "peer", "cpp_params")
 
     def __init__(self, key, layout, q, k, v, softmax_scale, causal, window, softcap, deterministic):
         """q, k, v: tensors of the call being planned, in `layout`; the options as the full path resolves them."""
@@ -418,6 +418,9 @@ class _Plan:
         self.views = [_torch._view(t) for t in (q4, k4, v4, out4)] + [_torch._view(g) for g in grads4]
         self.vq, self.vk, self.vv, self.vo, self.vdq, self.vdk, self.vdv = self.views
         self.vdo = _torch._view(_to4(out, layout))
+        # flashc.cpp_autograd's function takes the params as bytes (it lays out out and the gradients as the full
+        # path does, for either layout)
+        self.cpp_params = bytes(self.params)
         self.fwd_ws = self.bwd_ws = 0
         self.fwd_ws_like = self.bwd_ws_like = None
         lib = _lib.lib
@@ -620,6 +623,18 @@ class _FastFunction(torch.autograd.Function):
 
 
 _fast_apply = _FastFunction.apply
+# flashc.cpp_autograd's module once enabled (its attention() replaces _fast_apply where a plan allows), else None
+_cpp = None
+_cpp_env = True  # FLASHC_CPP_AUTOGRAD still to be read (at the first plan)
+
+
+def _cpp_from_environment():
+    global _cpp_env
+    if _cpp_env:
+        _cpp_env = False
+        from . import cpp_autograd
+
+        cpp_autograd._from_environment()
 
 
 def _full_backward(plan, dout, q, k, v, out, lse):
@@ -675,10 +690,17 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        try:
-            r = _fast_apply(plan, return_attn_probs, q, k, v)
-        except _Fallback:
-            return None
+        if _cpp is not None:
+            try:
+                r = _cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
+                                   _get_num_threads(), return_attn_probs, False)
+            except RuntimeError:  # the library refused it (its message): the full path raises or copies
+                return None
+        else:
+            try:
+                r = _fast_apply(plan, return_attn_probs, q, k, v)
+            except _Fallback:
+                return None
         return (r[0], r[1], None) if return_attn_probs else r
     r = plan.forward(q, k, v, return_attn_probs)
     if r is None:
@@ -703,6 +725,12 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _cpp is not None:
+            try:
+                return _cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
+                                      _get_num_threads(), True, False)
+            except RuntimeError:
+                return None
         try:
             return _fast_apply(plan, True, q, k, v)
         except _Fallback:
@@ -714,6 +742,7 @@ def _build(plans, key, q, k, v):
     """Plans the key when the full path's Python checks pass (float32 / float16 / bfloat16 tensors of one dtype on one
     device, 4-d) and the library takes the problem as it lies (flashc_supported); otherwise no plan, and every call
     with the key takes the full path."""
+    _cpp_from_environment()
     try:
         hash(key)
     except TypeError:  # an unhashable option (window_size as a list)
@@ -751,6 +780,12 @@ def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
         _build_sdpa(_plans(), k, query, key, value, is_causal, scale, enable_gqa)
         return None
     if _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        if _cpp is not None:
+            try:
+                return _cpp.attention(query, key, value, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
+                                      _get_num_threads(), False, plan.layout == _BHND)
+            except RuntimeError:
+                return None
         try:
             return _fast_apply(plan, False, query, key, value)
         except _Fallback:
@@ -763,6 +798,7 @@ def _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa):
     """Plans an SDPA key when the full path (_torch.sdpa) would run the problem as one flashc call on the (B, N, H, D)
     transposes of 4-d inputs: its checks pass, and the causal mask keeps every key (top-left causal with Nq < Nk
     drops keys by a view, which the full path's autograd handles)."""
+    _cpp_from_environment()
     try:
         hash(k)
     except TypeError:

@@ -1,0 +1,207 @@
+/*
+ * flashc's autograd function in C++ (flashc.cpp_autograd): the forward and backward of a planned flash_attn_func,
+ * flashc.attention or flashc.scaled_dot_product_attention call (flashc.ops' per-shape plans: (B, N, H, D) tensors, or
+ * SDPA's (B, H, N, D) with bhnd, scalar options only) without Python in either direction. On CUDA, autograd runs a backward on its device thread; a Python backward there must take the
+ * GIL from the calling thread, a C++ one does not.
+ *
+ * Built on first use against the running torch (flashc/cpp_autograd.py), it links against no flashc library: the
+ * package hands it the addresses of the loaded library's functions (init), and the flashc_params of a call as the
+ * bytes of the package's ctypes struct. The library calls, their arguments and so their results are the Python
+ * path's: out, lse and the gradients bit for bit (python/tests/test_cpp_autograd.py).
+ */
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace {
+
+/* flashc.h's types, as far as this file uses them (the params are opaque bytes of the package's struct). */
+struct fc_tensor {
+    void *data;
+    int dtype;
+    int64_t shape[4];
+    int64_t stride[4];
+};
+enum { FC_OK = 0, FC_BACKEND_CPU = 1, FC_BACKEND_CUDA = 2, FC_F32 = 0, FC_F16 = 1, FC_BF16 = 2 };
+typedef void *fc_ctx;
+
+/* The library's functions, from init(). */
+struct fc_api {
+    int (*context_create)(fc_ctx *, int, int);
+    int (*context_set_stream)(fc_ctx, void *);
+    int (*context_set_threads)(fc_ctx, int);
+    const char *(*context_last_error)(fc_ctx);
+    const char *(*status_string)(int);
+    int (*forward_workspace_size)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const void *,
+                                  size_t *);
+    int (*backward_workspace_size)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const void *,
+                                   size_t *);
+    int (*forward)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const void *, const fc_tensor *,
+                   float *, void *, size_t);
+    int (*backward)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const fc_tensor *,
+                    const fc_tensor *, const float *, const void *, const fc_tensor *, const fc_tensor *,
+                    const fc_tensor *, void *, size_t);
+};
+fc_api api;
+bool ready = false;
+
+int dtype_of(const at::Tensor &t) {
+    switch (t.scalar_type()) {
+    case at::kFloat: return FC_F32;
+    case at::kHalf: return FC_F16;
+    case at::kBFloat16: return FC_BF16;
+    default: throw std::invalid_argument("flashc: float32, float16 or bfloat16 tensors");
+    }
+}
+
+fc_tensor view(const at::Tensor &t) {
+    fc_tensor v;
+    v.data = t.data_ptr();
+    v.dtype = dtype_of(t);
+    for (int i = 0; i < 4; i++) v.shape[i] = t.size(i), v.stride[i] = t.stride(i);
+    return v;
+}
+
+/* This thread's context for the tensors' device (flashc contexts are not shared by threads that call at once), set
+ * to the call's thread count (CPU) or torch's current stream (CUDA). */
+fc_ctx context(const at::Tensor &t, int64_t threads) {
+    thread_local std::map<std::pair<int, int>, fc_ctx> contexts;
+    const bool cuda = t.is_cuda();
+    const std::pair<int, int> key(cuda ? FC_BACKEND_CUDA : FC_BACKEND_CPU, cuda ? t.get_device() : 0);
+    fc_ctx &ctx = contexts[key];
+    if (!ctx) {
+        fc_ctx made = nullptr;
+        const int st = api.context_create(&made, key.first, key.second);
+        if (st != FC_OK) throw std::runtime_error(std::string("flashc: context: ") + api.status_string(st));
+        ctx = made;
+    }
+    if (cuda) {
+        const c10::Stream s = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
+        api.context_set_stream(ctx, s.native_handle());
+    } else {
+        api.context_set_threads(ctx, (int)threads);
+    }
+    return ctx;
+}
+
+void check(int st, fc_ctx ctx, const char *what) {
+    if (st != FC_OK)
+        throw std::runtime_error(std::string(what) + ": " + api.status_string(st) + ": " + api.context_last_error(ctx));
+}
+
+/* A workspace from torch's allocator (CUDA: the library's kernels need one; the CPU allocates its own). */
+at::Tensor workspace(const at::Tensor &like, size_t bytes) {
+    return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+}
+
+/* The library's (B, N, H, D) view of a caller's tensor (SDPA's (B, H, N, D) with bhnd), and back. */
+at::Tensor to4(const at::Tensor &t, bool bhnd) { return bhnd ? t.transpose(1, 2) : t; }
+
+/* Tensors as flashc's Python path (_torch.apply, _torch.sdpa) makes them: out contiguous in (B, N, H, D), the
+ * gradients by empty_like of the (B, N, H, D) views, each handed back in the caller's layout. */
+struct Attention : public torch::autograd::Function<Attention> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext *actx, const at::Tensor &q,
+                                                  const at::Tensor &k, const at::Tensor &v, std::string params,
+                                                  int64_t threads, bool want_lse, bool bhnd) {
+        c10::OptionalDeviceGuard guard(q.device());
+        fc_ctx ctx = context(q, threads);
+        const at::Tensor q4 = to4(q, bhnd), k4 = to4(k, bhnd), v4 = to4(v, bhnd);
+        const at::Tensor out4 = at::empty(q4.sizes(), q.options());
+        at::Tensor lse = at::empty({q4.size(0), q4.size(2), q4.size(1)}, q.options().dtype(at::kFloat));
+        const fc_tensor vq = view(q4), vk = view(k4), vv = view(v4), vo = view(out4);
+        size_t n = 0;
+        at::Tensor ws;
+        if (q.is_cuda()) {
+            check(api.forward_workspace_size(ctx, &vq, &vk, &vv, params.data(), &n), ctx, "flashc_forward");
+            if (n) ws = workspace(q, n);
+        }
+        check(api.forward(ctx, &vq, &vk, &vv, params.data(), &vo, lse.data_ptr<float>(), n ? ws.data_ptr() : nullptr,
+                          n),
+              ctx, "flashc_forward");
+        const at::Tensor out = to4(out4, bhnd);
+        actx->save_for_backward({q, k, v, out, lse});
+        actx->saved_data["params"] = std::move(params);
+        actx->saved_data["threads"] = threads;
+        actx->saved_data["bhnd"] = bhnd;
+        actx->mark_non_differentiable({lse});
+        actx->set_materialize_grads(false);
+        if (!want_lse) return {out};
+        return {out, lse};
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *actx,
+                                                   torch::autograd::variable_list grads) {
+        const auto s = actx->get_saved_variables();
+        const at::Tensor &q = s[0], &k = s[1], &v = s[2], &out = s[3], &lse = s[4];
+        const std::string params = actx->saved_data["params"].toStringRef();
+        const bool bhnd = actx->saved_data["bhnd"].toBool();
+        c10::OptionalDeviceGuard guard(q.device());
+        fc_ctx ctx = context(q, actx->saved_data["threads"].toInt());
+        at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+        if (dout.scalar_type() != out.scalar_type()) dout = dout.to(out.scalar_type());
+        const at::Tensor q4 = to4(q, bhnd), k4 = to4(k, bhnd), v4 = to4(v, bhnd);
+        const at::Tensor dq4 = at::empty_like(q4), dk4 = at::empty_like(k4), dv4 = at::empty_like(v4);
+        const fc_tensor vq = view(q4), vk = view(k4), vv = view(v4), vo = view(to4(out, bhnd)),
+                        vd = view(to4(dout, bhnd)), vdq = view(dq4), vdk = view(dk4), vdv = view(dv4);
+        size_t n = 0;
+        at::Tensor ws;
+        if (q.is_cuda()) {
+            check(api.backward_workspace_size(ctx, &vq, &vk, &vv, params.data(), &n), ctx, "flashc_backward");
+            if (n) ws = workspace(q, n);
+        }
+        check(api.backward(ctx, &vq, &vk, &vv, &vo, &vd, lse.data_ptr<float>(), params.data(), &vdq, &vdk, &vdv,
+                           n ? ws.data_ptr() : nullptr, n),
+              ctx, "flashc_backward");
+        return {to4(dq4, bhnd), to4(dk4, bhnd), to4(dv4, bhnd), at::Tensor(), at::Tensor(), at::Tensor(),
+                at::Tensor()};
+    }
+};
+
+void init(const std::map<std::string, uintptr_t> &fns) {
+    auto get = [&](const char *name) {
+        const auto it = fns.find(name);
+        if (it == fns.end() || !it->second) throw std::invalid_argument(std::string("flashc: no address for ") + name);
+        return (void *)it->second;
+    };
+    fc_api a;
+    a.context_create = (decltype(a.context_create))get("flashc_context_create");
+    a.context_set_stream = (decltype(a.context_set_stream))get("flashc_context_set_stream");
+    a.context_set_threads = (decltype(a.context_set_threads))get("flashc_context_set_threads");
+    a.context_last_error = (decltype(a.context_last_error))get("flashc_context_last_error");
+    a.status_string = (decltype(a.status_string))get("flashc_status_string");
+    a.forward_workspace_size = (decltype(a.forward_workspace_size))get("flashc_forward_workspace_size");
+    a.backward_workspace_size = (decltype(a.backward_workspace_size))get("flashc_backward_workspace_size");
+    a.forward = (decltype(a.forward))get("flashc_forward");
+    a.backward = (decltype(a.backward))get("flashc_backward");
+    api = a;
+    ready = true;
+}
+
+py::object attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, py::bytes params, int64_t threads,
+                     bool want_lse, bool bhnd) {
+    if (!ready) throw std::runtime_error("flashc: cpp_autograd used before init");
+    auto r = Attention::apply(q, k, v, std::string(params), threads, want_lse, bhnd);
+    if (!want_lse) return py::cast(r[0]);
+    return py::make_tuple(r[0], r[1]);
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("init", &init, "the loaded flashc library's function addresses, by name");
+    m.def("attention", &attention, "out (or (out, lse)) of a planned call, with autograd through C++",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("params"), py::arg("threads"), py::arg("want_lse"),
+          py::arg("bhnd"));
+}
