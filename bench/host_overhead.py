@@ -152,7 +152,7 @@ def cpu_table(args):
     for shape in ((1, 16, 2, 32), (1, 128, 2, 64)):
         rows = [r + (contextlib.nullcontext,) for r in rows_cpu(*shape, torch.float32)]
         if args.cpp_autograd:
-            rows += [(name + " C++", ours, peer, cpp_autograd_on) for name, ours, peer, _ in rows if name == "fwd+bwd"]
+            rows += [(name + " C++", ours, peer, cpp_autograd_on) for name, ours, peer, _ in rows if "fwd+bwd" in name]
         for name, ours, peer, context in rows:
             t_ours, t_peer = [], []
             for _ in range(args.rounds):
@@ -203,7 +203,8 @@ def cuda_table(args, device="cuda", backends=(("torch-flash", SDPBackend.FLASH_A
             ("flashc sdpa fwd+bwd", fc_sdpa_fwd_bwd, contextlib.nullcontext)]
     if args.cpp_autograd:
         rows += [("flash_attn_func fwd+bwd C++", fa_fwd_bwd, cpp_autograd_on),
-                 ("attention fwd+bwd C++", attention_fwd_bwd, cpp_autograd_on)]
+                 ("attention fwd+bwd C++", attention_fwd_bwd, cpp_autograd_on),
+                 ("flashc sdpa fwd+bwd C++", fc_sdpa_fwd_bwd, cpp_autograd_on)]
     for name, backend in backends:
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)

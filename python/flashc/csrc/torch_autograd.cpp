@@ -66,12 +66,22 @@ int dtype_of(const at::Tensor &t) {
     }
 }
 
-fc_tensor view(const at::Tensor &t) {
+/* The library's (B, N, H, D) view of a caller's tensor: as it is, or SDPA's (B, H, N, D) with bhnd (dims 1 and 2
+ * swapped, no tensor made). */
+fc_tensor view(const at::Tensor &t, bool bhnd) {
     fc_tensor v;
     v.data = t.data_ptr();
     v.dtype = dtype_of(t);
-    for (int i = 0; i < 4; i++) v.shape[i] = t.size(i), v.stride[i] = t.stride(i);
+    const int dims[4] = {0, bhnd ? 2 : 1, bhnd ? 1 : 2, 3};
+    for (int i = 0; i < 4; i++) v.shape[i] = t.size(dims[i]), v.stride[i] = t.stride(dims[i]);
     return v;
+}
+
+/* torch.empty_like of the (B, N, H, D) view, in the caller's layout (the full path's gradients): for a dense tensor
+ * that is empty_like of the tensor itself, whose strides it keeps. */
+at::Tensor empty_like4(const at::Tensor &t, bool bhnd) {
+    if (!bhnd || t.is_non_overlapping_and_dense()) return at::empty_like(t);
+    return at::empty_like(t.transpose(1, 2)).transpose(1, 2);
 }
 
 /* This thread's context for the tensors' device (flashc contexts are not shared by threads that call at once), set
@@ -106,9 +116,6 @@ at::Tensor workspace(const at::Tensor &like, size_t bytes) {
     return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
 }
 
-/* The library's (B, N, H, D) view of a caller's tensor (SDPA's (B, H, N, D) with bhnd), and back. */
-at::Tensor to4(const at::Tensor &t, bool bhnd) { return bhnd ? t.transpose(1, 2) : t; }
-
 /* Tensors as flashc's Python path (_torch.apply, _torch.sdpa) makes them: out contiguous in (B, N, H, D), the
  * gradients by empty_like of the (B, N, H, D) views, each handed back in the caller's layout. */
 struct Attention : public torch::autograd::Function<Attention> {
@@ -117,10 +124,12 @@ struct Attention : public torch::autograd::Function<Attention> {
                                                   int64_t threads, bool want_lse, bool bhnd) {
         c10::OptionalDeviceGuard guard(q.device());
         fc_ctx ctx = context(q, threads);
-        const at::Tensor q4 = to4(q, bhnd), k4 = to4(k, bhnd), v4 = to4(v, bhnd);
-        const at::Tensor out4 = at::empty(q4.sizes(), q.options());
-        at::Tensor lse = at::empty({q4.size(0), q4.size(2), q4.size(1)}, q.options().dtype(at::kFloat));
-        const fc_tensor vq = view(q4), vk = view(k4), vv = view(v4), vo = view(out4);
+        const fc_tensor vq = view(q, bhnd), vk = view(k, bhnd), vv = view(v, bhnd);
+        const int64_t B = vq.shape[0], N = vq.shape[1], H = vq.shape[2], D = vq.shape[3];
+        const at::Tensor out = bhnd ? at::empty({B, N, H, D}, q.options()).transpose(1, 2) : at::empty(q.sizes(),
+                                                                                                       q.options());
+        at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
+        const fc_tensor vo = view(out, bhnd);
         size_t n = 0;
         at::Tensor ws;
         if (q.is_cuda()) {
@@ -130,7 +139,6 @@ struct Attention : public torch::autograd::Function<Attention> {
         check(api.forward(ctx, &vq, &vk, &vv, params.data(), &vo, lse.data_ptr<float>(), n ? ws.data_ptr() : nullptr,
                           n),
               ctx, "flashc_forward");
-        const at::Tensor out = to4(out4, bhnd);
         actx->save_for_backward({q, k, v, out, lse});
         actx->saved_data["params"] = std::move(params);
         actx->saved_data["threads"] = threads;
@@ -151,10 +159,9 @@ struct Attention : public torch::autograd::Function<Attention> {
         fc_ctx ctx = context(q, actx->saved_data["threads"].toInt());
         at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
         if (dout.scalar_type() != out.scalar_type()) dout = dout.to(out.scalar_type());
-        const at::Tensor q4 = to4(q, bhnd), k4 = to4(k, bhnd), v4 = to4(v, bhnd);
-        const at::Tensor dq4 = at::empty_like(q4), dk4 = at::empty_like(k4), dv4 = at::empty_like(v4);
-        const fc_tensor vq = view(q4), vk = view(k4), vv = view(v4), vo = view(to4(out, bhnd)),
-                        vd = view(to4(dout, bhnd)), vdq = view(dq4), vdk = view(dk4), vdv = view(dv4);
+        const at::Tensor dq = empty_like4(q, bhnd), dk = empty_like4(k, bhnd), dv = empty_like4(v, bhnd);
+        const fc_tensor vq = view(q, bhnd), vk = view(k, bhnd), vv = view(v, bhnd), vo = view(out, bhnd),
+                        vd = view(dout, bhnd), vdq = view(dq, bhnd), vdk = view(dk, bhnd), vdv = view(dv, bhnd);
         size_t n = 0;
         at::Tensor ws;
         if (q.is_cuda()) {
@@ -164,8 +171,7 @@ struct Attention : public torch::autograd::Function<Attention> {
         check(api.backward(ctx, &vq, &vk, &vv, &vo, &vd, lse.data_ptr<float>(), params.data(), &vdq, &vdk, &vdv,
                            n ? ws.data_ptr() : nullptr, n),
               ctx, "flashc_backward");
-        return {to4(dq4, bhnd), to4(dk4, bhnd), to4(dv4, bhnd), at::Tensor(), at::Tensor(), at::Tensor(),
-                at::Tensor()};
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
