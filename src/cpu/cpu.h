@@ -102,7 +102,9 @@ static inline void flashc_cpu_pf_list(flashc_cpu_pf_cursor *c) {
 }
 
 static inline void flashc_cpu_pf_begin(flashc_cpu_pf_cursor *c, const flashc_cpu_prefetch *pf, int calls) {
-    c->pf = pf, c->i = 0, c->left = 0, c->per = 0;
+    /* every field set: with no list (pf NULL, no calls or rows) issue never reads past per and left, but gcc -O1
+     * cannot see that and warns */
+    *c = (flashc_cpu_pf_cursor){.pf = pf};
     if (!pf || calls <= 0 || pf->n <= 0) return;
     c->n = pf->n, c->spread = pf->spread;
     c->per = (FLASHC_CPU_PF_LISTS * pf->n + calls - 1) / calls;
@@ -138,7 +140,8 @@ static inline void flashc_cpu_pf_issue(flashc_cpu_pf_cursor *c) {
  * How decode's kernels read K and V rows in place: fp32 or bf16 elements, unit stride along D, row c of a key step at
  * the address k[c] of a table (one per key). A table rather than (first row, row stride): a paged cache's step that
  * crosses page boundaries is still one call reading every page in place, and its sums run over the same values in
- * the same order as the contiguous cache's, so both give the same bits.
+ * the same order as the contiguous cache's, so both give the same bits when their Nk (the contiguous cache's rows,
+ * the paged one's max_pages * page_size) are equal: decode cuts the keys into pieces by Nk (decode.c).
  */
 enum { FLASHC_CPU_KV_F32 = 0, FLASHC_CPU_KV_BF16 = 1 };
 /*

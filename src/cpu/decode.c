@@ -14,7 +14,8 @@
  * over many threads, pieces of at least DEC_MIN_PIECE keys). One unit per (sequence, piece, block of kv heads, row
  * block) leaves its unnormalized (O, m, l) per head in the workspace; a second pass merges each row block's pieces
  * by log-sum-exp in piece order. Since the split, the tiles and every summation order depend on the shape only,
- * results are bitwise the same at any thread count and from run to run. A unit walks its kv heads inside each key
+ * results are bitwise the same at any thread count and from run to run (and a paged cache's are the contiguous
+ * cache's when both have the same Nk: max_pages * page_size against the contiguous rows, which set the pieces). A unit walks its kv heads inside each key
  * step, so it reads one contiguous range of a (B, N, Hkv, D) cache rather than one head's strided rows.
  *
  * Rows r = g * nq + i stand for head hk * G + g and query i, so each head's rows are contiguous (the store writes
@@ -95,7 +96,10 @@ static void step_prefetch(const flashc_problem *p, const dec_step *st, int64_t h
     for (int i = 0; i < 2; i++) {
         const int64_t es = (int64_t)flashc_dtype_size(t[i]->dtype);
         pf->off[i] = h * t[i]->stride[2] * es;
-        pf->bytes[i] = (int)(((p->D - 1) * t[i]->stride[3] + 1) * es);
+        /* a row's span: D elements with unit stride; rows strided along D (read through a conversion) are prefetched
+         * only while their span stays within 4 D elements, since a (B, Hkv, D, N) view's span covers N rows of keys */
+        const int64_t s3 = t[i]->stride[3], span = ((p->D - 1) * s3 + 1) * es;
+        pf->bytes[i] = s3 >= 1 && s3 <= 4 ? (int)span : 0;
     }
 }
 

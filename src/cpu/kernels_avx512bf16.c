@@ -417,8 +417,11 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
     const int nd = (D + 31) / 32;
     const __mmask32 tail = first32(D - 32 * (nd - 1));
     flashc_cpu_pf_cursor cur; /* an issue per block (per sixteen keys when D <= 32) */
-    const int R0 = rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
-    const int blocks = nd == 1 ? (cols + 15) / 16 : (cols + 16 / R0 - 1) / (16 / R0) * ((rows + R0 - 1) / R0);
+    /* the loop's issues: row blocks of 4 (keys four at a time), then a pair (eight), then one (sixteen) */
+    const int rem = rows % 4;
+    const int blocks = nd == 1 ? (cols + 15) / 16
+                               : rows / 4 * ((cols + 3) / 4) + (rem >= 2 ? (cols + 7) / 8 : 0) +
+                                     (rem % 2 ? (cols + 15) / 16 : 0);
     flashc_cpu_pf_begin(&cur, pf, blocks);
     if (nd == 1) {
         dots_kv_short(rows, cols, D, q, ldq, k, s, lds, &cur);
