@@ -14,7 +14,7 @@ keyed by the source, the torch and Python versions and the compiler, and loads i
 module. It raises flashc.cpp_autograd.BuildError when the module cannot be built or loaded (the message has the
 compiler's output).
 Setting FLASHC_CPP_AUTOGRAD=1 in the environment enables it at the first planned call (a failure then warns once
-and leaves the Python path on).
+and leaves the Python path on). Off by default: its CUDA path has not yet run on a GPU (python/README.md).
 """
 import ctypes
 import hashlib
