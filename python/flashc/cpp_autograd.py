@@ -39,8 +39,7 @@ __all__ = ["enable", "disable", "enabled", "build", "BuildError"]
 _NAME = "flashc_cpp_autograd"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "torch_autograd.cpp")
 _FUNCTIONS = ("flashc_context_create", "flashc_context_set_stream", "flashc_context_set_threads",
-              "flashc_context_last_error", "flashc_status_string", "flashc_forward_workspace_size",
-              "flashc_backward_workspace_size", "flashc_forward", "flashc_backward")
+              "flashc_context_last_error", "flashc_status_string", "flashc_forward", "flashc_backward")
 _lock = threading.Lock()
 _module = None
 

@@ -418,8 +418,8 @@ class _Plan:
         self.views = [_torch._view(t) for t in (q4, k4, v4, out4)] + [_torch._view(g) for g in grads4]
         self.vq, self.vk, self.vv, self.vo, self.vdq, self.vdk, self.vdv = self.views
         self.vdo = _torch._view(_to4(out, layout))
-        # flashc.cpp_autograd's function takes the params as bytes (it lays out out and the gradients as the full
-        # path does, for either layout)
+        # flashc.cpp_autograd's function takes the params as bytes, and the workspace sizes below (it lays out out
+        # and the gradients as the full path does, for either layout)
         self.cpp_params = bytes(self.params)
         self.fwd_ws = self.bwd_ws = 0
         self.fwd_ws_like = self.bwd_ws_like = None
@@ -693,7 +693,7 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
         if _cpp is not None:
             try:
                 r = _cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                   _get_num_threads(), return_attn_probs, False)
+                                   _get_num_threads(), return_attn_probs, False, plan.fwd_ws, plan.bwd_ws)
             except RuntimeError:  # the library refused it (its message): the full path raises or copies
                 return None
         else:
@@ -728,7 +728,7 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
         if _cpp is not None:
             try:
                 return _cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                      _get_num_threads(), True, False)
+                                      _get_num_threads(), True, False, plan.fwd_ws, plan.bwd_ws)
             except RuntimeError:
                 return None
         try:
@@ -783,7 +783,8 @@ def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
         if _cpp is not None:
             try:
                 return _cpp.attention(query, key, value, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                      _get_num_threads(), False, plan.layout == _BHND)
+                                      _get_num_threads(), False, plan.layout == _BHND, plan.fwd_ws,
+                                      plan.bwd_ws)
             except RuntimeError:
                 return None
         try:

@@ -15,8 +15,9 @@
  * block) leaves its unnormalized (O, m, l) per head in the workspace; a second pass merges each row block's pieces
  * by log-sum-exp in piece order. Since the split, the tiles and every summation order depend on the shape only,
  * results are bitwise the same at any thread count and from run to run (and a paged cache's are the contiguous
- * cache's when both have the same Nk: max_pages * page_size against the contiguous rows, which set the pieces). A unit walks its kv heads inside each key
- * step, so it reads one contiguous range of a (B, N, Hkv, D) cache rather than one head's strided rows.
+ * cache's when both have the same Nk: max_pages * page_size against the contiguous rows, which set the pieces). A
+ * unit walks its kv heads inside each key step, so it reads one contiguous range of a (B, N, Hkv, D) cache rather
+ * than one head's strided rows.
  *
  * Rows r = g * nq + i stand for head hk * G + g and query i, so each head's rows are contiguous (the store writes
  * them per head); row blocks of DEC_MAX_ROWS rows bound the tile when G * nq is large.

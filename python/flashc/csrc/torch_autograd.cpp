@@ -1,8 +1,9 @@
 /*
  * flashc's autograd function in C++ (flashc.cpp_autograd): the forward and backward of a planned flash_attn_func,
  * flashc.attention or flashc.scaled_dot_product_attention call (flashc.ops' per-shape plans: (B, N, H, D) tensors, or
- * SDPA's (B, H, N, D) with bhnd, scalar options only) without Python in either direction. On CUDA, autograd runs a backward on its device thread; a Python backward there must take the
- * GIL from the calling thread, a C++ one does not.
+ * SDPA's (B, H, N, D) with bhnd, scalar options only) without Python in either direction. On CUDA, autograd runs a
+ * backward on its device thread; a Python backward there must take the GIL from the calling thread, a C++ one does
+ * not. The workspace sizes come from the plan, which asked the library once.
  *
  * Built on first use against the running torch (flashc/cpp_autograd.py), it links against no flashc library: the
  * package hands it the addresses of the loaded library's functions (init), and the flashc_params of a call as the
@@ -44,10 +45,6 @@ struct fc_api {
     int (*context_set_threads)(fc_ctx, int);
     const char *(*context_last_error)(fc_ctx);
     const char *(*status_string)(int);
-    int (*forward_workspace_size)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const void *,
-                                  size_t *);
-    int (*backward_workspace_size)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const void *,
-                                   size_t *);
     int (*forward)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const void *, const fc_tensor *,
                    float *, void *, size_t);
     int (*backward)(fc_ctx, const fc_tensor *, const fc_tensor *, const fc_tensor *, const fc_tensor *,
@@ -111,9 +108,9 @@ void check(int st, fc_ctx ctx, const char *what) {
         throw std::runtime_error(std::string(what) + ": " + api.status_string(st) + ": " + api.context_last_error(ctx));
 }
 
-/* A workspace from torch's allocator (CUDA: the library's kernels need one; the CPU allocates its own). */
-at::Tensor workspace(const at::Tensor &like, size_t bytes) {
-    return at::empty({(int64_t)bytes}, like.options().dtype(at::kByte));
+/* The call's workspace (the plan's size: 0 on the CPU, which allocates its own) from torch's allocator. */
+at::Tensor workspace(const at::Tensor &like, int64_t bytes) {
+    return bytes ? at::empty({bytes}, like.options().dtype(at::kByte)) : at::Tensor();
 }
 
 /* Tensors as flashc's Python path (_torch.apply, _torch.sdpa) makes them: out contiguous in (B, N, H, D), the
@@ -121,7 +118,8 @@ at::Tensor workspace(const at::Tensor &like, size_t bytes) {
 struct Attention : public torch::autograd::Function<Attention> {
     static torch::autograd::variable_list forward(torch::autograd::AutogradContext *actx, const at::Tensor &q,
                                                   const at::Tensor &k, const at::Tensor &v, std::string params,
-                                                  int64_t threads, bool want_lse, bool bhnd) {
+                                                  int64_t threads, bool want_lse, bool bhnd, int64_t fwd_ws,
+                                                  int64_t bwd_ws) {
         c10::OptionalDeviceGuard guard(q.device());
         fc_ctx ctx = context(q, threads);
         const fc_tensor vq = view(q, bhnd), vk = view(k, bhnd), vv = view(v, bhnd);
@@ -130,19 +128,15 @@ struct Attention : public torch::autograd::Function<Attention> {
                                                                                                        q.options());
         at::Tensor lse = at::empty({B, H, N}, q.options().dtype(at::kFloat));
         const fc_tensor vo = view(out, bhnd);
-        size_t n = 0;
-        at::Tensor ws;
-        if (q.is_cuda()) {
-            check(api.forward_workspace_size(ctx, &vq, &vk, &vv, params.data(), &n), ctx, "flashc_forward");
-            if (n) ws = workspace(q, n);
-        }
-        check(api.forward(ctx, &vq, &vk, &vv, params.data(), &vo, lse.data_ptr<float>(), n ? ws.data_ptr() : nullptr,
-                          n),
+        const at::Tensor ws = workspace(q, fwd_ws);
+        check(api.forward(ctx, &vq, &vk, &vv, params.data(), &vo, lse.data_ptr<float>(),
+                          fwd_ws ? ws.data_ptr() : nullptr, (size_t)fwd_ws),
               ctx, "flashc_forward");
         actx->save_for_backward({q, k, v, out, lse});
         actx->saved_data["params"] = std::move(params);
         actx->saved_data["threads"] = threads;
         actx->saved_data["bhnd"] = bhnd;
+        actx->saved_data["bwd_ws"] = bwd_ws;
         actx->mark_non_differentiable({lse});
         actx->set_materialize_grads(false);
         if (!want_lse) return {out};
@@ -162,16 +156,12 @@ struct Attention : public torch::autograd::Function<Attention> {
         const at::Tensor dq = empty_like4(q, bhnd), dk = empty_like4(k, bhnd), dv = empty_like4(v, bhnd);
         const fc_tensor vq = view(q, bhnd), vk = view(k, bhnd), vv = view(v, bhnd), vo = view(out, bhnd),
                         vd = view(dout, bhnd), vdq = view(dq, bhnd), vdk = view(dk, bhnd), vdv = view(dv, bhnd);
-        size_t n = 0;
-        at::Tensor ws;
-        if (q.is_cuda()) {
-            check(api.backward_workspace_size(ctx, &vq, &vk, &vv, params.data(), &n), ctx, "flashc_backward");
-            if (n) ws = workspace(q, n);
-        }
+        const int64_t bwd_ws = actx->saved_data["bwd_ws"].toInt();
+        const at::Tensor ws = workspace(q, bwd_ws);
         check(api.backward(ctx, &vq, &vk, &vv, &vo, &vd, lse.data_ptr<float>(), params.data(), &vdq, &vdk, &vdv,
-                           n ? ws.data_ptr() : nullptr, n),
+                           bwd_ws ? ws.data_ptr() : nullptr, (size_t)bwd_ws),
               ctx, "flashc_backward");
-        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     }
 };
 
@@ -187,8 +177,6 @@ void init(const std::map<std::string, uintptr_t> &fns) {
     a.context_set_threads = (decltype(a.context_set_threads))get("flashc_context_set_threads");
     a.context_last_error = (decltype(a.context_last_error))get("flashc_context_last_error");
     a.status_string = (decltype(a.status_string))get("flashc_status_string");
-    a.forward_workspace_size = (decltype(a.forward_workspace_size))get("flashc_forward_workspace_size");
-    a.backward_workspace_size = (decltype(a.backward_workspace_size))get("flashc_backward_workspace_size");
     a.forward = (decltype(a.forward))get("flashc_forward");
     a.backward = (decltype(a.backward))get("flashc_backward");
     api = a;
@@ -196,9 +184,9 @@ void init(const std::map<std::string, uintptr_t> &fns) {
 }
 
 py::object attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, py::bytes params, int64_t threads,
-                     bool want_lse, bool bhnd) {
+                     bool want_lse, bool bhnd, int64_t fwd_ws, int64_t bwd_ws) {
     if (!ready) throw std::runtime_error("flashc: cpp_autograd used before init");
-    auto r = Attention::apply(q, k, v, std::string(params), threads, want_lse, bhnd);
+    auto r = Attention::apply(q, k, v, std::string(params), threads, want_lse, bhnd, fwd_ws, bwd_ws);
     if (!want_lse) return py::cast(r[0]);
     return py::make_tuple(r[0], r[1]);
 }
@@ -209,5 +197,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("init", &init, "the loaded flashc library's function addresses, by name");
     m.def("attention", &attention, "out (or (out, lse)) of a planned call, with autograd through C++",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("params"), py::arg("threads"), py::arg("want_lse"),
-          py::arg("bhnd"));
+          py::arg("bhnd"), py::arg("fwd_ws"), py::arg("bwd_ws"));
 }
