@@ -28,6 +28,9 @@ so nothing of the call is missed; flashc's OpenMP workers would be, hence --thre
 attention_backward, and flash_attn_func's forward + backward).
 --cpp-autograd adds the forward + backward rows again with flashc.cpp_autograd enabled (flashc's autograd function
 in C++; it is compiled first if its cache has none), timed in the same turns as the others.
+Every forward + backward row names the autograd function its calls went through, taken from the grad_fn of a call made
+as the row's calls are: "Py" (flashc's Python torch.autograd.Function: the other rows run with flashc.cpp_autograd
+disabled, whatever FLASHC_CPP_AUTOGRAD says, so no build starts in the background while rows are timed) or "C++".
 """
 import argparse
 import contextlib
@@ -79,6 +82,27 @@ def cpp_autograd_on():
         cpp_autograd.disable()
 
 
+@contextlib.contextmanager
+def cpp_autograd_off():
+    """flashc's Python autograd function for the block (flashc.cpp_autograd disabled, as main() leaves it)."""
+    from flashc import cpp_autograd
+
+    cpp_autograd.disable()
+    yield
+
+
+def autograd_path(fn, context):
+    """"Py" or "C++": the autograd function a call of fn.forward (the forward of a forward + backward row) records,
+    made under the row's context after a planning call; "" for a row without one."""
+    forward = getattr(fn, "forward", None)
+    if forward is None:
+        return ""
+    with context():
+        forward()
+        name = forward().grad_fn.name()
+    return "C++" if "CppNode" in name else "Py"
+
+
 def rows_cpu(b, n, h, d, dtype):
     q, k, v = (torch.randn(b, n, h, d, dtype=dtype) for _ in range(3))
     g = torch.randn(b, n, h, d, dtype=dtype)
@@ -97,6 +121,7 @@ def rows_cpu(b, n, h, d, dtype):
     def fa_fwd_bwd():
         out = flashc.flash_attn_func(ql, kl, vl, causal=True)
         return torch.autograd.grad(out, (ql, kl, vl), g)
+    fa_fwd_bwd.forward = lambda: flashc.flash_attn_func(ql, kl, vl, causal=True)
 
     def sdpa_fwd_bwd():
         out = F.scaled_dot_product_attention(qtl, ktl, vtl, is_causal=True)
@@ -109,6 +134,7 @@ def rows_cpu(b, n, h, d, dtype):
     def fc_sdpa_fwd_bwd():
         out = flashc.scaled_dot_product_attention(qtl, ktl, vtl, is_causal=True)
         return torch.autograd.grad(out, (qtl, ktl, vtl), gt)
+    fc_sdpa_fwd_bwd.forward = lambda: flashc.scaled_dot_product_attention(qtl, ktl, vtl, is_causal=True)
 
     return [("fwd", fa_fwd, sdpa_fwd), ("fwd+bwd", fa_fwd_bwd, sdpa_fwd_bwd),
             ("sdpa fwd", fc_sdpa_fwd, sdpa_fwd), ("sdpa fwd+bwd", fc_sdpa_fwd_bwd, sdpa_fwd_bwd)]
@@ -127,6 +153,9 @@ def main():
     ap.add_argument("--cpp-autograd", action="store_true",
                     help="also the forward + backward rows with flashc.cpp_autograd enabled")
     args = ap.parse_args()
+    from flashc import cpp_autograd
+
+    cpp_autograd.disable()  # the Python rows stay Python, and FLASHC_CPP_AUTOGRAD=auto builds nothing meanwhile
     if args.cpp_autograd:
         with cpp_autograd_on():  # built here, before anything is timed
             pass
@@ -147,20 +176,21 @@ def main():
 
 
 def cpu_table(args):
-    print("%-30s %-12s %12s %12s %7s   (median of %d rounds; min in brackets)"
+    print("%-30s %-16s %12s %12s %7s   (median of %d rounds; min in brackets)"
           % ("shape", "row", "flashc us", "torch us", "ratio", args.rounds))
     for shape in ((1, 16, 2, 32), (1, 128, 2, 64)):
-        rows = [r + (contextlib.nullcontext,) for r in rows_cpu(*shape, torch.float32)]
+        rows = [r + (cpp_autograd_off,) for r in rows_cpu(*shape, torch.float32)]
         if args.cpp_autograd:
-            rows += [(name + " C++", ours, peer, cpp_autograd_on) for name, ours, peer, _ in rows if "fwd+bwd" in name]
+            rows += [(name, ours, peer, cpp_autograd_on) for name, ours, peer, _ in rows if "fwd+bwd" in name]
         for name, ours, peer, context in rows:
+            name = (name + " " + autograd_path(ours, context)).strip()
             t_ours, t_peer = [], []
             for _ in range(args.rounds):
                 with context():
                     t_ours.append(host_us(ours, "cpu", args.calls))
                 t_peer.append(host_us(peer, "cpu", args.calls))
             mo, mp = statistics.median(t_ours), statistics.median(t_peer)
-            print("B%d N%d H%d D%d f32 causal        %-12s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
+            print("B%d N%d H%d D%d f32 causal        %-16s %6.1f [%4.1f] %6.1f [%4.1f] %6.2fx"
                   % (*shape, name, mo, min(t_ours), mp, min(t_peer), mo / mp))
     if args.profile:
         rows = rows_cpu(1, 16, 2, 32, torch.float32)
@@ -180,14 +210,17 @@ def cuda_table(args, device="cuda", backends=(("torch-flash", SDPBackend.FLASH_A
     def fa_fwd_bwd():
         o = flashc.flash_attn_func(ql, kl, vl, causal=True)
         return torch.autograd.grad(o, (ql, kl, vl), g)
+    fa_fwd_bwd.forward = lambda: flashc.flash_attn_func(ql, kl, vl, causal=True)
 
     def attention_fwd_bwd():
         o, _ = flashc.attention(ql, kl, vl, causal=True)
         return torch.autograd.grad(o, (ql, kl, vl), g)
+    attention_fwd_bwd.forward = lambda: flashc.attention(ql, kl, vl, causal=True)[0]
 
     def fc_sdpa_fwd_bwd():
         o = flashc.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
         return torch.autograd.grad(o, (qt, kt, vt), gt)
+    fc_sdpa_fwd_bwd.forward = lambda: flashc.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
     def sdpa_fwd_bwd():
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
@@ -198,13 +231,13 @@ def cuda_table(args, device="cuda", backends=(("torch-flash", SDPBackend.FLASH_A
             ("flashc flash_attn_func", lambda: flashc.flash_attn_func(q, k, v, causal=True), contextlib.nullcontext),
             ("flashc backward", lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=True),
              contextlib.nullcontext),
-            ("flash_attn_func fwd+bwd", fa_fwd_bwd, contextlib.nullcontext),
-            ("attention fwd+bwd", attention_fwd_bwd, contextlib.nullcontext),
-            ("flashc sdpa fwd+bwd", fc_sdpa_fwd_bwd, contextlib.nullcontext)]
+            ("flash_attn_func fwd+bwd", fa_fwd_bwd, cpp_autograd_off),
+            ("attention fwd+bwd", attention_fwd_bwd, cpp_autograd_off),
+            ("flashc sdpa fwd+bwd", fc_sdpa_fwd_bwd, cpp_autograd_off)]
     if args.cpp_autograd:
-        rows += [("flash_attn_func fwd+bwd C++", fa_fwd_bwd, cpp_autograd_on),
-                 ("attention fwd+bwd C++", attention_fwd_bwd, cpp_autograd_on),
-                 ("flashc sdpa fwd+bwd C++", fc_sdpa_fwd_bwd, cpp_autograd_on)]
+        rows += [("flash_attn_func fwd+bwd", fa_fwd_bwd, cpp_autograd_on),
+                 ("attention fwd+bwd", attention_fwd_bwd, cpp_autograd_on),
+                 ("flashc sdpa fwd+bwd", fc_sdpa_fwd_bwd, cpp_autograd_on)]
     for name, backend in backends:
         with sdpa_kernel(backend):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
@@ -214,13 +247,15 @@ def cuda_table(args, device="cuda", backends=(("torch-flash", SDPBackend.FLASH_A
                      (lambda o: lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True))(o),
                      contextlib.nullcontext))
         rows.append((name + " fwd+bwd", sdpa_fwd_bwd, (lambda b: lambda: sdpa_kernel(b))(backend)))
+    # the forward + backward rows named by the autograd function they ran through (Py or C++)
+    rows = [((name + " " + autograd_path(fn, context)).strip(), fn, context) for name, fn, context in rows]
     times = {name: [] for name, _, _ in rows}
     for _ in range(args.rounds):
         for name, fn, context in rows:
             with context():
                 times[name].append(host_us(fn, device, min(args.calls, 300)))
     for name, _, _ in rows:
-        print("%-24s %7.1f us of host time per call (median of %d rounds, min %.1f)"
+        print("%-28s %7.1f us of host time per call (median of %d rounds, min %.1f)"
               % (name, statistics.median(times[name]), args.rounds, min(times[name])))
     if args.profile:
         print("\ncProfile of attention_backward:")

@@ -623,9 +623,10 @@ class _FastFunction(torch.autograd.Function):
 
 
 _fast_apply = _FastFunction.apply
-# flashc.cpp_autograd's module once enabled (its attention() replaces _fast_apply where a plan allows), else None
+# flashc.cpp_autograd's module once enabled (its attention() replaces _fast_apply where a plan allows), else None.
+# Read at each call, so a module that a background build loads later serves the keys planned before it too.
 _cpp = None
-_cpp_env = True  # FLASHC_CPP_AUTOGRAD still to be read (at the first plan)
+_cpp_env = True  # FLASHC_CPP_AUTOGRAD still to be read (at the first plan; again in a child forked mid-build)
 
 
 def _cpp_from_environment():
@@ -690,10 +691,11 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _cpp is not None:
+        cpp = _cpp  # read once: a background build may set it between calls (never within one)
+        if cpp is not None:
             try:
-                r = _cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                   _get_num_threads(), return_attn_probs, False, plan.fwd_ws, plan.bwd_ws)
+                r = cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
+                                  _get_num_threads(), return_attn_probs, False, plan.fwd_ws, plan.bwd_ws)
             except RuntimeError:  # the library refused it (its message): the full path raises or copies
                 return None
         else:
@@ -725,10 +727,11 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _cpp is not None:
+        cpp = _cpp
+        if cpp is not None:
             try:
-                return _cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                      _get_num_threads(), True, False, plan.fwd_ws, plan.bwd_ws)
+                return cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
+                                     _get_num_threads(), True, False, plan.fwd_ws, plan.bwd_ws)
             except RuntimeError:
                 return None
         try:
@@ -780,11 +783,11 @@ def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
         _build_sdpa(_plans(), k, query, key, value, is_causal, scale, enable_gqa)
         return None
     if _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        if _cpp is not None:
+        cpp = _cpp
+        if cpp is not None:
             try:
-                return _cpp.attention(query, key, value, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                      _get_num_threads(), False, plan.layout == _BHND, plan.fwd_ws,
-                                      plan.bwd_ws)
+                return cpp.attention(query, key, value, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
+                                     _get_num_threads(), False, plan.layout == _BHND, plan.fwd_ws, plan.bwd_ws)
             except RuntimeError:
                 return None
         try:
