@@ -51,6 +51,7 @@ typedef struct flashc_fwd_args {
     const int32_t *block_table;
     int64_t bt_stride;
     int page_size, num_pages;
+    int kv_chunks; /* Hopper forward: the K and V maps are 5-dimensional (sm90.cuh's fc90_map with chunks) */
     FC_DROP_FIELDS; /* dropout (score.h); the Hopper kernels take none yet */
 } flashc_fwd_args;
 

@@ -480,19 +480,26 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             }
             /* Every lane waits with the lead, so that the warp stays converged (lanes that ran ahead to the next
              * tile's wait took issue slots from the lead's loads: contiguous decode 4% slower). */
+            /* With 5-dimensional maps (kv_chunks) one load brings every column chunk of the tile's rows. */
             sm.kr.wait_empty(kv_it);
             if (lead) {
                 sm.kr.expect(kv_it, KV_BYTES);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it),
-                                  c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
+                if (a.kv_chunks)
+                    fc90_tma_load5(sm.k + off, &tm_k, sm.kr.full_bar(kv_it), 0, sq.k0 + ktile * BC, 0, hk, sq.qb);
+                else
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it),
+                                      c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
             }
             sm.vr.wait_empty(kv_it);
             if (lead) {
                 sm.vr.expect(kv_it, KV_BYTES);
-                for (int c = 0; c < NCH; ++c)
-                    fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it),
-                                  c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
+                if (a.kv_chunks)
+                    fc90_tma_load5(sm.v + off, &tm_v, sm.vr.full_bar(kv_it), 0, sq.k0 + ktile * BC, 0, hk, sq.qb);
+                else
+                    for (int c = 0; c < NCH; ++c)
+                        fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it),
+                                      c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
             }
         }
         tile = next;
@@ -915,10 +922,26 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
      * Prefill keeps 256: 128 measured 4-8% slower there in one round with cold inputs (bench/compare_torch.py),
      * within that harness's spread, so not settled. */
     const bool l2_128 = k.n_mblk == 1;
+    /* Decode from a contiguous cache with several 64-column chunks (D 128, 256): one load per tile and operand
+     * (kv_chunks) instead of one per chunk. The TMA unit's cost is per load: boxes of 64, 32, 16 rows instead of
+     * 128 made decode 1.5%, 7%, 17% slower (the paged path's 16-row boxes at pages of 16 lose the same), and the
+     * 5-dimensional loads gained 0.4-0.8% (B x Nk 16 x 32768, 8 x 16384, 1 x 131072, H200; prefill not measured,
+     * so it keeps the per-chunk loads). */
+    bool chunks = l2_128 && !a->block_table && a->D == D && D > 64;
     cudaError_t e = fc90_map(&tq, a->q, BF, a->D, qrows, a->H, nb, a->q_sn, a->q_sh, a->q_sb, TL.br);
-    if (e == cudaSuccess) e = fc90_map(&tk, a->k, BF, a->D, kr, a->Hkv, kb, a->k_sn, a->k_sh, a->k_sb, kbox, l2_128);
-    if (e == cudaSuccess) e = fc90_map(&tv, a->v, BF, a->D, kr, a->Hkv, kb, a->v_sn, a->v_sh, a->v_sb, kbox, l2_128);
+    if (e == cudaSuccess) {
+        e = fc90_map(&tk, a->k, BF, a->D, kr, a->Hkv, kb, a->k_sn, a->k_sh, a->k_sb, kbox, l2_128, chunks);
+        if (e == cudaSuccess)
+            e = fc90_map(&tv, a->v, BF, a->D, kr, a->Hkv, kb, a->v_sn, a->v_sh, a->v_sb, kbox, l2_128, chunks);
+        if (e != cudaSuccess && chunks) { /* a map the driver refuses in 5 dimensions: the 4-dimensional loads */
+            chunks = false;
+            e = fc90_map(&tk, a->k, BF, a->D, kr, a->Hkv, kb, a->k_sn, a->k_sh, a->k_sb, kbox, l2_128);
+            if (e == cudaSuccess)
+                e = fc90_map(&tv, a->v, BF, a->D, kr, a->Hkv, kb, a->v_sn, a->v_sh, a->v_sb, kbox, l2_128);
+        }
+    }
     if (e != cudaSuccess) return e;
+    k.kv_chunks = chunks;
     if (a->bm) { /* the bitmaps first, into the workspace (flashc_fwd_sm90_workspace) */
         if (!a->bm_tiles) return cudaErrorInvalidValue;
         const fc_bm_tiles_args bt = fc90_bm_tiles_args(a);

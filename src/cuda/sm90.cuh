@@ -155,6 +155,14 @@ static __device__ __forceinline__ void fc90_tma_load(uint32_t dst, const CUtenso
                  "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
                  : "memory");
 }
+/* The same from a 5-dimensional map (fc90_map with chunks: the column chunks of a row as a dimension). */
+static __device__ __forceinline__ void fc90_tma_load5(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0,
+                                                      int c1, int c2, int c3, int c4) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+                 : "memory");
+}
 /* prefetch.tensormap: brings the map's 128 bytes into the descriptor cache ahead of the first load. */
 static __device__ __forceinline__ void fc90_tma_prefetch(const CUtensorMap *map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)map) : "memory");
@@ -383,13 +391,18 @@ static int fc90_tma_ok(const void *base, const int64_t extent[3], const int64_t 
  * (free in flashc's API) is replaced by the packed one, which meets TMA's rules for any tensor below 1 TB.
  * L2 promotion: 256 bytes (a row's first 64-column chunk fetches the second's with it), or with l2_128 128 bytes,
  * one chunk's row (fwd_sm90.cu takes it for decode, where each K/V row is read once).
+ * chunks (d a multiple of 64): a 5-dimensional map (64, rows, d / 64, heads, batch) whose third dimension steps 128
+ * bytes along the row, with boxes of every chunk: one load (fc90_tma_load5) fills box_rows rows of all d columns,
+ * laid out in shared memory chunk after chunk as the 4-dimensional map's d / 64 boxes would be.
  */
 static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d, int64_t rows, int64_t heads,
-                            int64_t batch, int64_t sn, int64_t sh, int64_t sb, int box_rows, bool l2_128 = false) {
+                            int64_t batch, int64_t sn, int64_t sh, int64_t sb, int box_rows, bool l2_128 = false,
+                            bool chunks = false) {
     const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
     if (!enc) return cudaErrorNotSupported;
+    if (chunks && d % 64) return cudaErrorInvalidValue;
     const int64_t ext[4] = {d, rows, heads, batch}, el[3] = {sn, sh, sb};
-    cuuint64_t dim[4], str[3];
+    cuuint64_t dim[5], str[4];
     int64_t packed = (int64_t)d * 2;
     for (int i = 0; i < 4; i++) dim[i] = (cuuint64_t)ext[i];
     for (int i = 0; i < 3; i++) {
@@ -398,9 +411,21 @@ static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d,
         str[i] = (cuuint64_t)s;
         packed = s < (INT64_C(1) << 40) / ext[i + 1] ? s * ext[i + 1] : INT64_C(1) << 40;
     }
-    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, estr[4] = {1, 1, 1, 1};
-    const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                           (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+    cuuint32_t box[5] = {64, (cuuint32_t)box_rows, 1, 1, 1};
+    const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+    if (chunks) { /* (64, rows, d / 64, heads, batch): the chunk dimension between the rows and the heads */
+        dim[0] = 64;
+        dim[4] = dim[3];
+        dim[3] = dim[2];
+        dim[2] = (cuuint64_t)(d / 64);
+        str[3] = str[2];
+        str[2] = str[1];
+        str[1] = 128;
+        box[2] = (cuuint32_t)(d / 64);
+    }
+    const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                           chunks ? 5 : 4, (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                           CU_TENSOR_MAP_SWIZZLE_128B,
                            l2_128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
