@@ -18,7 +18,7 @@
  * workspaces, thread counts up to 40000 and INT32_MAX), then encodes it with the same codec the decoder uses.
  * So every driver case is also a libFuzzer input (--write DIR saves them as a corpus).
  *
- *   fuzz_api [--seed S] [--seconds T] [--runs N] [--index I] [--kernels generic|avx2|avx512|avx512bf16|all]
+ *   fuzz_api [--seed S] [--seconds T] [--runs N] [--index I] [--kernels generic|avx2|avx512|avx512bf16|amx|all]
  *            [--verbose]
  *   fuzz_api --case HEX_OR_FILE [--kernels K] [--verbose]       replays one input
  *   fuzz_api --seed S --runs N --write DIR                       writes the generated inputs, runs nothing
@@ -1759,7 +1759,7 @@ static double now_s(void) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: fuzz_api [--seed S] [--seconds T] [--runs N] [--index I] [--kernels generic|avx2|avx512|avx512bf16|all]\n"
+    fprintf(stderr, "usage: fuzz_api [--seed S] [--seconds T] [--runs N] [--index I] [--kernels generic|avx2|avx512|avx512bf16|amx|all]\n"
                     "                [--avoid K,K,...] [--verbose] [--case HEX_OR_FILE] [--write DIR]\n");
     return 2;
 }
@@ -1795,12 +1795,13 @@ static uint8_t *load_case(const char *arg, size_t *n) {
 static int run_all_kernels(uint64_t seed, double seconds, uint64_t runs, uint64_t first, int verbose) {
 #if FZ_POSIX
     const char *feat = flashc_cpu_features();
-    const char *sets[4];
+    const char *sets[5];
     int n = 0;
     sets[n++] = "generic";
     if (strstr(feat, "avx2")) sets[n++] = "avx2";
     if (strstr(feat, "avx512f")) sets[n++] = "avx512";
     if (flashc_cpu_kernels_by_name("avx512bf16")) sets[n++] = "avx512bf16"; /* built in, and this CPU has it */
+    if (flashc_cpu_kernels_by_name("amx")) sets[n++] = "amx";               /* AMX here, or an emulation build */
     stats tot;
     memset(&tot, 0, sizeof tot);
     int failed = 0;

@@ -2,8 +2,10 @@
  * test_cases: the shared case table on the CPU backend against the fp64 oracle, one line per case.
  *
  * Every run draws new inputs: the seed is taken from the clock and printed, FLASHC_SEED=<n> replays a run.
- * FLASHC_QUICK=1 (and any sanitizer build) runs the reduced table.
+ * FLASHC_QUICK=1 (and any sanitizer build) runs the reduced table. With FLASHC_CPU_KERNELS=<set> the table runs on that
+ * kernel set, checked to be the one chosen; a set this CPU or build lacks is skipped (ctest's test_cases_amx).
  */
+#include "cpu/cpu.h"
 #include "ref/testkit.h"
 
 #include <inttypes.h>
@@ -62,6 +64,20 @@ int main(void) {
     const char *quick_env = getenv("FLASHC_QUICK");
     int full = !(FLASHC_SANITIZED || (quick_env && *quick_env && strcmp(quick_env, "0") != 0));
     uint64_t seed = pick_seed();
+    const char *forced = getenv("FLASHC_CPU_KERNELS");
+    if (forced && *forced) {
+        const flashc_cpu_kernels *want = flashc_cpu_kernels_by_name(forced), *ran = flashc_cpu_select_kernels();
+        if (!want) {
+            printf("test_cases: FLASHC_CPU_KERNELS=%s: no such kernel set on this CPU/build (features: %s), skipped\n",
+                   forced, flashc_cpu_features());
+            return 0;
+        }
+        if (ran != want) {
+            fprintf(stderr, "test_cases: FLASHC_CPU_KERNELS=%s chose %s, not %s\n", forced, ran->name, want->name);
+            return 1;
+        }
+        printf("test_cases: kernels %s\n", ran->name);
+    }
     size_t n = 0;
     const flashc_case *table = flashc_case_table(full, &n);
 

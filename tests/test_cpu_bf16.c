@@ -17,8 +17,10 @@
  *  4. The driver's fp32 O and gradients before the store against fp64 within bounds derived from the bf16 rounding of
  *     P (and dS), much tighter than the rule of 3. (test_direct, test_direct_backward say how.)
  *
- * Where the CPU or the compiler lacks AVX512-BF16 it says so and passes: there bf16 runs on the fp32 kernels, which
- * the other CPU tests cover. Fresh inputs every run (the seed is printed; FLASHC_SEED=<n> replays).
+ * The same on the "amx" set (AMX-BF16 tiles for the pair gemm, kernels_amx.c) with `test_cpu_bf16 amx` under
+ * FLASHC_CPU_KERNELS=amx (ctest's test_cpu_bf16_amx): on AMX hardware, or anywhere in a FLASHC_CPU_AMX_EMULATE build.
+ * Where the CPU or the compiler lacks AVX512-BF16 (or AMX) it says so and passes: there bf16 runs on the fp32 kernels
+ * (or the avx512bf16 set), which the other CPU tests cover. Fresh inputs every run (the seed is printed; FLASHC_SEED=<n> replays).
  */
 #include "cpu/cpu.h"
 #include "ref/testkit.h"
@@ -402,23 +404,35 @@ static void test_direct_backward(const flashc_cpu_kernels *kern) {
     }
 }
 
-int main(void) {
+/* argv[1]: the set to test, "avx512bf16" (default) or "amx" (ctest runs it as test_cpu_bf16_amx with
+ * FLASHC_CPU_KERNELS=amx, so that the library forwards of 3. run on it too). */
+int main(int argc, char **argv) {
     const char *env = getenv("FLASHC_SEED");
     const uint64_t seed = env && *env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u;
     rng = seed ^ 0x9e3779b97f4a7c15ull;
-    const char *features = flashc_cpu_features();
-    const flashc_cpu_kernels *kern = flashc_cpu_kernels_by_name("avx512bf16");
+    const char *features = flashc_cpu_features(), *set = argc > 1 ? argv[1] : "avx512bf16";
+    const flashc_cpu_kernels *kern = flashc_cpu_kernels_by_name(set);
     printf("test_cpu_bf16: FLASHC_SEED=%" PRIu64 ", features: %s\n", seed, features);
     if (!kern) {
-        printf("test_cpu_bf16: no avx512bf16 kernel set (%s), skipped\n",
-               strstr(features, "avx512bf16") ? "the compiler lacks -mavx512bf16" : "the CPU lacks AVX512-BF16");
+        if (!strcmp(set, "amx"))
+            printf("test_cpu_bf16: no amx kernel set (%s), skipped\n",
+                   strstr(features, "amx-bf16") ? "not built with AMX" : "no AMX-BF16 here, and not emulated");
+        else
+            printf("test_cpu_bf16: no %s kernel set (%s), skipped\n", set,
+                   strstr(features, "avx512bf16") ? "the compiler lacks -mavx512bf16" : "the CPU lacks AVX512-BF16");
         return 0;
     }
     CHECK(kern->bf16 && kern->bf16->gemm && kern->bf16->pairs_f32 && kern->bf16->pairs_bf16,
-          "the avx512bf16 set has no bf16 products");
+          "the %s set has no bf16 products", set);
     if (failures) return 1;
     const char *forced = getenv("FLASHC_CPU_KERNELS"), *chosen = flashc_cpu_select_kernels()->name;
-    CHECK(forced || strcmp(chosen, kern->name) == 0, "the default kernel set is %s, not %s", chosen, kern->name);
+    /* the default: amx on AMX hardware (never emulated), else avx512bf16 */
+    const flashc_cpu_kernels *amx = flashc_cpu_kernels_by_name("amx");
+    const char *best =
+        amx && !strstr(amx->name, "emulated") ? amx->name : flashc_cpu_kernels_by_name("avx512bf16")->name;
+    CHECK(forced || strcmp(chosen, best) == 0, "the default kernel set is %s, not %s", chosen, best);
+    CHECK(!forced || strncmp(forced, set, strlen(set)) != 0 || strcmp(chosen, kern->name) == 0,
+          "FLASHC_CPU_KERNELS=%s chose %s", forced, chosen);
     CHECK(flashc_cpu_kernels_by_name("avx512") && !flashc_cpu_kernels_by_name("avx512")->bf16,
           "the AVX-512 set is not selectable without the bf16 products");
     test_gemm(kern);

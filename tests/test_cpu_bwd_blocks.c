@@ -140,11 +140,11 @@ int main(int argc, char **argv) {
     }
     /* Once per kernel set this CPU runs, each in its own process (the choice is made once per process); the same
      * seed in each. */
-    static const char *sets[] = {"generic", "avx2", "avx512", "avx512bf16"};
+    static const char *sets[] = {"generic", "avx2", "avx512", "avx512bf16", "amx"};
     char seed_text[32];
     snprintf(seed_text, sizeof seed_text, "%" PRIu64, seed);
     int bad = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < (int)(sizeof sets / sizeof sets[0]); i++) {
         if (!flashc_cpu_kernels_by_name(sets[i])) {
             printf("test_cpu_bwd_blocks: %s kernels not on this CPU, skipped\n", sets[i]);
             continue;

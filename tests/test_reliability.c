@@ -470,9 +470,9 @@ int main(int argc, char **argv) {
     const char *forced = getenv("FLASHC_CPU_KERNELS");
     if (forced) return run_all(forced);
     /* Once per kernel set this CPU runs, each in its own process (the choice is made once per process). */
-    static const char *sets[] = {"generic", "avx2", "avx512"};
+    static const char *sets[] = {"generic", "avx2", "avx512", "amx"};
     int bad = 0, ran = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < (int)(sizeof sets / sizeof sets[0]); i++) {
         if (!flashc_cpu_kernels_by_name(sets[i])) {
             printf("test_reliability: %s kernels not on this CPU, skipped\n", sets[i]);
             continue;

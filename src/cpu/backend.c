@@ -2,6 +2,7 @@
  * The CPU backend: its table, what the CPU has (cpuid features, the microkernel set they allow, the model name,
  * how many threads may run) and the checks of host-memory inputs before the drivers in attn.c run.
  */
+#define _GNU_SOURCE /* syscall (arch_prctl for the AMX tile state) */
 #include "cpu.h"
 
 #include <pthread.h>
@@ -20,8 +21,37 @@
  */
 #if defined(FLASHC_CPU_X86)
 #  include <cpuid.h>
+#  if defined(__linux__)
+#    include <sys/syscall.h>
+#    include <unistd.h>
+#  endif
 enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64,
-       CPU_AVX512BF16 = 128 };
+       CPU_AVX512BF16 = 128, CPU_AMX_BF16 = 256 };
+
+/*
+ * AMX-BF16 usable: cpuid leaf 7 EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), the OS saving the tile state (XCR0 bits
+ * 17, 18), palette 1 with 8 tiles of 16 rows x 64 bytes (leaf 0x1D), and on Linux the process's permission to use
+ * the tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 on: without it the first tile
+ * load kills the process). The permission is the process's; asked for once, by the thread that first looks at the
+ * features, and only by a build with the (not emulated) amx set: it enlarges the process's signal frames. Any step
+ * failing leaves AMX out, silently.
+ */
+static int amx_usable(unsigned edx7, unsigned long long xcr0) {
+    if (!(edx7 >> 22 & 1) || !(edx7 >> 24 & 1) || (xcr0 & 0x60000) != 0x60000) return 0;
+    if (__get_cpuid_max(0, NULL) < 0x1d) return 0;
+    unsigned a, b, c, d;
+    __cpuid_count(0x1d, 0, a, b, c, d);
+    if (a < 1) return 0; /* highest palette */
+    __cpuid_count(0x1d, 1, a, b, c, d);
+    if ((b & 0xffff) < 64 || (b >> 16) < 8 || (c & 0xffff) < 16) return 0; /* bytes per row, tiles, rows */
+#  if defined(__linux__) && defined(SYS_arch_prctl) && defined(FLASHC_CPU_AMX) && !defined(FLASHC_CPU_AMX_EMULATE)
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#  else
+    return 0; /* no AMX kernels built (or emulated ones), or no way known here to ask the OS for the tile data */
+#  endif
+}
+
 static unsigned detect_x86(void) {
     unsigned a, b, c, d, f = 0;
     if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
@@ -47,6 +77,7 @@ static unsigned detect_x86(void) {
             __cpuid_count(7, 1, a71, b71, c71, d71);
             if ((a71 >> 5 & 1) && avx512_os) f |= CPU_AVX512BF16;
         }
+        if (amx_usable(d7, xcr0)) f |= CPU_AMX_BF16;
     }
     return f;
 }
@@ -76,6 +107,30 @@ static void avx512bf16_init(void) {
 }
 #endif
 
+/*
+ * The "amx" set: the avx512bf16 set with its bf16 gemm on AMX tiles (kernels_amx.c); its register tile is a 32 x 32
+ * block of C tiles, and the edge strips of attn.c are one A tile tall (mr 16). Built with FLASHC_CPU_AMX_EMULATE the
+ * tiles are emulated in C: then the set runs on any CPU with AVX512-BF16, only when forced, and says so in its name.
+ */
+#if defined(FLASHC_CPU_X86) && defined(FLASHC_CPU_AMX)
+static flashc_cpu_kernels kernels_amx;
+static flashc_cpu_bf16_kernels bf16_amx;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void amx_init(void) {
+    pthread_once(&avx512bf16_once, avx512bf16_init);
+    flashc_cpu_bf16_kernels_amx_fill(&bf16_amx);
+    kernels_amx = kernels_avx512bf16;
+#  if defined(FLASHC_CPU_AMX_EMULATE)
+    kernels_amx.name = "amx_32x32_emulated";
+#  else
+    kernels_amx.name = "amx_32x32";
+#  endif
+    kernels_amx.mr = 16;
+    kernels_amx.nr = 32;
+    kernels_amx.bf16 = &bf16_amx;
+}
+#endif
+
 static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name) {
     if (!strcmp(name, "generic")) return &flashc_cpu_kernels_generic;
 #if defined(FLASHC_CPU_X86)
@@ -88,6 +143,17 @@ static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name)
         pthread_once(&avx512bf16_once, avx512bf16_init);
         return &kernels_avx512bf16;
     }
+#    if defined(FLASHC_CPU_AMX)
+#      if defined(FLASHC_CPU_AMX_EMULATE)
+    const unsigned amx = bf16;
+#      else
+    const unsigned amx = bf16 | CPU_AMX_BF16;
+#      endif
+    if (!strcmp(name, "amx") && (x86 & amx) == amx) {
+        pthread_once(&amx_once, amx_init);
+        return &kernels_amx;
+    }
+#    endif
 #  endif
 #endif
     (void)x86;
@@ -102,7 +168,8 @@ static void cpu_info_init(void) {
     cpu_info.x86 = f;
     static const struct { unsigned bit; const char *name; } names[] = {
         {CPU_SSE42, "sse4.2"}, {CPU_AVX, "avx"}, {CPU_AVX2, "avx2"}, {CPU_FMA, "fma"}, {CPU_F16C, "f16c"},
-        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}, {CPU_AVX512BF16, "avx512bf16"}};
+        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}, {CPU_AVX512BF16, "avx512bf16"},
+        {CPU_AMX_BF16, "amx-bf16"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (f & names[i].bit) strcat(buf, names[i].name), strcat(buf, " ");
 #elif defined(__aarch64__)
@@ -116,8 +183,12 @@ static void cpu_info_init(void) {
     else strcpy(buf, "generic");
 
     const flashc_cpu_kernels *k = NULL;
-    const char *force = getenv("FLASHC_CPU_KERNELS"); /* generic | avx2 | avx512 | avx512bf16, when this CPU runs it */
+    /* generic | avx2 | avx512 | avx512bf16 | amx, when this CPU runs it */
+    const char *force = getenv("FLASHC_CPU_KERNELS");
     if (force) k = kernels_by_name(cpu_info.x86, force);
+#if !defined(FLASHC_CPU_AMX_EMULATE)
+    if (!k) k = kernels_by_name(cpu_info.x86, "amx");
+#endif
     if (!k) k = kernels_by_name(cpu_info.x86, "avx512bf16");
     if (!k) k = kernels_by_name(cpu_info.x86, "avx512");
     if (!k) k = kernels_by_name(cpu_info.x86, "avx2");

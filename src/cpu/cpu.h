@@ -283,6 +283,11 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                               const void *const *v, int vt, float *o, int64_t ldo);
 #  endif
+#  if defined(FLASHC_CPU_AMX)
+/* kernels_amx.c: the "amx" set's bf16 kernels, the avx512bf16 ones with gemm on AMX-BF16 tiles (emulated in C when
+ * built with FLASHC_CPU_AMX_EMULATE). */
+void flashc_cpu_bf16_kernels_amx_fill(flashc_cpu_bf16_kernels *k);
+#  endif
 /* The AVX2 decode kernels, which the AVX-512 table shares but for softmax_rows (every AVX-512 CPU has AVX2; decode
  * streams K and V at memory speed, where the wider vectors have little to add), and the avx512bf16 set for fp32 K
  * and V rows. */
@@ -297,10 +302,11 @@ void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, flo
 /* The portable dropout (kernels_generic.c): the definition the SIMD ones must match bit for bit. */
 void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,
                                 int64_t j0);
-/* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512|avx512bf16 forces
- * a choice). */
+/* backend.c: the best kernels this CPU runs (environment FLASHC_CPU_KERNELS=generic|avx2|avx512|avx512bf16|amx forces
+ * a choice). "amx" is the default only on a CPU with AMX-BF16 whose OS grants the tile state, never emulated. */
 const flashc_cpu_kernels *flashc_cpu_select_kernels(void);
-/* Kernels by name ("generic", "avx2", "avx512", "avx512bf16"); NULL when not built in or this CPU lacks the ISA. */
+/* Kernels by name ("generic", "avx2", "avx512", "avx512bf16", "amx"); NULL when not built in or this CPU lacks the
+ * ISA (or, for "amx", the OS refused the tile state). */
 const flashc_cpu_kernels *flashc_cpu_kernels_by_name(const char *name);
 
 /* Tile sizes: query rows resident per task (a multiple of 16, at most FLASHC_CPU_MAX_BR), key rows streamed per
