@@ -17,14 +17,17 @@
  *  4. The driver's fp32 O and gradients before the store against fp64 within bounds derived from the bf16 rounding of
  *     P (and dS), much tighter than the rule of 3. (test_direct, test_direct_backward say how.)
  *
- * The same on the "amx" set (AMX-BF16 tiles for the pair gemm, kernels_amx.c) with `test_cpu_bf16 amx` under
+ * The same on the "amx" set (AMX-BF16 tiles for the pair gemm, kernels_amx.c), whose gemm is also held bit for bit
+ * to a scalar model of the SDM's TDPBF16PS (test_amx_bits), with `test_cpu_bf16 amx` under
  * FLASHC_CPU_KERNELS=amx (ctest's test_cpu_bf16_amx): on AMX hardware, or anywhere in a FLASHC_CPU_AMX_EMULATE build.
  * Where the CPU or the compiler lacks AVX512-BF16 (or AMX) it says so and passes: there bf16 runs on the fp32 kernels
- * (or the avx512bf16 set), which the other CPU tests cover. Fresh inputs every run (the seed is printed; FLASHC_SEED=<n> replays).
+ * (or the avx512bf16 set), which the other CPU tests cover. Fresh inputs every run (the seed is printed;
+ * FLASHC_SEED=<n> replays).
  */
 #include "cpu/cpu.h"
 #include "ref/testkit.h"
 
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -98,6 +101,63 @@ static void test_gemm(const flashc_cpu_kernels *kern) {
                       layout, acc, worst, outside ? ", wrote past n" : "");
                 free(a), free(b), free(c), free(c0);
             }
+}
+
+/*
+ * The amx set's gemm bit for bit against a scalar model of TDPBF16PS as the Intel SDM states it: per element one fp32
+ * chain over the pairs in order, c = fma(a0, b0, c) then c = fma(a1, b1, c), each rounded to nearest even, bf16
+ * denormal inputs read as 0 and denormal results flushed to 0; the chain starts from C where the gemm accumulates in
+ * the tiles (whole 32 x 32 blocks, alpha 1), else from 0 and then alpha * sum (+ C) as the vdpbf16ps gemm does.
+ * Inputs include bf16 denormals and products below FLT_MIN. Under FLASHC_CPU_AMX_EMULATE this checks the kernel
+ * drives the tiles as intended; on AMX hardware a mismatch means the hardware's rounding differs from the SDM's text
+ * (and the emulation): reported, not failed, since the error bound of test_gemm still holds.
+ */
+static float sdm_bf16(uint16_t x) { return flashc_bf16_to_f32((x & 0x7f80u) == 0 ? (uint16_t)(x & 0x8000u) : x); }
+static float sdm_ftz(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }
+static uint16_t odd_bf16(void) {
+    const uint64_t r = flashc_rand_u64(&rng) % 16;
+    if (r == 0) return (uint16_t)(flashc_rand_u64(&rng) % 0x7f + 1) | (r & 1 ? 0x8000u : 0); /* a denormal */
+    if (r == 1) return flashc_f32_to_bf16(ldexpf((float)flashc_rand_normal(&rng), -66)); /* products < FLT_MIN */
+    return bf16_value();
+}
+static void test_amx_bits(const flashc_cpu_kernels *kern) {
+    static const struct { int m, n, k, acc; float alpha; } shapes[] = {{64, 64, 32, 1, 1.0f},  {64, 96, 48, 0, 1.0f},
+                                                                       {40, 50, 37, 0, 0.37f}, {33, 17, 5, 1, 0.5f},
+                                                                       {32, 64, 64, 0, 0.0625f}};
+    const int emulated = strstr(kern->name, "emulated") != NULL;
+    long total = 0, differ = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int layout = 0; layout < 2; layout++) {
+            const int m = shapes[si].m, n = shapes[si].n, k = shapes[si].k, acc = shapes[si].acc;
+            const float alpha = shapes[si].alpha;
+            const int64_t rs = layout ? 2 : 2 * k + 2, cs = layout ? 2 * (m + 1) : 2;
+            const int64_t a_len = layout ? cs * k : rs * m, ldb = 2 * (n + 3), ldc = n + 1;
+            uint16_t *a = malloc(2 * (size_t)a_len), *b = malloc(2 * (size_t)(ldb * k));
+            float *c = malloc(sizeof(float) * (size_t)(ldc * m)), *c0 = malloc(sizeof(float) * (size_t)(ldc * m));
+            for (int64_t i = 0; i < a_len; i++) a[i] = odd_bf16();
+            for (int64_t i = 0; i < ldb * k; i++) b[i] = odd_bf16();
+            for (int64_t i = 0; i < ldc * m; i++) c[i] = c0[i] = value();
+            kern->bf16->gemm(m, n, k, a, rs, cs, b, ldb, c, ldc, alpha, acc);
+            const int in_tiles = acc && alpha == 1.0f && m % 32 == 0 && n % 32 == 0;
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < n; j++) {
+                    float x = in_tiles ? c0[i * ldc + j] : 0.0f;
+                    for (int p = 0; p < k; p++)
+                        for (int e = 0; e < 2; e++)
+                            x = sdm_ftz(fmaf(sdm_bf16(a[i * rs + p * cs + e]), sdm_bf16(b[p * ldb + 2 * j + e]), x));
+                    if (!in_tiles) {
+                        x = x * alpha;
+                        if (acc) x = x + c0[i * ldc + j];
+                    }
+                    total++;
+                    differ += memcmp(&x, &c[i * ldc + j], sizeof x) != 0;
+                }
+            free(a), free(b), free(c), free(c0);
+        }
+    printf("test_cpu_bf16 [%s]: gemm against the SDM's TDPBF16PS, bit for bit: %ld of %ld elements differ\n",
+           kern->name, differ, total);
+    CHECK(!emulated || differ == 0, "the emulated amx gemm differs from the SDM model in %ld of %ld elements", differ,
+          total);
 }
 
 static void test_pairs(const flashc_cpu_kernels *kern) {
@@ -436,6 +496,7 @@ int main(int argc, char **argv) {
     CHECK(flashc_cpu_kernels_by_name("avx512") && !flashc_cpu_kernels_by_name("avx512")->bf16,
           "the AVX-512 set is not selectable without the bf16 products");
     test_gemm(kern);
+    if (!strncmp(kern->name, "amx", 3)) test_amx_bits(kern);
     test_pairs(kern);
     if (strcmp(chosen, kern->name) != 0) /* forced elsewhere, or amx the default (test_cpu_bf16_amx runs them there) */
         printf("test_cpu_bf16: the library runs %s: its forwards are left out (they would not run on %s)\n", chosen,
