@@ -129,7 +129,8 @@ static void epilogue(int rows, int cols, const float *x, float *c, int64_t ldc, 
     const __m512 s = _mm512_set1_ps(alpha);
     for (int i = 0; i < rows; i++) {
         float *ci = c + (int64_t)i * ldc;
-        __m512 c0 = _mm512_mul_ps(_mm512_load_ps(x + 32 * i), s), c1 = _mm512_mul_ps(_mm512_load_ps(x + 32 * i + 16), s);
+        __m512 c0 = _mm512_mul_ps(_mm512_load_ps(x + 32 * i), s);
+        __m512 c1 = _mm512_mul_ps(_mm512_load_ps(x + 32 * i + 16), s);
         if (accumulate) {
             c0 = _mm512_add_ps(c0, _mm512_maskz_loadu_ps(m0, ci));
             c1 = _mm512_add_ps(c1, _mm512_maskz_loadu_ps(m1, ci + 16));
