@@ -127,9 +127,30 @@ static inline void flashc_amx_emu_dpbf16ps(int c, int a, int b) {
 #  define FLASHC_AMX_DPBF16PS(c, a, b) flashc_amx_emu_dpbf16ps(c, a, b)
 #else
 #  include <immintrin.h>
-#  define FLASHC_AMX_CONFIG(cfg) _tile_loadconfig(cfg)
-#  define FLASHC_AMX_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#  define FLASHC_AMX_STORE(t, base, stride) _tile_stored(t, base, stride)
+/* Compiler barriers around every tile operation that reads or writes memory: gcc's _tile_loadd is an asm statement
+ * that names no memory (and _tile_loadconfig only the configuration's first 8 bytes), so the compiler may move or
+ * drop the stores that fill a packed panel, a B tile or the configuration before the tile load reads them, or
+ * reuse a buffer before the load is done. The emulation's loads are C and never had the problem: on the Xeon the
+ * packed edge tiles (m 5 x n 3, D 1, 8, 111) came out wrong while every full tile was right. */
+#  define FLASHC_AMX_FENCE() __asm__ volatile("" ::: "memory")
+#  define FLASHC_AMX_CONFIG(cfg)                                                                                   \
+      do {                                                                                                         \
+          FLASHC_AMX_FENCE();                                                                                      \
+          _tile_loadconfig(cfg);                                                                                   \
+          FLASHC_AMX_FENCE();                                                                                      \
+      } while (0)
+#  define FLASHC_AMX_LOAD(t, base, stride)                                                                         \
+      do {                                                                                                         \
+          FLASHC_AMX_FENCE();                                                                                      \
+          _tile_loadd(t, base, stride);                                                                            \
+          FLASHC_AMX_FENCE();                                                                                      \
+      } while (0)
+#  define FLASHC_AMX_STORE(t, base, stride)                                                                        \
+      do {                                                                                                         \
+          FLASHC_AMX_FENCE();                                                                                      \
+          _tile_stored(t, base, stride);                                                                           \
+          FLASHC_AMX_FENCE();                                                                                      \
+      } while (0)
 #  define FLASHC_AMX_ZERO(t) _tile_zero(t)
 #  define FLASHC_AMX_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
