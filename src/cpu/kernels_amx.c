@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "kernels_amx_tile.h"
+#include "transpose_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -38,34 +39,6 @@ enum {
 
 AI int imin(int a, int b) { return a < b ? a : b; }
 AI __mmask16 first(int n) { return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
-
-/* Sixteen rows of sixteen 32-bit words transposed in place (x[c] word g = the old x[g] word c); kernels_avx512bf16.c's
- * transpose16. */
-AI void transpose16(__m512i x[16]) {
-    __m512i a[16], b[16];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) {
-        b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
-        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
-        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
-        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        const __m512i u0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xee);
-        const __m512i v0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-        const __m512i v1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xee);
-        x[j] = _mm512_shuffle_i32x4(u0, v0, 0x88);
-        x[4 + j] = _mm512_shuffle_i32x4(u0, v0, 0xdd);
-        x[8 + j] = _mm512_shuffle_i32x4(u1, v1, 0x88);
-        x[12 + j] = _mm512_shuffle_i32x4(u1, v1, 0xdd);
-    }
-}
 
 /* Every tile 16 rows x 64 bytes (palette 1). */
 static void configure_tiles(void) {
@@ -89,7 +62,7 @@ static void pack_a(int rows, int k, int kp, const uint16_t *a, int64_t rs_a, int
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++)
                 x[j] = p0 + j < k ? _mm512_maskz_loadu_epi32(mr, a + (int64_t)(p0 + j) * cs_a) : _mm512_setzero_si512();
-            transpose16(x);
+            flashc_cpu_transpose16(x);
 #pragma GCC unroll 16
             for (int r = 0; r < 16; r++) _mm512_storeu_si512(dst + r * ldd + 2 * p0, x[r]);
         }

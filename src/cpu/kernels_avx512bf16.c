@@ -25,6 +25,7 @@
 
 #include "exp2_avx512.h"
 #include "philox_avx512.h"
+#include "transpose_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -314,37 +315,9 @@ AI int split_q(int R, int rows_left, int D, int nd, const float *q, int64_t ldq,
     return _mm512_test_epi32_mask(any, any) != 0;
 }
 
-/* Sixteen rows of sixteen 32-bit words transposed in place (x[c] word g = the old x[g] word c): words paired within
- * 128-bit blocks, then pairs of words, then blocks across rows in two steps; 64 shuffles. */
-AI void transpose16(__m512i x[16]) {
-    __m512i a[16], b[16];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
-    }
-    /* b[4g + j], block L: words 4L + j of rows 4g .. 4g + 3 */
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) {
-        b[4 * g] = _mm512_unpacklo_epi64(a[4 * g], a[4 * g + 2]);
-        b[4 * g + 1] = _mm512_unpackhi_epi64(a[4 * g], a[4 * g + 2]);
-        b[4 * g + 2] = _mm512_unpacklo_epi64(a[4 * g + 1], a[4 * g + 3]);
-        b[4 * g + 3] = _mm512_unpackhi_epi64(a[4 * g + 1], a[4 * g + 3]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        const __m512i u0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xee);
-        const __m512i v0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44);
-        const __m512i v1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xee);
-        x[j] = _mm512_shuffle_i32x4(u0, v0, 0x88);
-        x[4 + j] = _mm512_shuffle_i32x4(u0, v0, 0xdd);
-        x[8 + j] = _mm512_shuffle_i32x4(u1, v1, 0x88);
-        x[12 + j] = _mm512_shuffle_i32x4(u1, v1, 0xdd);
-    }
-}
 
 /*
- * D <= 32, R query rows against sixteen keys in the lanes: t[p] holds pair p of the sixteen K rows (transpose16), so
+ * D <= 32, R query rows against sixteen keys in the lanes: t[p] holds pair p of the sixteen K rows (transposed), so
  * each row's scores come from sixteen vdpbf16ps with its pair p broadcast, with no reduction across lanes (two
  * accumulators per row for the latency). qw / qlw: the rows' hi / lo words (pairs).
  */
@@ -366,7 +339,7 @@ AI void dots_bf16_short(const int R, const int T, const __m512i t[16], const uin
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(s + r * lds, mn, _mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-/* dots_kv for D <= 32: sixteen query rows at a time as bf16 words, then per sixteen keys one transpose16 shared by
+/* dots_kv for D <= 32: sixteen query rows at a time as bf16 words, then per sixteen keys one transpose shared by
  * the rows, blocks of four rows against it. */
 static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, float *s,
                           int64_t lds, flashc_cpu_pf_cursor *cur) {
@@ -389,7 +362,7 @@ static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq
 #pragma GCC unroll 16
             for (int c = 0; c < 16; c++)
                 t[c] = _mm512_maskz_loadu_epi16(tail, k[c0 + (c < n ? c : n - 1)]);
-            transpose16(t);
+            flashc_cpu_transpose16(t);
             flashc_cpu_pf_issue(cur);
             const __mmask16 mn = first(n);
             for (int b = 0; b < nr; b += 4) {
@@ -529,7 +502,7 @@ void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t
     }
 }
 
-/* Blocks of 16 rows x 16 pair words through transpose16: 16 loads and 16 whole-line stores per block, where a word at
+/* Blocks of 16 rows x 16 pair words transposed: 16 loads and 16 whole-line stores per block, where a word at
  * a time wrote each to another line. */
 static void pairs_t_avx512(int rows, int pad_rows, int pairs, const uint16_t *src, int64_t lds, uint16_t *dst,
                            int64_t ldd) {
@@ -543,7 +516,7 @@ static void pairs_t_avx512(int rows, int pad_rows, int pairs, const uint16_t *sr
             for (int i = 0; i < 16; i++)
                 x[i] = r0 + i < rows ? _mm512_maskz_loadu_epi32(mq, src + (int64_t)(r0 + i) * lds + 2 * q0)
                                      : _mm512_setzero_si512();
-            transpose16(x);
+            flashc_cpu_transpose16(x);
             for (int j = 0; j < nq; j++) _mm512_mask_storeu_epi32(dst + (int64_t)(q0 + j) * ldd + 2 * r0, mr, x[j]);
         }
     }
