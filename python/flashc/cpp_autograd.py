@@ -12,15 +12,18 @@ flash_attn_func forward + backward step took 143.9 us of host time against 157.5
 
 The module is compiled from that one file against the running torch (a C++20 compiler: $CXX, else c++; Python's
 headers; about half a minute) into a cache directory ($FLASHC_CACHE_DIR, else $XDG_CACHE_HOME/flashc or
-~/.cache/flashc), keyed by the source, the torch and Python versions and the compiler command, and later processes
-load it from there. FLASHC_CPP_AUTOGRAD, read at the first planned call, decides when:
+~/.cache/flashc; created private), keyed by the source, the torch and Python versions and the compiler command (with
+torch's and Python's install paths), and later processes load it from there; a module or directory that another user
+owns or others can write is not loaded (_trusted). FLASHC_CPP_AUTOGRAD, read at the first planned call that needs
+gradients, decides when:
 
 - unset or ``auto`` (the default): a module already in the cache is loaded and used at once; otherwise a daemon
   thread starts the compiler (``nice``d, in its own session) and the calls keep the Python function until the module
   is built and loaded, when later calls switch to it. No call waits for the build. A failure (no compiler, no
   Python.h, a compile or load error, a cache directory that cannot be written) only leaves a record on the "flashc"
   logger and in ``status()``; a failed compile leaves its output beside the module (``<module>.log``), and later
-  processes do not try again in the background until ``python -m flashc.cpp_autograd`` or ``enable()`` builds it.
+  processes do not try again in the background until ``python -m flashc.cpp_autograd`` or ``enable()`` builds it
+  (a compiler killed by a signal leaves no log: the next process tries again).
 - ``0`` / ``off`` / ``false``: never (the Python function).
 - ``1`` / ``on`` / ``true``: built (if needed) and loaded at the first planned call, which waits for it; a failure
   warns once and keeps the Python function.
@@ -71,15 +74,17 @@ _thread = None
 _lock_fds = set()  # the lock files this process holds open (a forked child closes its copies)
 
 # Runs the compiler, then renames its output into place (at once: a loader sees the whole module or none) in the same
-# process, so a build the Python process leaves behind still lands; a failure leaves the output as the log. The module
-# is made readable as the umask allows (mkstemp's file is the owner's only: an image built as root, run as a user).
+# process, so a build the Python process leaves behind still lands; a failure leaves the output as the log (not when
+# the compiler was killed by a signal, e.g. out of memory: a later build tries again). The module is made readable as
+# the umask allows (mkstemp's file is the owner's only: an image built as root, run as a user).
 _SCRIPT = """tmp=$1 target=$2 log=$3; shift 3
 "$@" >"$tmp.log" 2>&1
 rc=$?
 if [ $rc -eq 0 ]; then chmod +r "$tmp" && mv -f "$tmp" "$target" 2>>"$tmp.log" && rm -f "$tmp.log" "$log" && exit 0
   rc=$?; fi
-mv -f "$tmp.log" "$log"
 rm -f "$tmp"
+if [ $rc -gt 128 ]; then rm -f "$tmp.log"; exit $rc; fi
+mv -f "$tmp.log" "$log"
 exit $rc
 """
 
@@ -184,7 +189,7 @@ def _build(target, verbose, background):
     the lock; the background polls for it (or for the module) and does not compile again after a failed build."""
     d = os.path.dirname(target)
     try:
-        os.makedirs(d, exist_ok=True)
+        os.makedirs(d, mode=0o700, exist_ok=True)
         fd = os.open(_side(target, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise BuildError("the cache directory %s cannot be written (%s)" % (d, e)) from e
@@ -221,7 +226,18 @@ def build(verbose=False):
     return _build(target, verbose, background=False)
 
 
+def _trusted(path):
+    """Refuses a module (or its directory) that someone other than this user or root owns or can write: the cache
+    directory may be shared ($FLASHC_CACHE_DIR), and a planted file would run in this process."""
+    for p in (os.path.dirname(os.path.abspath(path)), path):
+        st = os.stat(p)
+        if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022 and not (p != path and st.st_mode & 0o1000):
+            raise BuildError("%s is owned by another user or writable by others: not loaded (build it into a "
+                             "directory of your own: FLASHC_CACHE_DIR)" % p)
+
+
 def _load(path):
+    _trusted(path)
     try:
         loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
         spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
@@ -264,9 +280,10 @@ def disable():
     global _choice, _state
     from . import ops
 
-    _choice = False
-    ops._cpp = None
-    _state = "off"
+    with _lock:
+        _choice = False
+        ops._cpp = None
+        _state = "off"
 
 
 def enabled():
@@ -297,9 +314,8 @@ def _mode():
         return "off"
     if v in ("1", "on", "true", "yes"):
         return "on"
-    if v not in ("", "auto"):
-        warnings.warn("FLASHC_CPP_AUTOGRAD=%r is none of auto, 0/off, 1/on; taken as auto" % v, RuntimeWarning,
-                      stacklevel=4)
+    if v not in ("", "auto"):  # logged, not warned: under -W error a warning would raise in the user's call
+        _log.warning("flashc.cpp_autograd: FLASHC_CPP_AUTOGRAD=%r is none of auto, 0/off, 1/on; taken as auto", v)
     return "auto"
 
 

@@ -626,7 +626,8 @@ _fast_apply = _FastFunction.apply
 # flashc.cpp_autograd's module once enabled (its attention() replaces _fast_apply where a plan allows), else None.
 # Read at each call, so a module that a background build loads later serves the keys planned before it too.
 _cpp = None
-_cpp_env = True  # FLASHC_CPP_AUTOGRAD still to be read (at the first plan; again in a child forked mid-build)
+_cpp_env = True  # FLASHC_CPP_AUTOGRAD still to be read (at the first planned call that needs gradients; again
+# in a child forked mid-build)
 
 
 def _cpp_from_environment():
@@ -691,6 +692,8 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _cpp_env:  # FLASHC_CPP_AUTOGRAD, read at the first planned call that needs gradients
+            _cpp_from_environment()
         cpp = _cpp  # read once: a background build may set it between calls (never within one)
         if cpp is not None:
             try:
@@ -727,6 +730,8 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _cpp_env:
+            _cpp_from_environment()
         cpp = _cpp
         if cpp is not None:
             try:
@@ -745,7 +750,6 @@ def _build(plans, key, q, k, v):
     """Plans the key when the full path's Python checks pass (float32 / float16 / bfloat16 tensors of one dtype on one
     device, 4-d) and the library takes the problem as it lies (flashc_supported); otherwise no plan, and every call
     with the key takes the full path."""
-    _cpp_from_environment()
     try:
         hash(key)
     except TypeError:  # an unhashable option (window_size as a list)
@@ -783,6 +787,8 @@ def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
         _build_sdpa(_plans(), k, query, key, value, is_causal, scale, enable_gqa)
         return None
     if _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        if _cpp_env:
+            _cpp_from_environment()
         cpp = _cpp
         if cpp is not None:
             try:
@@ -802,7 +808,6 @@ def _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa):
     """Plans an SDPA key when the full path (_torch.sdpa) would run the problem as one flashc call on the (B, N, H, D)
     transposes of 4-d inputs: its checks pass, and the causal mask keeps every key (top-left causal with Nq < Nk
     drops keys by a view, which the full path's autograd handles)."""
-    _cpp_from_environment()
     try:
         hash(k)
     except TypeError:

@@ -157,3 +157,46 @@ def test_disable_before_the_first_call_overrides_auto(tmp_path):
     seen = _child(tmp_path / "cache", "out1, grads1, cpp1 = step()\n", setup="cpp_autograd.disable()")
     assert seen["after"] == "off" and not seen["thread"] and not seen["cpp1"]
     assert not os.path.exists(tmp_path / "cache")
+
+
+def test_calls_without_gradients_never_build(tmp_path):
+    # inference (no_grad, inference_mode) never starts a build: the variable is read at the first planned call that
+    # needs gradients (the grad calls after it fail fast here: CXX=/bin/false)
+    seen = _child(tmp_path / "cache", """
+seen.update(inference=inference, inference_dir=inference_dir)
+out1, grads1, cpp1 = step()
+""", setup="""
+import os
+with torch.inference_mode():
+    for _ in range(3):
+        flashc.flash_attn_func(q.detach(), k.detach(), v.detach(), causal=True)
+with torch.no_grad():
+    for _ in range(3):
+        flashc.flash_attn_func(q, k, v, causal=True)
+inference = cpp_autograd.status()
+inference_dir = os.path.exists(os.environ["FLASHC_CACHE_DIR"])
+""", CXX="/bin/false")
+    assert seen["inference"] == "pending" and not seen["inference_dir"]
+    assert seen["thread"] and not seen["cpp1"] and seen["same"]
+
+
+def test_an_unknown_value_is_logged_not_warned(tmp_path):
+    # under -W error a warning would raise in the user's call: the value goes to the "flashc" logger
+    seen = _child(tmp_path / "cache", "cpp_autograd._wait_for_build(600)\nout1, grads1, cpp1 = step()\n",
+                  FLASHC_CPP_AUTOGRAD="maybe", PYTHONWARNINGS="error", CXX="/bin/false")
+    assert any("none of auto" in m for m in seen["records"]) and not seen["cpp1"] and seen["same"]
+
+
+@needs_toolchain
+def test_a_module_others_can_write_is_not_loaded(prebuilt, tmp_path):
+    cache = tmp_path / "shared"
+    cache.mkdir(mode=0o700)
+    planted = cache / os.path.basename(prebuilt)
+    shutil.copy(prebuilt, planted)
+    os.chmod(planted, 0o664)  # group-writable: anyone in the group could have put code there
+    seen = _child(cache, "out1, grads1, cpp1 = step()\n")
+    assert not seen["cpp0"] and not seen["cpp1"] and seen["same"] and not seen["thread"]
+    assert seen["after"].startswith("failed: ") and "writable by others" in seen["after"]
+    os.chmod(planted, 0o644)  # the same file, writable by its owner only, loads
+    seen = _child(cache, "out1, grads1, cpp1 = step()\n")
+    assert seen["after"] == "enabled" and seen["cpp1"] and seen["same"]
