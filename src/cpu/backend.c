@@ -29,12 +29,9 @@ enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU
        CPU_AVX512BF16 = 128, CPU_AMX_BF16 = 256 };
 
 /*
- * AMX-BF16 usable: cpuid leaf 7 EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), the OS saving the tile state (XCR0 bits
- * 17, 18), palette 1 with 8 tiles of 16 rows x 64 bytes (leaf 0x1D), and on Linux the process's permission to use
- * the tile data (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, Linux 5.16 on: without it the first tile
- * load kills the process). The permission is the process's; asked for once, by the thread that first looks at the
- * features, and only by a build with the (not emulated) amx set: it enlarges the process's signal frames. Any step
- * failing leaves AMX out, silently.
+ * AMX-BF16 present: cpuid leaf 7 EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), the OS saving the tile state (XCR0 bits
+ * 17, 18), palette 1 with 8 tiles of 16 rows x 64 bytes (leaf 0x1D). Using it also takes the process's permission
+ * for the tile data on Linux (amx_permission), asked only when the amx set is chosen.
  */
 static int amx_usable(unsigned edx7, unsigned long long xcr0) {
     if (!(edx7 >> 22 & 1) || !(edx7 >> 24 & 1) || (xcr0 & 0x60000) != 0x60000) return 0;
@@ -44,13 +41,32 @@ static int amx_usable(unsigned edx7, unsigned long long xcr0) {
     if (a < 1) return 0; /* highest palette */
     __cpuid_count(0x1d, 1, a, b, c, d);
     if ((b & 0xffff) < 64 || (b >> 16) < 8 || (c & 0xffff) < 16) return 0; /* bytes per row, tiles, rows */
-#  if defined(__linux__) && defined(SYS_arch_prctl) && defined(FLASHC_CPU_AMX) && !defined(FLASHC_CPU_AMX_EMULATE)
-    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#  else
-    return 0; /* no AMX kernels built (or emulated ones), or no way known here to ask the OS for the tile data */
-#  endif
+    return 1;
 }
+
+/*
+ * Linux (5.16 on) kills a process at its first tile load unless it asked for the tile data (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). The permission is the whole process's and enlarges its signal frames
+ * (a later sigaltstack smaller than that fails), so it is asked once, only when the amx set is chosen (by default, or
+ * FLASHC_CPU_KERNELS=amx), never when another set is forced or by a build without the (not emulated) amx set. A
+ * refusal leaves the avx512bf16 set, silently.
+ */
+#  if defined(FLASHC_CPU_AMX) && !defined(FLASHC_CPU_AMX_EMULATE)
+static int amx_permitted;
+static pthread_once_t amx_permission_once = PTHREAD_ONCE_INIT;
+static void amx_permission_ask(void) {
+#    if defined(__linux__) && defined(SYS_arch_prctl)
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#    else
+    amx_permitted = 0; /* no way known here to ask the OS for the tile data */
+#    endif
+}
+static int amx_permission(void) {
+    pthread_once(&amx_permission_once, amx_permission_ask);
+    return amx_permitted;
+}
+#  endif
 
 static unsigned detect_x86(void) {
     unsigned a, b, c, d, f = 0;
@@ -149,7 +165,11 @@ static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name)
 #      else
     const unsigned amx = bf16 | CPU_AMX_BF16;
 #      endif
+#      if defined(FLASHC_CPU_AMX_EMULATE)
     if (!strcmp(name, "amx") && (x86 & amx) == amx) {
+#      else
+    if (!strcmp(name, "amx") && (x86 & amx) == amx && amx_permission()) {
+#      endif
         pthread_once(&amx_once, amx_init);
         return &kernels_amx;
     }
