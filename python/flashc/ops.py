@@ -630,13 +630,27 @@ _cpp_env = True  # FLASHC_CPP_AUTOGRAD still to be read (at the first planned ca
 # in a child forked mid-build)
 
 
-def _cpp_from_environment():
+def _cpp_module():
+    """flashc.cpp_autograd's module for a planned call that needs gradients, else None. FLASHC_CPP_AUTOGRAD is read at
+    the first such call (inference never starts a build); read the result once per call: a background build may set
+    it between calls (never within one)."""
     global _cpp_env
     if _cpp_env:
         _cpp_env = False
         from . import cpp_autograd
 
         cpp_autograd._from_environment()
+    return _cpp
+
+
+def _cpp_apply(cpp, plan, q, k, v, return_lse, bhnd):
+    """cpp.attention for a planned call: out, or (out, lse) with return_lse; None when the library refused the problem
+    (its message: the full path raises or copies)."""
+    try:
+        return cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or _get_num_threads(),
+                             return_lse, bhnd, plan.fwd_ws, plan.bwd_ws)
+    except RuntimeError:
+        return None
 
 
 def _full_backward(plan, dout, q, k, v, out, lse):
@@ -692,14 +706,10 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _cpp_env:  # FLASHC_CPP_AUTOGRAD, read at the first planned call that needs gradients
-            _cpp_from_environment()
-        cpp = _cpp  # read once: a background build may set it between calls (never within one)
+        cpp = _cpp_module()
         if cpp is not None:
-            try:
-                r = cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                  _get_num_threads(), return_attn_probs, False, plan.fwd_ws, plan.bwd_ws)
-            except RuntimeError:  # the library refused it (its message): the full path raises or copies
+            r = _cpp_apply(cpp, plan, q, k, v, return_attn_probs, False)
+            if r is None:
                 return None
         else:
             try:
@@ -730,15 +740,9 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
         _build(_plans(), key, q, k, v)
         return None
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _cpp_env:
-            _cpp_from_environment()
-        cpp = _cpp
+        cpp = _cpp_module()
         if cpp is not None:
-            try:
-                return cpp.attention(q, k, v, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                     _get_num_threads(), True, False, plan.fwd_ws, plan.bwd_ws)
-            except RuntimeError:
-                return None
+            return _cpp_apply(cpp, plan, q, k, v, True, False)
         try:
             return _fast_apply(plan, True, q, k, v)
         except _Fallback:
@@ -787,15 +791,9 @@ def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
         _build_sdpa(_plans(), k, query, key, value, is_causal, scale, enable_gqa)
         return None
     if _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        if _cpp_env:
-            _cpp_from_environment()
-        cpp = _cpp
+        cpp = _cpp_module()
         if cpp is not None:
-            try:
-                return cpp.attention(query, key, value, plan.cpp_params, 0 if plan.cuda else _lib._num_threads or
-                                     _get_num_threads(), False, plan.layout == _BHND, plan.fwd_ws, plan.bwd_ws)
-            except RuntimeError:
-                return None
+            return _cpp_apply(cpp, plan, query, key, value, False, plan.layout == _BHND)
         try:
             return _fast_apply(plan, False, query, key, value)
         except _Fallback:
