@@ -135,24 +135,15 @@ static inline void flashc_amx_emu_dpbf16ps(int c, int a, int b) {
  * reuse a buffer before the load is done. The emulation's loads are C and never had the problem: on the Xeon the
  * packed edge tiles (m 5 x n 3, D 1, 8, 111) came out wrong while every full tile was right. */
 #  define FLASHC_AMX_FENCE() __asm__ volatile("" ::: "memory")
-#  define FLASHC_AMX_CONFIG(cfg)                                                                                   \
+#  define FLASHC_AMX_FENCED(op)                                                                                    \
       do {                                                                                                         \
           FLASHC_AMX_FENCE();                                                                                      \
-          _tile_loadconfig(cfg);                                                                                   \
+          op;                                                                                                      \
           FLASHC_AMX_FENCE();                                                                                      \
       } while (0)
-#  define FLASHC_AMX_LOAD(t, base, stride)                                                                         \
-      do {                                                                                                         \
-          FLASHC_AMX_FENCE();                                                                                      \
-          _tile_loadd(t, base, stride);                                                                            \
-          FLASHC_AMX_FENCE();                                                                                      \
-      } while (0)
-#  define FLASHC_AMX_STORE(t, base, stride)                                                                        \
-      do {                                                                                                         \
-          FLASHC_AMX_FENCE();                                                                                      \
-          _tile_stored(t, base, stride);                                                                           \
-          FLASHC_AMX_FENCE();                                                                                      \
-      } while (0)
+#  define FLASHC_AMX_CONFIG(cfg) FLASHC_AMX_FENCED(_tile_loadconfig(cfg))
+#  define FLASHC_AMX_LOAD(t, base, stride) FLASHC_AMX_FENCED(_tile_loadd(t, base, stride))
+#  define FLASHC_AMX_STORE(t, base, stride) FLASHC_AMX_FENCED(_tile_stored(t, base, stride))
 #  define FLASHC_AMX_ZERO(t) _tile_zero(t)
 #  define FLASHC_AMX_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
