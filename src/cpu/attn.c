@@ -65,7 +65,8 @@ typedef struct tile_bufs {
     float *dk, *dv;     /* bc x dp, one per key block of the backward's group */
     float *z;           /* bc x ld: the backward's dropout factors (0 or 1 / (1 - p)); NULL without dropout */
     uint16_t *keep;     /* br / 16 x bc: dropout's keep masks for the bf16 kernels' fused steps; NULL without dropout */
-    uint16_t *p2;       /* forward, bf16 inputs: P's pair rows (bc / 2 + 1 of them, leading dim 2 ld bf16) */
+    uint16_t *p2;       /* forward, bf16 inputs: P's pair rows (bc / 2 + 1 of them, leading dim 2 ld bf16), or with
+                         * the kernels' softmax_prows its rows of key pairs (br of them, leading dim prows_ld) */
     uint16_t *p16, *ds16, *ds2; /* backward, bf16 inputs: P and dS in bf16 (bc x ld), dS's pair rows (as p2) */
     float *m, *l, *alpha, *lse2, *di; /* br */
 } tile_bufs;
@@ -85,6 +86,15 @@ typedef struct layout {
 
 /* The backward's single pass per (sequence, head) when that alone fills the threads. */
 static int single_pass(const flashc_problem *p, int nthreads) { return p->B * p->H >= nthreads; }
+
+/* The forward's P as rows of key pairs (softmax_prows): at most bc / 2 pairs a row (a tile's keys and its lead
+ * stay within the K/V block), and a cache line more, so that rows are not a power of two bytes apart (256 at bc 128). */
+static int64_t prows_ld(int bc) { return bc + 32; }
+/* floats of the forward's p2: either layout */
+static size_t p2_floats(size_t br, size_t bc, size_t ld) {
+    const size_t pairs = (bc / 2 + 1) * ld, rows = br * (size_t)prows_ld((int)bc) / 2;
+    return pairs > rows ? pairs : rows;
+}
 
 /* q, k and v in bf16: what the bf16 products take (the front checked that they share one dtype). */
 static int bf16_inputs(const flashc_problem *p) {
@@ -128,7 +138,7 @@ static layout make_layout(const flashc_problem *p, int backward, int nthreads) {
     L.dropout = p->dropout_p > 0.0f;
     if (L.dropout) L.per_thread += (backward ? bc * ld : 0) + keep_floats(bc, br);
     L.pairs = bf16_inputs(p);
-    if (L.pairs) L.per_thread += (backward ? bc * ld : 0) + (bc / 2 + 1) * ld; /* floats: 2 bf16 each */
+    if (L.pairs) L.per_thread += backward ? bc * ld + (bc / 2 + 1) * ld : p2_floats(br, bc, ld); /* 2 bf16 a float */
     L.bf16 = 0;
     return L;
 }
@@ -148,7 +158,7 @@ static tile_bufs carve(float *x, const layout *L, int backward) {
         TAKE(b.m, gq * br);
         TAKE(b.l, gq * br);
         TAKE(b.alpha, br);
-        if (L->pairs) b.p2 = (uint16_t *)x, x += (bc / 2 + 1) * ld;
+        if (L->pairs) b.p2 = (uint16_t *)x, x += p2_floats(br, bc, ld);
     } else {
         TAKE(b.dot, dp * ld);
         TAKE(b.dq, br * dp);
@@ -261,12 +271,14 @@ static void score_product(const flashc_cpu_kernels *kern, const score_operands *
 /*
  * pv_operands: O += P V with P key-major in fp32 (st) and V's fp32 rows, or P's and V's pair rows (p2, v2), the tile's
  * key c in pair (c + lead) / 2 (lead 1: the tile starts on the second key of a pair of the K/V block, whose first
- * P is 0).
+ * P is 0). P's pair (row r, pair p) lies at p2 + r * prs + p * pcs: pair rows (prs 2, pcs 2 ld) or, from softmax_prows,
+ * rows of key pairs (prs prows_ld, pcs 2).
  */
 typedef struct pv_operands {
     const float *st, *v;
     const uint16_t *p2, *v2;
-    int64_t ld, ldv; /* st's and p2's leading dim in queries; v's row stride (v2: 2 dp) */
+    int64_t ld, ldv; /* st's leading dim in queries; v's row stride (v2: 2 dp) */
+    int64_t prs, pcs;
     int lead, D;
 } pv_operands;
 
@@ -276,7 +288,7 @@ static void pv_product(const flashc_cpu_kernels *kern, const pv_operands *v, int
                        int dp) {
     if (v->p2) {
         const int p0 = (k0 + v->lead) / 2, p1 = (k1 + v->lead + 1) / 2;
-        kern->bf16->gemm(r1 - r0, v->D, p1 - p0, v->p2 + (int64_t)p0 * 2 * v->ld + 2 * r0, 2, 2 * v->ld,
+        kern->bf16->gemm(r1 - r0, v->D, p1 - p0, v->p2 + p0 * v->pcs + r0 * v->prs, v->prs, v->pcs,
                          v->v2 + (int64_t)p0 * v->ldv, v->ldv, o, dp, 1.0f, 1);
     } else {
         kern->gemm(r1 - r0, v->D, k1 - k0, v->st + (size_t)k0 * v->ld + r0, 1, v->ld, v->v + (int64_t)k0 * v->ldv,
@@ -361,14 +373,17 @@ static score_operands tile_scores(const flashc_problem *p, const layout *L, cons
     return s;
 }
 
-static pv_operands tile_pv(const flashc_problem *p, const layout *L, const tile_bufs *t, const kv_block *kv,
-                           int off) {
-    pv_operands v = {t->st, NULL, NULL, NULL, L->ld, kv->ldv, 0, (int)p->D};
+static pv_operands tile_pv(const flashc_problem *p, const flashc_cpu_kernels *kern, const layout *L,
+                           const tile_bufs *t, const kv_block *kv, int off) {
+    pv_operands v = {t->st, NULL, NULL, NULL, L->ld, kv->ldv, 0, 0, 0, (int)p->D};
     if (!L->bf16) {
         v.v = kv->v + off * kv->ldv;
         return v;
     }
     v.p2 = t->p2;
+    const int prows = kern->bf16->softmax_prows != NULL;
+    v.prs = prows ? prows_ld(L->bc) : 2;
+    v.pcs = prows ? 2 : 2 * (int64_t)L->ld;
     v.lead = off % 2;
     v.v2 = kv->v2 + (off / 2) * kv->ldv;
     return v;
@@ -393,11 +408,12 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
     else score_product(kern, &s, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
     if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
-    const pv_operands v = tile_pv(p, L, t, kv, off);
-    if (v.p2) { /* the softmax writes P's pair rows (with dropout 0 where dropped) and rescales O itself */
+    const pv_operands v = tile_pv(p, kern, L, t, kv, off);
+    if (v.p2) { /* the softmax writes P's pair words (with dropout 0 where dropped) and rescales O itself */
         if (drop) kern->bf16->keep(cols, br, t->keep, L->bc, drop, q->i0, j0);
-        kern->bf16->softmax_pairs(cols, br, t->st, ld, q->m, q->l, t->alpha, drop ? t->keep : NULL, L->bc, v.lead,
-                                  t->p2, 2 * (int64_t)ld, q->o, dp, D);
+        const flashc_cpu_softmax_pairs_fn sp = v.prs == 2 ? kern->bf16->softmax_pairs : kern->bf16->softmax_prows;
+        sp(cols, br, t->st, ld, q->m, q->l, t->alpha, drop ? t->keep : NULL, L->bc, v.lead, t->p2,
+           v.prs == 2 ? v.pcs : v.prs, q->o, dp, D);
     } else {
         kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);
         for (int r = 0; r < rows; r++)

@@ -249,6 +249,10 @@ typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_pairs_t_fn pairs_t;
     flashc_cpu_softmax_pairs_fn softmax_pairs;
     flashc_cpu_keep_fn keep;
+    /* softmax_pairs with P's pair words query-major instead: p2[r * ldp + 2 ((c + lead) / 2) + (c + lead) % 2] =
+     * P(r, c), rows of key pairs (ldp >= 2 * ((cols + lead + 1) / 2)), which O += P V then reads in place (rs_a ldp,
+     * cs_a 2); the same values. NULL: the forward uses softmax_pairs. */
+    flashc_cpu_softmax_pairs_fn softmax_prows;
 } flashc_cpu_bf16_kernels;
 
 typedef struct flashc_cpu_kernels {
@@ -282,6 +286,10 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
                                    int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                               const void *const *v, int vt, float *o, int64_t ldo);
+/* ... and softmax_pairs writing P query-major (the softmax_prows that the amx set takes). */
+void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
+                                         float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p,
+                                         int64_t ldp, float *o, int64_t ldo, int D);
 #  endif
 #  if defined(FLASHC_CPU_AMX)
 /* kernels_amx.c: the "amx" set's bf16 kernels, the avx512bf16 ones with gemm on AMX-BF16 tiles (emulated in C when

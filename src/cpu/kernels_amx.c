@@ -1,7 +1,9 @@
 /*
  * AMX-BF16 tile kernels for the bf16 products (Intel AMX: TDPBF16PS on 16-row x 64-byte tiles), the "amx" kernel set:
  * backend.c puts this file's gemm on the avx512bf16 table, whose other kernels (softmax_pairs, which rounds P to
- * bf16 to nearest even into pair rows, ds, the decode kernels, everything fp32 and fp16) it keeps. Every bf16 product
+ * bf16 to nearest even into pair rows, ds, the decode kernels, everything fp32 and fp16) it keeps, and adds that
+ * table's softmax_prows: the forward's P written as rows of key pairs, the A tile's layout, so that O += P V loads
+ * it in place instead of transposing P's pair rows here once per call and 16-row panel. Every bf16 product
  * goes through gemm, so the forward's S^T = K Q^T and O += P V run on tiles, and so do the backward's five products
  * (attn.c calls one gemm for all of them).
  *
@@ -9,9 +11,10 @@
  * 16 x 16 fp32 each), two A tiles (4, 5: 16 rows x 16 pairs) and two B tiles (6, 7: 16 pair rows x 16 columns, the
  * VNNI layout that B's pair rows already have), four TDPBF16PS per 16 pairs of k. B is read in place (tile loads at
  * its row stride) except at ragged edges, which are copied into a zero-padded tile. A is read in place where its
- * pairs are contiguous (cs_a = 2: K's bf16 rows for S^T, the backward's key-major P and dS); otherwise (P's and dS's
- * pair rows, cs_a = 2 ld) each 16-row panel of A is transposed once per call into rows of pairs (16 x 16 word
- * transposes) and reused for every column block. C: accumulated in the tiles when alpha is 1 (C loaded into them),
+ * pairs are contiguous (cs_a = 2: K's bf16 rows for S^T, the forward's P from softmax_prows, the backward's key-major
+ * P and dS); otherwise (dS's pair rows, cs_a = 2 ld) each 16-row panel of A is transposed once per call into rows of
+ * pairs (16 x 16 word transposes) and reused for every column block. C: accumulated in the tiles when alpha is 1 (C
+ * loaded into them),
  * else summed from zero, stored and scaled (S^T's Q scale) - the order kernels_avx512bf16.c's gemm sums in.
  * Edge blocks go through a 32 x 32 buffer.
  * The tiles are configured at every call (LDTILECFG): each OpenMP thread must configure its own before its first tile
@@ -214,5 +217,6 @@ static void gemm_bf16_amx(int m, int n, int k, const uint16_t *a, int64_t rs_a, 
 void flashc_cpu_bf16_kernels_amx_fill(flashc_cpu_bf16_kernels *k) {
     *k = flashc_cpu_bf16_kernels_avx512;
     k->gemm = gemm_bf16_amx;
+    k->softmax_prows = flashc_cpu_softmax_prows_avx512bf16;
 }
 #endif

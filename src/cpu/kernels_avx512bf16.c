@@ -533,40 +533,64 @@ AI __m512 exp2_p(__m512 x) {
     return flashc_exp2_poly_avx512(_mm512_max_ps(_mm512_set1_ps(-150.0f), x));
 }
 
+/* P's pair word (keys 2p - lead, 2p + 1 - lead; 16 rows from r) of softmax_pairs: exp2 of the scores less sub, summed
+ * into sum in column order, rounded to bf16 by one vcvtne2ps2bf16 and zipped by vpermw as pairs_f32 does; with DROP
+ * the pair's two keep masks (one 32-bit word) zero the dropped bf16 lanes before the zip (bf16(0) = 0, so the bits of
+ * zeroing P first). */
+AI __m512i softmax_pair(const int DROP, int p, int cols, int lead, const float *st, int64_t ld, int r, __m512 sub,
+                        __m512 *sum, const uint16_t *keep, int64_t ldk, __m512i zip) {
+    const int c0 = 2 * p - lead, c1 = c0 + 1;
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+    if (c0 >= 0) {
+        e0 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c0 * ld + r), sub));
+        *sum = _mm512_add_ps(*sum, e0);
+    }
+    if (c1 < cols) {
+        e1 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c1 * ld + r), sub));
+        *sum = _mm512_add_ps(*sum, e1);
+    }
+    __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+    if (DROP) {
+        const uint16_t *kr = keep + r / 16 * ldk;
+        uint32_t bits;
+        if (c0 >= 0 && c1 < cols) memcpy(&bits, kr + c0, 4); /* little-endian: key c0's mask low */
+        else bits = c0 >= 0 ? kr[c0] : (uint32_t)kr[c1] << 16;
+        pb = _mm512_maskz_mov_epi16((__mmask32)bits, pb);
+    }
+    return _mm512_permutexvar_epi16(zip, pb);
+}
+
 /* softmax_avx512's steps (max, alpha, exp2 and sum in column order) per 16 rows, the exp2 pass two columns (a pair)
- * at a time into one vcvtne2ps2bf16 and vpermw, as pairs_f32 rounds and zips them, with no fp32 P stored. DROP: with
- * keep, the pair's two masks (one 32-bit word) zero the dropped bf16 lanes before the zip (bf16(0) = 0, so the bits
- * of zeroing P first). */
-AI void softmax_pairs_tile(const int DROP, int cols, int rows, const float *st, int64_t ld, float *m, float *l,
-                           float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2, int64_t ldp,
-                           float *o, int64_t ldo, int D) {
+ * at a time (softmax_pair), with no fp32 P stored. DROP: with keep. ROWS: P's pair words written query-major,
+ * p2[r * ldp + 2 p + e] (rows of key pairs, the layout of an AMX A tile), sixteen pairs at a time transposed in
+ * registers (16 x 16 words), where the pair rows (ROWS 0: p2[p * ldp + 2 r + e]) are a pair word per row and key pair
+ * that the AMX gemm transposed again per call; the same words either way. */
+AI void softmax_pairs_tile(const int DROP, const int ROWS, int cols, int rows, const float *st, int64_t ld, float *m,
+                           float *l, float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2,
+                           int64_t ldp, float *o, int64_t ldo, int D) {
     const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512 zero = _mm512_setzero_ps();
+    const int np = (cols + lead + 1) / 2; /* pairs */
     for (int r = 0; r < rows; r += 16) {
         __m512 mx, a;
         const __m512 sub = flashc_softmax_sub_avx512(cols, st + r, ld, _mm512_loadu_ps(m + r), &mx, &a);
-        __m512 sum = zero;
-        for (int p = 0; 2 * p < cols + lead; p++) {
-            const int c0 = 2 * p - lead, c1 = c0 + 1;
-            __m512 e0 = zero, e1 = zero;
-            if (c0 >= 0) {
-                e0 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c0 * ld + r), sub));
-                sum = _mm512_add_ps(sum, e0);
+        __m512 sum = _mm512_setzero_ps();
+        if (!ROWS) {
+            for (int p = 0; p < np; p++)
+                _mm512_storeu_si512(p2 + (int64_t)p * ldp + 2 * r,
+                                    softmax_pair(DROP, p, cols, lead, st, ld, r, sub, &sum, keep, ldk, zip));
+        } else {
+            for (int p0 = 0; p0 < np; p0 += 16) {
+                __m512i x[16];
+#pragma GCC unroll 16
+                for (int j = 0; j < 16; j++)
+                    x[j] = p0 + j < np ? softmax_pair(DROP, p0 + j, cols, lead, st, ld, r, sub, &sum, keep, ldk, zip)
+                                       : _mm512_setzero_si512();
+                flashc_cpu_transpose16(x);
+                const __mmask16 mp = first(np - p0);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) _mm512_mask_storeu_epi32(p2 + (int64_t)(r + i) * ldp + 2 * p0, mp, x[i]);
             }
-            if (c1 < cols) {
-                e1 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c1 * ld + r), sub));
-                sum = _mm512_add_ps(sum, e1);
-            }
-            __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-            if (DROP) {
-                const uint16_t *kr = keep + r / 16 * ldk;
-                uint32_t bits;
-                if (c0 >= 0 && c1 < cols) memcpy(&bits, kr + c0, 4); /* little-endian: key c0's mask low */
-                else bits = c0 >= 0 ? kr[c0] : (uint32_t)kr[c1] << 16;
-                pb = _mm512_maskz_mov_epi16((__mmask32)bits, pb);
-            }
-            _mm512_storeu_si512(p2 + (int64_t)p * ldp + 2 * r, _mm512_permutexvar_epi16(zip, pb));
         }
         _mm512_storeu_ps(alpha + r, a);
         _mm512_storeu_ps(l + r, _mm512_fmadd_ps(_mm512_loadu_ps(l + r), a, sum));
@@ -585,8 +609,15 @@ AI void softmax_pairs_tile(const int DROP, int cols, int rows, const float *st, 
 static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld, float *m, float *l, float *alpha,
                                  const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2, int64_t ldp, float *o,
                                  int64_t ldo, int D) {
-    if (keep) softmax_pairs_tile(1, cols, rows, st, ld, m, l, alpha, keep, ldk, lead, p2, ldp, o, ldo, D);
-    else softmax_pairs_tile(0, cols, rows, st, ld, m, l, alpha, NULL, 0, lead, p2, ldp, o, ldo, D);
+    if (keep) softmax_pairs_tile(1, 0, cols, rows, st, ld, m, l, alpha, keep, ldk, lead, p2, ldp, o, ldo, D);
+    else softmax_pairs_tile(0, 0, cols, rows, st, ld, m, l, alpha, NULL, 0, lead, p2, ldp, o, ldo, D);
+}
+
+void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
+                                         float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p,
+                                         int64_t ldp, float *o, int64_t ldo, int D) {
+    if (keep) softmax_pairs_tile(1, 1, cols, rows, st, ld, m, l, alpha, keep, ldk, lead, p, ldp, o, ldo, D);
+    else softmax_pairs_tile(0, 1, cols, rows, st, ld, m, l, alpha, NULL, 0, lead, p, ldp, o, ldo, D);
 }
 
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
