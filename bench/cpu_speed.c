@@ -13,7 +13,9 @@
  *                            per round, so a load that comes and goes hits both): ms and the ratio of the speeds
  *                            (without / with time) of the forward and of forward + backward; no standard attention
  *   cpu_speed --kernels      one thread: GFLOP/s of each microkernel product at the forward's tile shapes, and the
- *                            share of a forward tile that the online softmax takes
+ *                            share of a forward tile that the online softmax takes; with bf16 products, the bf16
+ *                            forward tile's three phases (S^T, softmax step, P V) as attn.c calls them
+ *                            (FLASHC_CPU_KERNELS picks the set)
  *
  * FLOPs: forward 4 * B * H * N^2 * D (halved when causal), backward 2.5x forward. Times are the median of
  * several runs after a warm-up, wall clock.
@@ -206,6 +208,64 @@ static int run_kernel(void *arg) {
     return 0;
 }
 
+/*
+ * The bf16 forward's tile in its three phases as attn.c calls them on a kernel set with bf16 products (bc keys x br
+ * queries, head dim D, one thread): S^T = K Q^T with the Q scale, the online-softmax step writing P (softmax_prows
+ * where the set has it, else softmax_pairs) and rescaling O, O += P V on that P; phase 3 runs the three in turn.
+ */
+typedef struct fwd_phases {
+    const flashc_cpu_kernels *k;
+    int D, br, bc, ld, phase;
+    uint16_t *k16, *q2, *p, *v2;
+    float *st, *o, *m, *l, *alpha;
+} fwd_phases;
+
+static void fwd_phase(fwd_phases *f, int phase) {
+    const flashc_cpu_bf16_kernels *b = f->k->bf16;
+    const int D = f->D, br = f->br, bc = f->bc, ld = f->ld, prows = b->softmax_prows != NULL;
+    const int64_t prs = prows ? bc + 32 : 2, pcs = prows ? 2 : 2 * (int64_t)ld; /* attn.c's prows_ld */
+    if (phase == 0) b->gemm(bc, br, D / 2, f->k16, D, 2, f->q2, 2 * (int64_t)ld, f->st, ld, 0.18f, 0);
+    if (phase == 1) {
+        for (int r = 0; r < br; r++) f->m[r] = -INFINITY, f->l[r] = 0.0f;
+        (prows ? b->softmax_prows : b->softmax_pairs)(bc, br, f->st, ld, f->m, f->l, f->alpha, NULL, 0, 0, f->p,
+                                                      prows ? prs : pcs, f->o, D, D);
+    }
+    if (phase == 2) b->gemm(br, D, bc / 2, f->p, prs, pcs, f->v2, 2 * (int64_t)D, f->o, D, 1.0f, 1);
+}
+
+static int run_fwd_phase(void *arg) {
+    fwd_phases *f = (fwd_phases *)arg;
+    for (int it = 0; it < 50; it++) {
+        if (f->phase < 3) fwd_phase(f, f->phase);
+        else fwd_phase(f, 0), fwd_phase(f, 1), fwd_phase(f, 2);
+    }
+    return 0;
+}
+
+static void fwd_phase_report(const flashc_cpu_kernels *k, int D, int br, int bc, int ld) {
+    fwd_phases f = {k, D, br, bc, ld, 0, calloc((size_t)bc * D, 2), calloc((size_t)D * ld, 2),
+                    calloc((size_t)br * (bc + 32) + (size_t)(bc / 2 + 1) * 2 * ld, 2), calloc((size_t)bc * D, 2),
+                    malloc(sizeof(float) * (size_t)bc * ld), malloc(sizeof(float) * (size_t)br * D),
+                    malloc(sizeof(float) * (size_t)br), malloc(sizeof(float) * (size_t)br),
+                    malloc(sizeof(float) * (size_t)br)};
+    for (int i = 0; i < bc * D; i++) f.k16[i] = flashc_f32_to_bf16(frand()), f.v2[i] = flashc_f32_to_bf16(frand());
+    for (int i = 0; i < D * ld; i++) f.q2[i] = flashc_f32_to_bf16(frand());
+    for (int i = 0; i < br * D; i++) f.o[i] = frand();
+    double t[4];
+    for (int ph = 0; ph < 4; ph++) {
+        f.phase = ph;
+        fwd_phase(&f, 0); /* scores for the softmax */
+        if (ph == 2) fwd_phase(&f, 1);
+        t[ph] = time_median(run_fwd_phase, &f, 7) / 50;
+    }
+    const double sum = t[0] + t[1] + t[2], flops = 4.0 * bc * br * D;
+    printf("  bf16 forward tile D=%d (%s): S^T %.2f us, softmax %.2f us, P V %.2f us (%.0f / %.0f / %.0f%%); "
+           "the three in turn %.2f us, %.1f GFLOP/s\n",
+           D, k->bf16->softmax_prows ? "P as rows of key pairs" : "P as pair rows", t[0] * 1e6, t[1] * 1e6,
+           t[2] * 1e6, 100 * t[0] / sum, 100 * t[1] / sum, 100 * t[2] / sum, t[3] * 1e6, flops / t[3] * 1e-9);
+    free(f.k16), free(f.q2), free(f.p), free(f.v2), free(f.st), free(f.o), free(f.m), free(f.l), free(f.alpha);
+}
+
 /* The forward's two products per tile, as the driver calls them (bc keys x br queries, head dim D, query-major
  * tiles with the driver's padded leading dim), one thread. */
 static void kernel_report(void) {
@@ -253,6 +313,7 @@ static void kernel_report(void) {
             snprintf(name, sizeof name, "bf16 O += P V       D=%d", D);
             printf("%-32s %5d %5d %5d %10.1f\n", name, br, D, bc, f / tp16 * 1e-9);
             free(k16), free(q2), free(p2), free(v2);
+            fwd_phase_report(k, D, br, bc, ld);
         }
         free(kt), free(qt), free(st), free(v), free(o), free(m), free(l), free(al);
     }
