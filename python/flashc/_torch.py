@@ -37,8 +37,11 @@ def _view(t):
     return _lib.make_tensor(t.data_ptr(), _DTYPES[t.dtype], t.shape, t.stride())
 
 
+_NO_GUARD = contextlib.nullcontext()  # reusable: it holds no state
+
+
 def _device_guard(device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD
 
 
 def _context(device):
@@ -167,7 +170,7 @@ class _Options:
             self.mask = m
             self.kw.update(block_size=(bq, bk), block_mask_dims=_core.mask_dims(tuple(m.shape)))
         if seqused_k is not None:
-            u = torch.as_tensor(seqused_k)
+            u = seqused_k if isinstance(seqused_k, torch.Tensor) else torch.as_tensor(seqused_k)
             _core.check_seqused_k_shape(u.shape, self.B, self.varlen)
             if u.device.type == "cpu" and u.dtype == torch.int64:
                 _core.check_int32_range("seqused_k", u)
@@ -207,7 +210,13 @@ class _Options:
 
 
 def _index_tensor(name, t, device):
-    t = torch.as_tensor(t)
+    if isinstance(t, torch.Tensor):
+        # what most calls pass (a decode step passes its cache_seqlens every call): used as it is, with no copy or
+        # conversion calls (each costs about a microsecond of host time)
+        if t.dtype == torch.int32 and t.device == device and t.is_contiguous():
+            return t
+    else:
+        t = torch.as_tensor(t)
     if t.dtype not in (torch.int32, torch.int64):
         raise TypeError("flashc: %s must be an integer tensor (int32), got %s" % (name, t.dtype))
     return t.to(device=device, dtype=torch.int32).contiguous()
@@ -223,7 +232,8 @@ def _empty_problem(q4, k4):
 def _forward(q4, k4, v4, opts):
     """out4 (B, Nq, H, D) contiguous and lse fp32 (B, H, Nq) or varlen (H, total_q)."""
     device = q4.device
-    out4 = torch.empty(q4.shape, dtype=q4.dtype, device=device)
+    # empty_like and a tuple shape: about half the host time of torch.empty(torch.Size, dtype=, device=)
+    out4 = torch.empty_like(q4, memory_format=torch.contiguous_format)
     lse = torch.empty(opts.lse_shape(q4), dtype=torch.float32, device=device)
     if _empty_problem(q4, k4):
         out4.zero_()
@@ -756,6 +766,9 @@ def _cache_seqlens(cache_seqlens, b, device):
         if not 0 <= n < 2**31:
             raise ValueError("flashc: cache_seqlens = %d is not a length (0 <= cache_seqlens < 2**31)" % n)
         return torch.full((b,), n, dtype=torch.int32, device=device)
+    if (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32
+            and cache_seqlens.device == device and tuple(cache_seqlens.shape) == (b,) and cache_seqlens.is_contiguous()):
+        return cache_seqlens  # what a decode loop passes every step: no conversion calls
     try:
         t = torch.as_tensor(cache_seqlens)
     except (TypeError, ValueError, RuntimeError):
@@ -923,12 +936,13 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
             raise ValueError("flashc: k and v are written at each sequence's cache_seqlens: pass cache_seqlens "
                              "(flash-attn requires it too)")
     seqlens = None if cache_seqlens is None else _cache_seqlens(cache_seqlens, b, device)
-    with torch.no_grad():
-        if rotary_cos is not None or rotary_sin is not None:
-            if k is None:
-                raise ValueError(
-                    "flashc: rotary_cos / rotary_sin rotate the new keys k (and q) at their cache positions, so they "
-                    "need k and v, as in flash-attn; to attend to the cache alone, rotate q yourself")
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            raise ValueError(
+                "flashc: rotary_cos / rotary_sin rotate the new keys k (and q) at their cache positions, so they "
+                "need k and v, as in flash-attn; to attend to the cache alone, rotate q yourself")
+        # torch operations on q and k (which may require gradients): none recorded (inference)
+        with torch.no_grad():
             cos, sin = _rotary_tables(rotary_cos, rotary_sin, d, nk, device)
             if cos.shape[1] > 0:
                 # flash-attn's rule: with causal or a window that can bind (one shorter than the cache), query i sits
@@ -945,16 +959,16 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
                 rot_q = _rotary if lib and not (advance and nq > nnew) else _rotary_torch
                 k = rot_k(k, cos, sin, seqlens, rotary_interleaved)
                 q = rot_q(q, cos, sin, seqlens, rotary_interleaved, one_position=not advance)
-        used = seqlens if nnew == 0 or seqlens is None else seqlens + nnew
-        at = seqlens  # where the new rows go, counted in the table's keys
-        if lpad is not None:  # keys from row cache_leftpad[b]: the table starts there
-            used = (used if used is not None else torch.full((b,), nk, dtype=torch.int32, device=device)) - lpad
-            at = None if seqlens is None else seqlens - lpad
-        opts = _Options(q, pools[0], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=used, sinks=sinks, block_table=table)
-        if nnew > 0 and b > 0 and d > 0:
-            _append(q, pools[0], pools[1], k, v, at, opts)
-        return _forward(q, pools[0], pools[1], opts)
+    used = seqlens if nnew == 0 or seqlens is None else seqlens + nnew
+    at = seqlens  # where the new rows go, counted in the table's keys
+    if lpad is not None:  # keys from row cache_leftpad[b]: the table starts there
+        used = (used if used is not None else torch.full((b,), nk, dtype=torch.int32, device=device)) - lpad
+        at = None if seqlens is None else seqlens - lpad
+    opts = _Options(q, pools[0], softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, seqused_k=used, sinks=sinks, block_table=table)
+    if nnew > 0 and b > 0 and d > 0:
+        _append(q, pools[0], pools[1], k, v, at, opts)
+    return _forward(q, pools[0], pools[1], opts)
 
 
 def _cache_table(cache_batch_idx, cache_leftpad, k_cache, v_cache, b, device):

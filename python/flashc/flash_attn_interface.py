@@ -65,6 +65,8 @@ def _no_fast(*args):
 # flashc.ops.fast_flash_attn_func once flashc.ops is imported (it sets this; the first call imports it), a function
 # returning None before: always a function, so that torch.compile's guard on it keeps one type.
 _fast = _no_fast
+# flashc.ops.fast_kvcache, likewise (flash_attn_with_kvcache imports flashc.ops on its first call)
+_fast_kvcache = None
 
 
 def _run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -283,6 +285,17 @@ def flash_attn_with_kvcache(
 
     Returns out (B, Nq, H, D), or (out, softmax_lse) with return_softmax_lse, softmax_lse fp32 (B, H, Nq).
     """
+    if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and cache_leftpad is None and block_table is None and alibi_slopes is None and sinks is None):
+        # plain calls on tensors whose shapes were seen before (flashc.ops' kvcache plans); None otherwise
+        fast = _fast_kvcache
+        if fast is None:
+            from . import ops  # noqa: F401 (sets _fast_kvcache)
+
+            fast = _fast_kvcache
+        r = fast(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap, return_softmax_lse)
+        if r is not None:
+            return r
     from . import _torch
 
     out, lse = _torch.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,

@@ -832,8 +832,114 @@ def _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa):
         return
 
 
+# ---- flash_attn_with_kvcache's plain calls (host time) ------------------------------------------------------------
+# A decode loop calls flash_attn_with_kvcache once per layer and step with the same shapes, and on the CPU a small
+# decode's library call is a few tens of microseconds: the full path's checks, option objects, views and allocations
+# (_torch.with_kvcache, about 25 us on the 2-vCPU Zen 4 VM) were most of a call at H 8 / Hkv 2 / D 32, Nk 1024. A
+# kvcache plan holds that work for one key, as the plans above do for flash_attn_func: a plain eager call on CPU tensors
+# with no new keys, rotary tables, block table, batch indices, left padding, ALiBi or sinks, and cache_seqlens None or
+# an int32 tensor (B,) on the CPU. Per call only the data pointers (and cache_seqlens' address) change; the first call
+# with a key takes the full path and plans it when the library takes the problem as it lies. The same library call with
+# the same arguments (no lse pointer unless the lse is returned): the same bits. CUDA calls keep the full path (their
+# decode is meant to run in a CUDA graph, where host time does not count).
+_KV = "kvcache"  # the last element of a kvcache key (never equal to flash_attn_func's or SDPA's keys)
+
+
+class _KVPlan:
+    __slots__ = ("ctx", "params", "vq", "vk", "vv", "vo", "out_like_q", "out_shape", "lse_like")
+
+    def __init__(self, q, k_cache, v_cache, lens, softmax_scale, causal, window, softcap):
+        self.ctx = _torch._context(q.device)
+        self.params = _core.make_params(softmax_scale=softmax_scale, causal=bool(causal),
+                                        window=_core.window_pair(window), softcap=float(softcap or 0.0),
+                                        seqused_k_ptr=None if lens is None else lens.data_ptr())
+        out4 = torch.empty(q.shape, dtype=q.dtype)  # the full path's out: contiguous (B, Nq, H, D)
+        self.vq, self.vk, self.vv, self.vo = (_torch._view(t) for t in (q, k_cache, v_cache, out4))
+        if _core.supported_status(self.ctx, self.vq, self.vk, self.vv, self.params) != _OK:
+            raise _Fallback()
+        self.out_like_q = torch.empty_like(q).stride() == out4.stride()
+        self.out_shape = tuple(q.shape)
+        self.lse_like = torch.empty((1,), dtype=torch.float32).expand(q.shape[0], q.shape[2], q.shape[1])
+
+    def forward(self, q, k_cache, v_cache, lens, want_lse):
+        """(out, lse or None), or None when the library refused the call."""
+        out = _empty_like(q) if self.out_like_q else _empty(self.out_shape, dtype=q.dtype)
+        lse = _empty_like(self.lse_like) if want_lse else None
+        vq, vk, vv, vo = self.vq, self.vk, self.vv, self.vo
+        vq.data, vk.data, vv.data, vo.data = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        params = self.params
+        if lens is not None:
+            params.seqused_k = lens.data_ptr()
+        ctx = self.ctx
+        n = _lib._num_threads or _get_num_threads()
+        if n != ctx._threads:
+            ctx.set_threads(n)
+        st = _lib.lib.flashc_forward(ctx.handle, vq, vk, vv, params, vo, lse.data_ptr() if want_lse else None, None, 0)
+        return (out, lse) if st == _OK else None
+
+
+_empty = torch.empty
+
+
+def fast_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap, return_lse):
+    """flash_attn_with_kvcache's result for a plain eager call on CPU tensors (see above: no new keys and no tensor
+    options but cache_seqlens), through this thread's plan for the call's key; None when the call must take the full
+    path (not plain eager tensors, no plan yet, the library refused it)."""
+    if not (type(q) is _T and type(k_cache) is _T and type(v_cache) is _T and _EAGER_FAST_PATH and not _compiling()
+            and not _dispatch_stack_len() and not _functorch_active()):
+        return None
+    lens = cache_seqlens
+    if lens is None:
+        lk = None
+    elif type(lens) is _T:
+        lk = (lens.shape, lens.stride(), lens.dtype, lens.get_device())
+    else:
+        return None
+    key = (q.shape, k_cache.shape, v_cache.shape, q.stride(), k_cache.stride(), v_cache.stride(), q.dtype,
+           k_cache.dtype, v_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), lk,
+           softmax_scale, causal, window_size, softcap, _KV)
+    try:
+        plan = _local.plans[key]
+    except (AttributeError, KeyError, TypeError):
+        _build_kvcache(_plans(), key, q, k_cache, v_cache, lens)
+        return None
+    r = plan.forward(q, k_cache, v_cache, lens, return_lse)
+    if r is None:
+        return None
+    return r if return_lse else r[0]
+
+
+def _build_kvcache(plans, key, q, k_cache, v_cache, lens):
+    """Plans a kvcache key when the full path's Python checks pass for CPU tensors laid out as the library takes them
+    (q (B, Nq, H, D), caches (B, Nk_max, Hkv, D) of one dtype; cache_seqlens None or a contiguous int32 (B,)) and the
+    library takes the problem as it lies (flashc_supported); otherwise every call with the key takes the full path."""
+    try:
+        hash(key)
+    except TypeError:  # an unhashable option (window_size as a list)
+        return
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    softmax_scale, causal, window_size, softcap = key[-5:-1]
+    try:
+        _torch._check("q", q)
+        if not (q.device.type == "cpu" and k_cache.device == v_cache.device == q.device
+                and k_cache.dtype == v_cache.dtype == q.dtype and q.dim() == k_cache.dim() == 4
+                and k_cache.shape == v_cache.shape and q.shape[0] == k_cache.shape[0]
+                and q.shape[3] == k_cache.shape[3] and k_cache.shape[2] > 0 and q.shape[2] % k_cache.shape[2] == 0):
+            return
+        if 0 in q.shape or 0 in k_cache.shape:
+            return
+        if lens is not None and not (lens.dtype == torch.int32 and lens.device == q.device
+                                     and tuple(lens.shape) == (q.shape[0],) and lens.is_contiguous()):
+            return
+        plans[key] = _KVPlan(q, k_cache, v_cache, lens, softmax_scale, causal, window_size, softcap)
+    except (_Fallback, TypeError, ValueError, _lib.FlashcError):
+        return
+
+
 from . import flash_attn_interface as _fai  # noqa: E402
 
 _fai._fast = fast_flash_attn_func
+_fai._fast_kvcache = fast_kvcache
 _torch._fast_sdpa = fast_sdpa
 _sys.modules[__package__]._fast_attention = fast_attention

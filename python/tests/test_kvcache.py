@@ -354,6 +354,47 @@ def test_cache_seqlens_forms_cpu(gen):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
 
 
+def test_planned_decode_cpu(gen):
+    """Plain calls (no new keys, no tensor options but cache_seqlens) go through flashc.ops' kvcache plans after a key's
+    first call: the full path's bits, out contiguous and without autograd, cache_seqlens read at each call (its values
+    may change, not its address), the lse only when asked; calls the plan cannot take, and errors, take the full
+    path."""
+    from flashc import _torch, ops
+
+    b, nk, h, hkv, d = 2, 40, 8, 2, 32
+    kc, vc = make_cache(b, nk, hkv, d, [nk, nk], torch.float32, "cpu")
+    q = torch.randn(b, 3, 1, h, d)[:, 1]  # (B, 1, H, D), strided along B
+    lens = torch.tensor([17, 33], dtype=torch.int32)
+
+    def full(seqlens, **kw):
+        return _torch.with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
+
+    for kw in (dict(causal=True), dict(softmax_scale=0.3, window_size=(5, 0), softcap=2.0)):
+        for seqlens in (lens, None):
+            key_calls = [flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True,
+                                                        **kw) for _ in range(3)]
+            want = full(seqlens, **kw)
+            for out, lse in key_calls:
+                assert out.is_contiguous() and torch.equal(out, want[0]) and torch.equal(lse, want[1])
+            assert torch.equal(flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw), want[0])
+    lens[0] = 5  # the same tensor with other lengths: the plan reads it at the call
+    assert torch.equal(flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True),
+                       full(lens, causal=True)[0])
+    qg = q.clone().requires_grad_()
+    out = flashc.flash_attn_with_kvcache(qg, kc, vc, cache_seqlens=lens, causal=True)
+    assert out.grad_fn is None and not out.requires_grad
+    key = [k for k in ops._local.plans if k[-1] == ops._KV]
+    assert key, "no kvcache plan was made"
+    # an int64 tensor and an int are not planned (the full path converts them)
+    for seqlens in (lens.long(), 5):
+        for _ in range(2):
+            got = flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True)
+            assert torch.equal(got, full(seqlens, causal=True)[0])
+    lens[1] = nk + 1  # a length past the cache: the planned call is refused, the full path raises the library's error
+    with pytest.raises(Exception, match="seqused_k"):
+        flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+
+
 def test_inference_only_and_version_cpu(gen):
     """No autograd node (inference), the caller's q and k are not rotated in place, and the caches' version counter
     moves (the library wrote them)."""
