@@ -114,12 +114,18 @@ static pthread_once_t cpu_info_once = PTHREAD_ONCE_INIT;
 #if defined(FLASHC_CPU_X86) && defined(FLASHC_CPU_AVX512BF16)
 static flashc_cpu_kernels kernels_avx512bf16;
 static pthread_once_t avx512bf16_once = PTHREAD_ONCE_INIT;
+/* decode's O += P V: bf16 V rows on vdpbf16ps, fp32 rows the AVX-512 set's kernel */
+static void pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                          const void *const *v, int vt, float *o, int64_t ldo) {
+    if (vt == FLASHC_CPU_KV_BF16) flashc_cpu_pv_avx512bf16(rows, cols, D, p, ldp, alpha, v, vt, o, ldo);
+    else flashc_cpu_kernels_avx512.pv(rows, cols, D, p, ldp, alpha, v, vt, o, ldo);
+}
 static void avx512bf16_init(void) {
     kernels_avx512bf16 = flashc_cpu_kernels_avx512;
     kernels_avx512bf16.name = "avx512bf16_12x32";
     kernels_avx512bf16.bf16 = &flashc_cpu_bf16_kernels_avx512;
     kernels_avx512bf16.dots_kv = flashc_cpu_dots_kv_avx512bf16;
-    kernels_avx512bf16.pv = flashc_cpu_pv_avx512bf16;
+    kernels_avx512bf16.pv = pv_avx512bf16;
 }
 #endif
 

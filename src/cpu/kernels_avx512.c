@@ -160,6 +160,82 @@ static void softmax_rows_avx512(int rows, int cols, float *s, int64_t lds, float
     }
 }
 
+/*
+ * Decode's O = alpha O + P V (cpu.h, flashc_cpu_pv_fn) for fp32 V rows: MR query rows (1..4) by NV vectors of 16
+ * columns (up to 64), the products in MR x NV accumulators from zero, per key NV V loads, MR broadcasts of P and
+ * MR x NV FMAs, then one FMA per vector adds alpha O. The AVX2 kernel's order for every element (keys in order from
+ * zero, then alpha O), so the same bits; with 64 columns a block, a V row of D 128 is two blocks instead of eight, a
+ * quarter of the P broadcasts and half the loads and FMA instructions per key. bf16 rows take the AVX2 kernel.
+ */
+AI void pv_block(const int MR, const int NV, int cols, int nr, const float *p, int64_t ldp, const float *alpha,
+                 const void *const *v, int j0, float *o, int64_t ldo) {
+    __m512 acc[4][4];
+    __mmask16 mk[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < NV; q++) mk[q] = first(nr - 16 * q);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) {
+#pragma GCC unroll 4
+        for (int q = 0; q < NV; q++) {
+            _mm_prefetch((const char *)(o + (int64_t)i * ldo + j0 + 16 * q), _MM_HINT_T0);
+            acc[i][q] = _mm512_setzero_ps();
+        }
+    }
+    for (int c = 0; c < cols; c++) {
+        const float *vc = (const float *)v[c] + j0;
+        __m512 b[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < NV; q++) b[q] = _mm512_maskz_loadu_ps(mk[q], vc + 16 * q);
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            const __m512 pi = _mm512_set1_ps(p[(int64_t)i * ldp + c]);
+#pragma GCC unroll 4
+            for (int q = 0; q < NV; q++) acc[i][q] = _mm512_fmadd_ps(pi, b[q], acc[i][q]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) {
+        float *oi = o + (int64_t)i * ldo + j0;
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+#pragma GCC unroll 4
+        for (int q = 0; q < NV; q++)
+            _mm512_mask_storeu_ps(oi + 16 * q, mk[q],
+                                  _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(mk[q], oi + 16 * q), acc[i][q]));
+    }
+}
+
+AI void pv_rows_avx512(const int MR, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                       const void *const *v, float *o, int64_t ldo) {
+    for (int j0 = 0; j0 < D; j0 += 64) {
+        const int nr = D - j0 < 64 ? D - j0 : 64;
+        switch ((nr + 15) / 16) {
+        case 4: pv_block(MR, 4, cols, nr, p, ldp, alpha, v, j0, o, ldo); break;
+        case 3: pv_block(MR, 3, cols, nr, p, ldp, alpha, v, j0, o, ldo); break;
+        case 2: pv_block(MR, 2, cols, nr, p, ldp, alpha, v, j0, o, ldo); break;
+        default: pv_block(MR, 1, cols, nr, p, ldp, alpha, v, j0, o, ldo); break;
+        }
+    }
+}
+
+static void pv_avx512(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
+                      const void *const *v, int vt, float *o, int64_t ldo) {
+    if (vt != FLASHC_CPU_KV_F32) {
+        flashc_cpu_pv_avx2(rows, cols, D, p, ldp, alpha, v, vt, o, ldo);
+        return;
+    }
+    int r = 0;
+    for (; r + 4 <= rows; r += 4)
+        pv_rows_avx512(4, cols, D, p + (int64_t)r * ldp, ldp, alpha + r, v, o + (int64_t)r * ldo, ldo);
+    const float *pr = p + (int64_t)r * ldp, *ar = alpha + r;
+    float *orow = o + (int64_t)r * ldo;
+    switch (rows - r) {
+    case 3: pv_rows_avx512(3, cols, D, pr, ldp, ar, v, orow, ldo); break;
+    case 2: pv_rows_avx512(2, cols, D, pr, ldp, ar, v, orow, ldo); break;
+    case 1: pv_rows_avx512(1, cols, D, pr, ldp, ar, v, orow, ldo); break;
+    default: break;
+    }
+}
+
 static void exp2_sub_avx512(int cols, int rows, float *st, int64_t ld, const float *sub) {
     for (int c = 0; c < cols; c++) {
         float *col = st + (size_t)c * ld;
@@ -212,7 +288,7 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
     .dots = flashc_cpu_dots_avx2,
     .softmax_rows = softmax_rows_avx512,
     .dots_kv = flashc_cpu_dots_kv_avx2,
-    .pv = flashc_cpu_pv_avx2,
+    .pv = pv_avx512,
     .dropout = dropout_avx512,
 };
 #endif
