@@ -495,15 +495,18 @@ static void determinism(flashc_context_t ctx, const char *what, shape s, int rer
  * them too), decode with GQA heads as rows on the decode tile, the decode tile at page size 1, split keys at page
  * 256, prefill (pages of 48 and 24 rows: not a power of two, tiles straddle pages) and pages of 200 rows (larger than
  * the key tile, not a multiple of it) with split keys; then on the default context, which
- * on a Hopper GPU runs the Hopper kernel's page boxes (fwd_sm90.cu's fc90_tile_pages) for both: 8 and 4 pages of a
- * 128-key tile, a tile inside a page of 256 with split keys, a page per key tile (128), and 5 pages of d 256's
- * 80-key tile, causal prefill among them. */
+ * on a Hopper GPU runs the Hopper kernel's page boxes (fwd_sm90.cu's fc90_tile_pages) for both: 8, 4 and 2 pages of
+ * a 128-key tile, a tile inside a page of 256 with split keys, a page per key tile (128), and 5 pages of d 256's
+ * 80-key tile, causal prefill among them: one load per page (kv_groups) at pages of 16 and 32 but for d 96, one
+ * kv head among them; one per page and column chunk at the others. */
 static void paged_tests(flashc_context_t ctx) {
     paged_vs_contiguous(ctx, "paged_pg16_decode_gqa", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 26);
     paged_vs_contiguous(ctx, "paged_pg256_split", (shape){2, 1, 20480, 8, 2, 128, 0}, 256, 27);
     paged_vs_contiguous(ctx, "paged_pg128_prefill_causal", (shape){3, 300, 1024, 4, 2, 128, 1}, 128, 28);
     paged_vs_contiguous(ctx, "paged_pg32_d96", (shape){2, 64, 992, 4, 4, 96, 0}, 32, 29);
     paged_vs_contiguous(ctx, "paged_pg16_d256_causal", (shape){2, 200, 480, 4, 2, 256, 1}, 16, 30);
+    paged_vs_contiguous(ctx, "paged_pg32_hkv1", (shape){4, 1, 3000, 8, 1, 128, 0}, 32, 34);
+    paged_vs_contiguous(ctx, "paged_pg64_decode", (shape){8, 1, 8192, 32, 8, 128, 0}, 64, 35);
     flashc_context_t c80 = gpu_context_with("FLASHC_CUDA_FWD", "sm80");
     paged_vs_contiguous(c80, "paged_decode_gqa_rows", (shape){16, 1, 4096, 32, 8, 128, 0}, 16, 21);
     paged_vs_contiguous(c80, "paged_decode_tile_pg1", (shape){16, 4, 700, 8, 8, 64, 1}, 1, 22);

@@ -52,6 +52,7 @@ typedef struct flashc_fwd_args {
     int64_t bt_stride;
     int page_size, num_pages;
     int kv_chunks; /* Hopper forward: the K and V maps are 5-dimensional (sm90.cuh's fc90_map with chunks) */
+    int kv_groups; /* Hopper forward, paged: one load per page, 8-row groups of every chunk (fc90_map_pages) */
     FC_DROP_FIELDS; /* dropout (score.h); the Hopper kernels take none yet */
 } flashc_fwd_args;
 

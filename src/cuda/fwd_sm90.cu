@@ -71,7 +71,8 @@
  * Split-KV (VARLEN kernels, when the tiles fill less than a wave: decode, short query sides): a tile's key range in
  * nsplit pieces run as tiles of their own, each writing a normalized partial O and its lse (fc90_fwd_partials) for
  * fwd_combine.cu's combine. Paged K/V (VARLEN kernels at d 96-256): the tensor maps span the page pools and a key
- * tile loads as boxes of whole pages or one box inside a page (fc90_tile_pages).
+ * tile loads as boxes of whole pages or one box inside a page (fc90_tile_pages); at four pages or more per tile one
+ * load per page brings every column chunk (kv_groups, fc90_map_pages), with the slots laid out in 8-row groups.
  */
 #include "bm_tiles.h" /* the block mask as per-tile bitmaps */
 #include "common.cuh"
@@ -150,6 +151,27 @@ __host__ __device__ constexpr bool fc90_paged_kernel() {
     return VARLEN && !BMASK && !DROP && fc90_paged_tile(fc90_tile_for(D));
 }
 
+/* The K and V slots' layout: column chunk after column chunk, each the tile's bc rows of 128 bytes (8-row groups
+ * 1024 bytes apart), or with kv_groups (paged kernels, sm90.cuh's fc90_map_pages: one load per page and operand)
+ * 8-row group after group, each the group's d / 64 chunks of 1024 bytes. The descriptors take either: S = Q K^T
+ * steps K's chunks by the chunk stride and its 8-row groups by the group stride; P V steps V's chunks (N) by the
+ * chunk stride and 16 keys by two group strides. */
+template <int D, bool VARLEN, bool BMASK, bool DROP>
+static __device__ __forceinline__ bool fc90_kv_groups(const flashc_fwd_args &a) {
+    return fc90_paged_kernel<D, VARLEN, BMASK, DROP>() && a.kv_groups;
+}
+template <int D>
+__host__ __device__ constexpr uint32_t fc90_group_step(bool groups) {
+    return groups ? (D / FC90_SW_COLS) * 1024u : 1024u;
+}
+/* The layout a main loop is compiled for: chunk after chunk, 8-row groups (kv_groups), or either as the kernel's
+ * argument says (the d 256 kernels: with a main loop per layout their consumers spilled 92-116 bytes). */
+enum { FC90_KV_CHUNKS = 0, FC90_KV_GROUPS = 1, FC90_KV_EITHER = 2 };
+template <int L>
+struct fc90_layout {
+    static constexpr int value = L;
+};
+
 /* Whether a problem's scores take the generic element step (GENERIC kernels: a score modifier, softcap or ALiBi,
  * or a scale that the softmax's exponent cannot fold); the raw kernels keep their registers for the plain path
  * (with the generic step compiled in, the d 64 kernel spilled 96 bytes). */
@@ -162,17 +184,17 @@ static __host__ __device__ __forceinline__ bool fc90_generic(const flashc_fwd_ar
 /* ---- the consumer's tile operations ------------------------------------------------------------------------ */
 
 /* Issues s = Q K^T for this warpgroup's 64 rows and the bc keys of one ring slot (d / 16 k-steps) as one commit
- * group; the caller fences before and waits after. */
+ * group; the caller fences before and waits after. kcs: K's column-chunk step in 16-byte units (bc rows of 128
+ * bytes, or one 1024-byte group with kv_groups). */
 template <int D, int BF, bool BMASK>
 static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D, BMASK).bc / 2], uint64_t dq,
-                                                     uint64_t dk) {
+                                                     uint64_t dk, uint32_t kcs) {
     constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         /* k16 step kk: chunk kk / 4, 32 bytes per step within its rows */
-        const uint32_t qoff = (kk / 4) * TL.br * FC90_SW_ROW + (kk % 4) * 32,
-                       koff = (kk / 4) * TL.bc * FC90_SW_ROW + (kk % 4) * 32;
-        fc90_mma_ss<TL.bc, BF>(s, dq + (qoff >> 4), dk + (koff >> 4), kk > 0);
+        const uint32_t qoff = (kk / 4) * TL.br * FC90_SW_ROW + (kk % 4) * 32;
+        fc90_mma_ss<TL.bc, BF>(s, dq + (qoff >> 4), dk + (kk / 4) * kcs + (kk % 4) * 2, kk > 0);
     }
     fc90_wgmma_commit();
 }
@@ -216,14 +238,14 @@ static __device__ __forceinline__ void fc90_rescale(float (&o)[D / 2], const flo
         }
 }
 
-/* Issues o += P V, V from one ring slot, as one commit group; the caller fences before and waits after. */
+/* Issues o += P V, V from one ring slot, as one commit group; the caller fences before and waits after. vks: the
+ * step of 16 keys in 16-byte units (two 8-row groups). */
 template <int D, int BF, bool BMASK>
 static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
                                                      const uint32_t (&pa)[fc90_tile_for(D, BMASK).bc / 16][4],
-                                                     uint64_t dv) {
+                                                     uint64_t dv, uint32_t vks) {
 #pragma unroll
-    for (int c = 0; c < fc90_tile_for(D, BMASK).bc / 16; ++c)
-        fc90_mma_rs<D, BF>(o, pa[c], dv + ((uint32_t)(c * 16 * FC90_SW_ROW) >> 4)); /* 16 keys further */
+    for (int c = 0; c < fc90_tile_for(D, BMASK).bc / 16; ++c) fc90_mma_rs<D, BF>(o, pa[c], dv + c * vks);
     fc90_wgmma_commit();
 }
 
@@ -453,29 +475,36 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             if (lead) next = gridDim.x + atomicAdd(ctr, 1u);
             next = __shfl_sync(warp, next, 0);
         }
+        /* Paged: with kv_groups lane i loads box i, every chunk (fc90_map_pages: box i's 8-row groups follow box
+         * i - 1's); else lane i NCH + c loads chunk c of box i. */
+        const bool groups = PAGED && a.kv_groups;
+        const int bi = groups ? lane : lane / NCH, bch = groups ? 0 : lane % NCH; /* box, chunk */
         int ktile = tb - 1; /* the key tile of turn it */
         for (int it = 0; it < ntiles; ++it, ++kv_it) {
             ktile = BMASK ? fc_bits_next(keep, ktile + 1) : tb + it;
             /* The consumers read V one turn after K, so each has its own ring. */
             const uint32_t off = sm.kr.slot(kv_it) * KV_BYTES;
-            if (PAGED && a.block_table) { /* paged: lane i NCH + c loads chunk c of box i */
-                const int i = lane / NCH, c = lane % NCH;
+            if (PAGED && a.block_table) {
                 int page;
-                const int nbox = fc90_tile_pages<BC>(a, b, ktile, sq.nk, i, &page);
+                const int nbox = fc90_tile_pages<BC>(a, b, ktile, sq.nk, bi, &page);
                 const uint32_t box = (uint32_t)min(BC, a.page_size), bytes = (uint32_t)nbox * box * D * 2;
                 const int prow = (ktile * BC) % a.page_size; /* the first box's row in its page (the others: 0) */
+                const int group = page * (a.page_size / 8) + prow / 8; /* kv_groups: the box's first 8-row group */
+                const uint32_t dst = groups ? bi * box * D * 2 : (bch * BC + bi * box) * FC90_SW_ROW;
                 sm.kr.wait_empty(kv_it);
                 if (lead) sm.kr.expect(kv_it, bytes);
                 __syncwarp(); /* the bytes expected before any box lands */
-                if (i < nbox)
-                    fc90_tma_load(sm.k + off + (c * BC + i * box) * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it),
-                                  c * FC90_SW_COLS, prow, hk, page);
+                if (bi < nbox && groups)
+                    fc90_tma_load5(sm.k + off + dst, &tm_k, sm.kr.full_bar(kv_it), 0, 0, 0, group, hk);
+                else if (bi < nbox)
+                    fc90_tma_load(sm.k + off + dst, &tm_k, sm.kr.full_bar(kv_it), bch * FC90_SW_COLS, prow, hk, page);
                 sm.vr.wait_empty(kv_it);
                 if (lead) sm.vr.expect(kv_it, bytes);
                 __syncwarp();
-                if (i < nbox)
-                    fc90_tma_load(sm.v + off + (c * BC + i * box) * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it),
-                                  c * FC90_SW_COLS, prow, hk, page);
+                if (bi < nbox && groups)
+                    fc90_tma_load5(sm.v + off + dst, &tm_v, sm.vr.full_bar(kv_it), 0, 0, 0, group, hk);
+                else if (bi < nbox)
+                    fc90_tma_load(sm.v + off + dst, &tm_v, sm.vr.full_bar(kv_it), bch * FC90_SW_COLS, prow, hk, page);
                 continue;
             }
             /* Every lane waits with the lead, so that the warp stays converged (lanes that ran ahead to the next
@@ -524,7 +553,7 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
  * live together. Q is released (PERSIST) after the tile's last S.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP, int LAYOUT>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a, const fc_drop_stream &drop,
                                                          const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
                                                          uint32_t nt, uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
@@ -539,10 +568,15 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     constexpr bool PERSIST = fc90_persistent(TL);
     const int diag = fc_diag(a, nq, nk), w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
     const int t = threadIdx.x % FC90_WG_THREADS;
+    /* The slots' layout (LAYOUT, fc90_kv_groups): K's column-chunk step and V's 16-key step, in 16-byte units;
+     * constants where the kernel has a main loop per layout (with the layout read from the arguments, the d 128
+     * contiguous decode measured 0.5-1% slower). */
+    const bool groups = LAYOUT == FC90_KV_EITHER ? fc90_kv_groups<D, VARLEN, BMASK, DROP>(a) : LAYOUT == FC90_KV_GROUPS;
+    const uint32_t kcs = (groups ? 1024u : BC * FC90_SW_ROW) >> 4, vks = 2 * fc90_group_step<D>(groups) >> 4;
     /* Varlen: before the P V of the key tile from key n0, clear V's rows past the sequence's end. */
     auto clear_v = [&](int n0, uint32_t use) {
         if (VARLEN && n0 + BC > nk)
-            fc90_clear_rows<D>(sm.v + sm.vr.slot(use) * KV_BYTES, BC, nk - n0, FC90_BAR_VCLEAR + cw, t);
+            fc90_clear_rows<D>(sm.v + sm.vr.slot(use) * KV_BYTES, BC, nk - n0, FC90_BAR_VCLEAR + cw, t, groups);
     };
     /* The key tile of each turn: tb + it, or with a block mask (BMASK) the it-th set bit of the tile's bitmap
      * from tb, cut where the second half's bit is set, as the producer walks it. */
@@ -565,7 +599,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_turn_begin(cw);
     fc90_pin(s);
     fc90_wgmma_fence();
-    fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4));
+    fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4), kcs);
     fc90_turn_end<NC>(cw, false);
     fc90_wgmma_wait<0>();
     fc90_pin(s);
@@ -593,8 +627,8 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(o);
         fc90_pin(pa);
         fc90_wgmma_fence();
-        fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4));
-        fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4));
+        fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4), kcs);
+        fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4), vks);
         fc90_turn_end<NC>(cw, false);
         fc90_wgmma_wait<1>();
         fc90_pin(s);
@@ -623,7 +657,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(o);
     fc90_pin(pa);
     fc90_wgmma_fence();
-    fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4));
+    fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4), vks);
     fc90_turn_end<NC>(cw, true);
     fc90_wgmma_wait<0>();
     fc90_pin(o);
@@ -797,8 +831,10 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
     const int cw = wg - 1, t = threadIdx.x % FC90_WG_THREADS, warp = t / 32, lane = t % 32, g = lane / 4, tig = lane % 4;
     const int row0 = 64 * cw + 16 * warp + g;
     const uint64_t dq = fc90_desc(sm.q + 64 * cw * FC90_SW_ROW, 16, 1024);
-    const uint64_t dk = fc90_desc(sm.k, 16, 1024);
-    const uint64_t dv = fc90_desc(sm.v, BC * FC90_SW_ROW, 1024);
+    /* K: 8-row groups SBO apart; V: column chunks LBO apart, 8-key groups SBO apart (fc90_kv_groups' layouts) */
+    const bool groups = fc90_kv_groups<D, VARLEN, BMASK, DROP>(a);
+    const uint64_t dk = fc90_desc(sm.k, 16, fc90_group_step<D>(groups));
+    const uint64_t dv = fc90_desc(sm.v, groups ? 1024 : BC * FC90_SW_ROW, fc90_group_step<D>(groups));
     uint32_t kv_it = 0; /* as the producer's */
 
     for (uint32_t nt = 0;; ++nt) {
@@ -820,11 +856,20 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
         for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
-        if (ntiles > 0)
-            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP>(
+        /* the main loop for the slots' layout (fc90_layout) */
+        auto mainloop = [&](auto layout) {
+            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP, decltype(layout)::value>(
                 a, DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{}, sm, nt, kv_it, tb, ntiles, bits,
                 BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw,
                 row0, tig, dq, dk, dv, o, s, row_m, row_l);
+        };
+        constexpr bool PAGED = fc90_paged_kernel<D, VARLEN, BMASK, DROP>();
+        if (ntiles > 0 && PAGED && D > 128)
+            mainloop(fc90_layout<FC90_KV_EITHER>{});
+        else if (ntiles > 0 && groups)
+            mainloop(fc90_layout<PAGED ? FC90_KV_GROUPS : FC90_KV_CHUNKS>{});
+        else if (ntiles > 0)
+            mainloop(fc90_layout<FC90_KV_CHUNKS>{});
         kv_it += ntiles;
         /* paged: a page outside the pool among the keys this tile loaded makes its rows NaN (fc90_tile_pages) */
         const bool bad = fc90_paged_kernel<D, VARLEN, BMASK, DROP>() && a.block_table && ntiles > 0 &&
@@ -928,8 +973,24 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
      * 5-dimensional loads gained 0.4-0.8% (B x Nk 16 x 32768, 8 x 16384, 1 x 131072, H200; prefill not measured,
      * so it keeps the per-chunk loads). */
     bool chunks = l2_128 && !a->block_table && a->D == D && D > 64;
+    /* Paged at four pages or more per key tile, with the pages one after another in rows (page stride = page_size
+     * rows, as flashc_kv_offset's pools are laid out) and every column the kernel's: one load per page and operand
+     * (fc90_map_pages, the slots in 8-row groups: kv_groups) instead of one per page and 64-column chunk. Decode
+     * (H200, B x Nk 16 x 4096, 16 x 32768, 1 x 131072, d 128): paged / contiguous time 1.24-1.28 -> 1.15-1.19 at
+     * pages of 16, 1.15-1.17 -> 1.09-1.13 at 32; d 256 at 16 (five pages per tile) 1.16 -> 1.07. At 64 it was level
+     * (1.08-1.12 against 1.09-1.12), and at 256 (a tile inside a page: one load against two) 0-2% slower in most of
+     * four rounds, so larger pages keep the boxes per chunk. */
+    bool groups = a->block_table && a->D == D && D % 64 == 0 && fc90_paged_tile(TL) && 4 * a->page_size <= TL.bc &&
+                  (a->num_pages == 1 || (a->k_sb == a->page_size * a->k_sn && a->v_sb == a->page_size * a->v_sn));
+    if (groups) {
+        cudaError_t g = fc90_map_pages(&tk, a->k, BF, a->D, a->page_size, a->Hkv, a->num_pages, a->k_sn, a->k_sh,
+                                       kbox, l2_128);
+        if (g == cudaSuccess)
+            g = fc90_map_pages(&tv, a->v, BF, a->D, a->page_size, a->Hkv, a->num_pages, a->v_sn, a->v_sh, kbox, l2_128);
+        groups = g == cudaSuccess; /* else the 4-dimensional page boxes */
+    }
     cudaError_t e = fc90_map(&tq, a->q, BF, a->D, qrows, a->H, nb, a->q_sn, a->q_sh, a->q_sb, TL.br);
-    if (e == cudaSuccess) {
+    if (e == cudaSuccess && !groups) {
         e = fc90_map(&tk, a->k, BF, a->D, kr, a->Hkv, kb, a->k_sn, a->k_sh, a->k_sb, kbox, l2_128, chunks);
         if (e == cudaSuccess)
             e = fc90_map(&tv, a->v, BF, a->D, kr, a->Hkv, kb, a->v_sn, a->v_sh, a->v_sb, kbox, l2_128, chunks);
@@ -942,6 +1003,7 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
     }
     if (e != cudaSuccess) return e;
     k.kv_chunks = chunks;
+    k.kv_groups = groups;
     if (a->bm) { /* the bitmaps first, into the workspace (flashc_fwd_sm90_workspace) */
         if (!a->bm_tiles) return cudaErrorInvalidValue;
         const fc_bm_tiles_args bt = fc90_bm_tiles_args(a);

@@ -132,11 +132,14 @@ static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
  * share the tile clear the same rows with the same zeros.
  */
 template <int D>
-static __device__ __forceinline__ void fc90_clear_rows(uint32_t tile, int rows, int valid, int bar, int t) {
+static __device__ __forceinline__ void fc90_clear_rows(uint32_t tile, int rows, int valid, int bar, int t,
+                                                       bool groups = false) {
     const int n = rows - valid, pieces = n * (D / FC90_SW_COLS) * 8; /* 8 pieces of 16 bytes per chunk row */
+    /* chunk after chunk, or (groups: fc90_map_pages' layout) 8-row groups of every chunk, group after group */
+    const uint32_t cs = groups ? 1024 : rows * FC90_SW_ROW, gs = groups ? (D / FC90_SW_COLS) * 1024 : 1024;
     for (int e = t; e < pieces; e += FC90_WG_THREADS) {
         const int piece = e % 8, r = valid + (e / 8) % n, c = e / 8 / n;
-        const uint32_t addr = tile + c * rows * FC90_SW_ROW + r * FC90_SW_ROW + piece * 16;
+        const uint32_t addr = tile + c * cs + (r / 8) * gs + (r % 8) * FC90_SW_ROW + piece * 16;
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
     }
     fc90_fence_proxy_async();
@@ -426,6 +429,36 @@ static cudaError_t fc90_map(CUtensorMap *map, const void *base, int bf16, int d,
     const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                            chunks ? 5 : 4, (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
                            CU_TENSOR_MAP_SWIZZLE_128B,
+                           l2_128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+/*
+ * A paged 16-bit pool (d, page_size, heads, num_pages), element strides (1, sn, sh, sb) with sb = page_size sn (the
+ * pages one after another in rows), as the 5-dimensional map (64, 8, d / 64, num_pages page_size / 8, heads): 64
+ * columns, 8 rows, the column chunk (128 bytes along the row), the 8-row group of the pool (8 sn), the head. A box of
+ * box_rows / 8 groups (box_rows a multiple of 8 inside one page) brings box_rows rows of all d columns in one load,
+ * laid out group after group, each group's chunks one after another (1024 bytes each): the 8-row group stride is
+ * d / 64 x 1024 bytes and the chunk stride 1024, for the descriptors of both products (fwd_sm90.cu's kv_groups).
+ * Pages of 16 rows then take one load per page and operand, not one per page and chunk.
+ */
+static cudaError_t fc90_map_pages(CUtensorMap *map, const void *base, int bf16, int d, int64_t page_size, int64_t heads,
+                                  int64_t num_pages, int64_t sn, int64_t sh, int box_rows, bool l2_128) {
+    const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
+    if (!enc) return cudaErrorNotSupported;
+    if (d % 64 || page_size % 8 || box_rows % 8 || box_rows > page_size || box_rows / 8 > 256)
+        return cudaErrorInvalidValue;
+    const int64_t groups = num_pages * (page_size / 8), gstride = 8 * sn * 2;
+    if (groups >= (INT64_C(1) << 31) || gstride >= (INT64_C(1) << 40) || sh * 2 >= (INT64_C(1) << 40))
+        return cudaErrorInvalidValue;
+    const cuuint64_t dim[5] = {64, 8, (cuuint64_t)(d / 64), (cuuint64_t)groups, (cuuint64_t)heads};
+    /* a head dimension of extent 1 is never stepped: the row stride stands in for its (free) stride */
+    const cuuint64_t str[4] = {(cuuint64_t)(sn * 2), 128, (cuuint64_t)gstride, (cuuint64_t)(heads > 1 ? sh * 2 : sn * 2)};
+    const cuuint32_t box[5] = {64, 8, (cuuint32_t)(d / 64), (cuuint32_t)(box_rows / 8), 1};
+    const cuuint32_t estr[5] = {1, 1, 1, 1, 1};
+    const CUresult r = enc(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+                           (void *)base, dim, str, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                            l2_128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
