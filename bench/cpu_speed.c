@@ -211,7 +211,8 @@ static int run_kernel(void *arg) {
 /*
  * The bf16 forward's tile in its three phases as attn.c calls them on a kernel set with bf16 products (bc keys x br
  * queries, head dim D, one thread): S^T = K Q^T with the Q scale, the online-softmax step writing P (softmax_prows
- * where the set has it, else softmax_pairs) and rescaling O, O += P V on that P; phase 3 runs the three in turn.
+ * where the set has it, taking the Q scale in place of the gemm as attn.c does, else softmax_pairs) and rescaling O,
+ * O += P V on that P; phase 3 runs the three in turn.
  */
 typedef struct fwd_phases {
     const flashc_cpu_kernels *k;
@@ -224,11 +225,12 @@ static void fwd_phase(fwd_phases *f, int phase) {
     const flashc_cpu_bf16_kernels *b = f->k->bf16;
     const int D = f->D, br = f->br, bc = f->bc, ld = f->ld, prows = b->softmax_prows != NULL;
     const int64_t prs = prows ? bc + 32 : 2, pcs = prows ? 2 : 2 * (int64_t)ld; /* attn.c's prows_ld */
-    if (phase == 0) b->gemm(bc, br, D / 2, f->k16, D, 2, f->q2, 2 * (int64_t)ld, f->st, ld, 0.18f, 0);
+    const float qs = 0.18f; /* the Q scale: in the gemm, or with softmax_prows in the softmax step (attn.c) */
+    if (phase == 0) b->gemm(bc, br, D / 2, f->k16, D, 2, f->q2, 2 * (int64_t)ld, f->st, ld, prows ? 1.0f : qs, 0);
     if (phase == 1) {
         for (int r = 0; r < br; r++) f->m[r] = -INFINITY, f->l[r] = 0.0f;
-        (prows ? b->softmax_prows : b->softmax_pairs)(bc, br, f->st, ld, f->m, f->l, f->alpha, NULL, 0, 0, f->p,
-                                                      prows ? prs : pcs, f->o, D, D);
+        (prows ? b->softmax_prows : b->softmax_pairs)(bc, br, f->st, ld, prows ? qs : 1.0f, f->m, f->l, f->alpha, NULL,
+                                                      0, 0, f->p, prows ? prs : pcs, f->o, D, D);
     }
     if (phase == 2) b->gemm(br, D, bc / 2, f->p, prs, pcs, f->v2, 2 * (int64_t)D, f->o, D, 1.0f, 1);
 }

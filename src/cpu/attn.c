@@ -390,6 +390,17 @@ static pv_operands tile_pv(const flashc_problem *p, const flashc_cpu_kernels *ke
 }
 
 /*
+ * Whether S^T's Q scale goes to the softmax step instead of the gemm: with softmax_prows (the amx set, whose gemm
+ * scales in a pass of its own over the stored tile, where the avx512bf16 gemm scales in registers), where the score
+ * epilogue at most writes -inf (no softcap, no ALiBi, which need the scaled scores) and the scale is > 0 (-inf scaled
+ * stays -inf). The step multiplies each score as it reads it: the same product, the same bits.
+ */
+static int scale_in_softmax(const flashc_problem *p, const pv_operands *v, int64_t b, int64_t h) {
+    return v->p2 && v->prs != 2 && p->softcap <= 0.0f && flashc_alibi_slope(p, b, h) == 0.0f &&
+           flashc_cpu_qscale(p) > 0.0f;
+}
+
+/*
  * One step of the online softmax (FlashAttention-2, Algorithm 1, lines 8-10) for query block q against keys
  * [j0, j0 + cols), which start at row off of the K/V block kv: S^T = K (scale Q)^T, the score epilogue, m and l, O
  * rescaled by alpha, O += P V. With the bf16 products P is rounded to bf16 for P V (its pair rows), as flash-attn
@@ -403,16 +414,18 @@ static void forward_tile(const flashc_problem *p, const flashc_cpu_kernels *kern
     const int ch = (16 + kern->mr - 1) / kern->mr * kern->mr;
     int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
     const int edge = tile_row_ranges(p, nq, nk, q->i0, rows, j0, cols, lo, hi);
-    const score_operands s = tile_scores(p, L, q, kv, off);
+    const pv_operands v = tile_pv(p, kern, L, t, kv, off);
+    score_operands s = tile_scores(p, L, q, kv, off);
+    float qs = 1.0f; /* the factor the softmax step applies to st */
+    if (scale_in_softmax(p, &v, b, h)) qs = s.alpha, s.alpha = 1.0f;
     if (edge) edge_scores(kern, br, rows, lo, hi, &s, cols, t->st, ld, ch);
-    else score_product(kern, &s, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T */
+    else score_product(kern, &s, 0, cols, 0, br, t->st, ld); /* S^T = K (scale Q)^T, or K Q^T scaled by qs */
     if (edge || flashc_cpu_tile_needs_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols))
         flashc_cpu_score_epilogue(p, b, h, nq, nk, q->i0, rows, j0, cols, t->st, ld, NULL);
-    const pv_operands v = tile_pv(p, kern, L, t, kv, off);
     if (v.p2) { /* the softmax writes P's pair words (with dropout 0 where dropped) and rescales O itself */
         if (drop) kern->bf16->keep(cols, br, t->keep, L->bc, drop, q->i0, j0);
         const flashc_cpu_softmax_pairs_fn sp = v.prs == 2 ? kern->bf16->softmax_pairs : kern->bf16->softmax_prows;
-        sp(cols, br, t->st, ld, q->m, q->l, t->alpha, drop ? t->keep : NULL, L->bc, v.lead, t->p2,
+        sp(cols, br, t->st, ld, qs, q->m, q->l, t->alpha, drop ? t->keep : NULL, L->bc, v.lead, t->p2,
            v.prs == 2 ? v.pcs : v.prs, q->o, dp, D);
     } else {
         kern->softmax(cols, br, t->st, ld, q->m, q->l, t->alpha);

@@ -231,15 +231,17 @@ typedef void (*flashc_cpu_pairs_t_fn)(int rows, int pad_rows, int pairs, const u
                                       uint16_t *dst, int64_t ldd);
 /*
  * The forward's online-softmax step for the bf16 products, P written only as bf16 pair rows: m, l and alpha as
- * softmax_fn computes them from st (cols keys x rows queries, rows a multiple of 16; st is only read), P = 2^(st - m')
- * rounded to nearest even into pair rows p2 as pairs_f32(cols, lead, rows, P, ...) lays them out (leading dim ldp),
- * and the first D values of each O row r (o, leading dim ldo) multiplied by alpha[r]. The bits of softmax_fn,
- * pairs_f32 and the rescale in turn. With dropout, keep (NULL without) holds the keep_fn masks of the tile (leading
- * dim ldk): l sums P undropped, and the pair rows take 0 where dropped (as dropout_fn with kept 1 between the two).
+ * softmax_fn computes them from the scores qs st (cols keys x rows queries, rows a multiple of 16; st is only read;
+ * qs 1, or the Q scale > 0 that the gemm's alpha would have applied: each qs st rounded once, the same bits as scaling
+ * st first, so masked -inf stay -inf), P = 2^(qs st - m') rounded to nearest even into pair rows p2 as
+ * pairs_f32(cols, lead, rows, P, ...) lays them out (leading dim ldp), and the first D values of each O row r (o,
+ * leading dim ldo) multiplied by alpha[r]. The bits of (the scaling,) softmax_fn, pairs_f32 and the rescale in turn.
+ * With dropout, keep (NULL without) holds the keep_fn masks of the tile (leading dim ldk): l sums P undropped, and the
+ * pair rows take 0 where dropped (as dropout_fn with kept 1 between the two).
  */
-typedef void (*flashc_cpu_softmax_pairs_fn)(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
-                                            float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2,
-                                            int64_t ldp, float *o, int64_t ldo, int D);
+typedef void (*flashc_cpu_softmax_pairs_fn)(int cols, int rows, const float *st, int64_t ld, float qs, float *m,
+                                            float *l, float *alpha, const uint16_t *keep, int64_t ldk, int lead,
+                                            uint16_t *p2, int64_t ldp, float *o, int64_t ldo, int D);
 typedef struct flashc_cpu_bf16_kernels {
     flashc_cpu_gemm_bf16_fn gemm;
     flashc_cpu_pairs_f32_fn pairs_f32;
@@ -287,9 +289,9 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                               const void *const *v, int vt, float *o, int64_t ldo);
 /* ... and softmax_pairs writing P query-major (the softmax_prows that the amx set takes). */
-void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
-                                         float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p,
-                                         int64_t ldp, float *o, int64_t ldo, int D);
+void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, int64_t ld, float qs, float *m,
+                                         float *l, float *alpha, const uint16_t *keep, int64_t ldk, int lead,
+                                         uint16_t *p, int64_t ldp, float *o, int64_t ldo, int D);
 #  endif
 #  if defined(FLASHC_CPU_AMX)
 /* kernels_amx.c: the "amx" set's bf16 kernels, the avx512bf16 ones with gemm on AMX-BF16 tiles (emulated in C when

@@ -15,8 +15,12 @@
  * P and dS); otherwise (dS's pair rows, cs_a = 2 ld) each 16-row panel of A is transposed once per call into rows of
  * pairs (16 x 16 word transposes) and reused for every column block. C: accumulated in the tiles when alpha is 1 (C
  * loaded into them),
- * else summed from zero, stored and scaled (S^T's Q scale) - the order kernels_avx512bf16.c's gemm sums in.
- * Edge blocks go through a 32 x 32 buffer.
+ * else summed from zero, stored and scaled (S^T's Q scale) - the order kernels_avx512bf16.c's gemm sums in. The
+ * forward passes its S^T alpha 1 where it can and leaves the scale to softmax_prows, which multiplies each score as it
+ * reads it (attn.c, scale_in_softmax): the same products without this pass's reload and second store of the tile; the
+ * backward's S^T and the forward with softcap or ALiBi still scale here. Edge blocks go through a 32 x 32 buffer,
+ * but for those summed from zero with alpha 1 whose tiles in use are whole (the forward's 16-key edge strips of S^T,
+ * attn.c's edge_scores), which are written from the tiles as whole blocks are: the same sums, no copy.
  * The tiles are configured at every call (LDTILECFG): each OpenMP thread must configure its own before its first tile
  * instruction, and another library in the process (oneDNN under torch) may have configured them differently since.
  *
@@ -148,6 +152,8 @@ static void gemm_bf16_amx(int m, int n, int k, const uint16_t *a, int64_t rs_a, 
         for (int j0 = 0; j0 < n; j0 += 32) {
             const int nc[2] = {imin(16, n - j0), imin(16, n - j0 - 16)}, two_n = nc[1] > 0;
             const int full = mr[0] == TR && mr[1] == TR && nc[0] == 16 && nc[1] == 16;
+            /* every tile used whole: one row of tiles or one column (attn.c's 16-key edge strips of S^T) */
+            const int whole = mr[0] == TR && (mr[1] <= 0 || mr[1] == TR) && nc[0] == 16 && (nc[1] <= 0 || nc[1] == 16);
             float *cij = c + (int64_t)i0 * ldc + j0;
             const int64_t cs = 4 * ldc;
             const int in_place = full && accumulate && alpha == 1.0f;
@@ -190,12 +196,12 @@ static void gemm_bf16_amx(int m, int n, int k, const uint16_t *a, int64_t rs_a, 
                     }
                 }
             }
-            if (in_place || (full && !accumulate)) {
+            if (in_place || (!accumulate && (full || (whole && alpha == 1.0f)))) { /* C written from the tiles */
                 FLASHC_AMX_STORE(0, cij, cs);
-                FLASHC_AMX_STORE(1, cij + 16, cs);
-                FLASHC_AMX_STORE(2, cij + TR * ldc, cs);
-                FLASHC_AMX_STORE(3, cij + TR * ldc + 16, cs);
-                if (!in_place && alpha != 1.0f) /* S^T's Q scale on the fp32 sums */
+                if (two_n) FLASHC_AMX_STORE(1, cij + 16, cs);
+                if (two_m) FLASHC_AMX_STORE(2, cij + TR * ldc, cs);
+                if (two_m && two_n) FLASHC_AMX_STORE(3, cij + TR * ldc + 16, cs);
+                if (!in_place && alpha != 1.0f) /* S^T's Q scale on the fp32 sums (the backward's; see above) */
                     for (int i = 0; i < 2 * TR; i++) {
                         float *ci = cij + (int64_t)i * ldc;
                         const __m512 sc = _mm512_set1_ps(alpha);

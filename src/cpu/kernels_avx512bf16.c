@@ -533,20 +533,39 @@ AI __m512 exp2_p(__m512 x) {
     return flashc_exp2_poly_avx512(_mm512_max_ps(_mm512_set1_ps(-150.0f), x));
 }
 
+/* Sixteen scores of softmax_pairs: st's, times qs where SCALED (one rounding, the product the gemm's alpha gave). */
+AI __m512 score16(const int SCALED, const float *x, __m512 qs) {
+    const __m512 s = _mm512_loadu_ps(x);
+    return SCALED ? _mm512_mul_ps(s, qs) : s;
+}
+
+/* flashc_softmax_sub_avx512 (the new max, alpha and the value to subtract) on the scores score16 reads. */
+AI __m512 softmax_sub(const int SCALED, int cols, const float *st, int64_t ld, __m512 qs, __m512 m_old, __m512 *m_new,
+                      __m512 *alpha) {
+    if (!SCALED) return flashc_softmax_sub_avx512(cols, st, ld, m_old, m_new, alpha);
+    __m512 mx = m_old;
+    for (int c = 0; c < cols; c++) mx = _mm512_max_ps(score16(1, st + (size_t)c * ld, qs), mx);
+    const __mmask16 empty = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    const __m512 sub = _mm512_mask_mov_ps(mx, empty, _mm512_setzero_ps());
+    *alpha = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, _mm512_set1_ps(1.0f));
+    *m_new = mx;
+    return sub;
+}
+
 /* P's pair word (keys 2p - lead, 2p + 1 - lead; 16 rows from r) of softmax_pairs: exp2 of the scores less sub, summed
  * into sum in column order, rounded to bf16 by one vcvtne2ps2bf16 and zipped by vpermw as pairs_f32 does; with DROP
  * the pair's two keep masks (one 32-bit word) zero the dropped bf16 lanes before the zip (bf16(0) = 0, so the bits of
  * zeroing P first). */
-AI __m512i softmax_pair(const int DROP, int p, int cols, int lead, const float *st, int64_t ld, int r, __m512 sub,
-                        __m512 *sum, const uint16_t *keep, int64_t ldk, __m512i zip) {
+AI __m512i softmax_pair(const int DROP, const int SCALED, int p, int cols, int lead, const float *st, int64_t ld,
+                        __m512 qs, int r, __m512 sub, __m512 *sum, const uint16_t *keep, int64_t ldk, __m512i zip) {
     const int c0 = 2 * p - lead, c1 = c0 + 1;
     __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
     if (c0 >= 0) {
-        e0 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c0 * ld + r), sub));
+        e0 = exp2_p(_mm512_sub_ps(score16(SCALED, st + (size_t)c0 * ld + r, qs), sub));
         *sum = _mm512_add_ps(*sum, e0);
     }
     if (c1 < cols) {
-        e1 = exp2_p(_mm512_sub_ps(_mm512_loadu_ps(st + (size_t)c1 * ld + r), sub));
+        e1 = exp2_p(_mm512_sub_ps(score16(SCALED, st + (size_t)c1 * ld + r, qs), sub));
         *sum = _mm512_add_ps(*sum, e1);
     }
     __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
@@ -561,30 +580,35 @@ AI __m512i softmax_pair(const int DROP, int p, int cols, int lead, const float *
 }
 
 /* softmax_avx512's steps (max, alpha, exp2 and sum in column order) per 16 rows, the exp2 pass two columns (a pair)
- * at a time (softmax_pair), with no fp32 P stored. DROP: with keep. ROWS: P's pair words written query-major,
+ * at a time (softmax_pair), with no fp32 P stored. DROP: with keep. SCALED: the scores are qs st (S^T's Q scale
+ * applied as the scores are read, where the AMX gemm's separate pass over the stored tile would store and reload
+ * them). ROWS: P's pair words written query-major,
  * p2[r * ldp + 2 p + e] (rows of key pairs, the layout of an AMX A tile), sixteen pairs at a time transposed in
  * registers (16 x 16 words), where the pair rows (ROWS 0: p2[p * ldp + 2 r + e]) are a pair word per row and key pair
  * that the AMX gemm transposed again per call; the same words either way. */
-AI void softmax_pairs_tile(const int DROP, const int ROWS, int cols, int rows, const float *st, int64_t ld, float *m,
-                           float *l, float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2,
-                           int64_t ldp, float *o, int64_t ldo, int D) {
+AI void softmax_pairs_tile(const int DROP, const int SCALED, const int ROWS, int cols, int rows, const float *st,
+                           int64_t ld, float qscale, float *m, float *l, float *alpha, const uint16_t *keep,
+                           int64_t ldk, int lead, uint16_t *p2, int64_t ldp, float *o, int64_t ldo, int D) {
     const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const int np = (cols + lead + 1) / 2; /* pairs */
+    const __m512 qs = _mm512_set1_ps(qscale);
     for (int r = 0; r < rows; r += 16) {
         __m512 mx, a;
-        const __m512 sub = flashc_softmax_sub_avx512(cols, st + r, ld, _mm512_loadu_ps(m + r), &mx, &a);
+        const __m512 sub = softmax_sub(SCALED, cols, st + r, ld, qs, _mm512_loadu_ps(m + r), &mx, &a);
         __m512 sum = _mm512_setzero_ps();
         if (!ROWS) {
             for (int p = 0; p < np; p++)
                 _mm512_storeu_si512(p2 + (int64_t)p * ldp + 2 * r,
-                                    softmax_pair(DROP, p, cols, lead, st, ld, r, sub, &sum, keep, ldk, zip));
+                                    softmax_pair(DROP, SCALED, p, cols, lead, st, ld, qs, r, sub, &sum, keep, ldk,
+                                                 zip));
         } else {
             for (int p0 = 0; p0 < np; p0 += 16) {
                 __m512i x[16];
 #pragma GCC unroll 16
                 for (int j = 0; j < 16; j++)
-                    x[j] = p0 + j < np ? softmax_pair(DROP, p0 + j, cols, lead, st, ld, r, sub, &sum, keep, ldk, zip)
+                    x[j] = p0 + j < np ? softmax_pair(DROP, SCALED, p0 + j, cols, lead, st, ld, qs, r, sub, &sum, keep,
+                                                      ldk, zip)
                                        : _mm512_setzero_si512();
                 flashc_cpu_transpose16(x);
                 const __mmask16 mp = first(np - p0);
@@ -606,19 +630,32 @@ AI void softmax_pairs_tile(const int DROP, const int ROWS, int cols, int rows, c
     }
 }
 
-static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld, float *m, float *l, float *alpha,
-                                 const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2, int64_t ldp, float *o,
-                                 int64_t ldo, int D) {
-    if (keep) softmax_pairs_tile(1, 0, cols, rows, st, ld, m, l, alpha, keep, ldk, lead, p2, ldp, o, ldo, D);
-    else softmax_pairs_tile(0, 0, cols, rows, st, ld, m, l, alpha, NULL, 0, lead, p2, ldp, o, ldo, D);
+/* The forms of softmax_pairs_tile by keep and qs (the avx512bf16 set's gemm scales S^T in its registers, so attn.c
+ * passes softmax_pairs qs 1; the AMX gemm leaves the scale to softmax_prows). */
+#define SOFTMAX_PAIRS_FORMS(ROWS, p2)                                                                              \
+    do {                                                                                                           \
+        if (qs == 1.0f && !keep)                                                                                   \
+            softmax_pairs_tile(0, 0, ROWS, cols, rows, st, ld, qs, m, l, alpha, NULL, 0, lead, p2, ldp, o, ldo, D); \
+        else if (qs == 1.0f)                                                                                       \
+            softmax_pairs_tile(1, 0, ROWS, cols, rows, st, ld, qs, m, l, alpha, keep, ldk, lead, p2, ldp, o, ldo, D); \
+        else if (!keep)                                                                                            \
+            softmax_pairs_tile(0, 1, ROWS, cols, rows, st, ld, qs, m, l, alpha, NULL, 0, lead, p2, ldp, o, ldo, D); \
+        else                                                                                                       \
+            softmax_pairs_tile(1, 1, ROWS, cols, rows, st, ld, qs, m, l, alpha, keep, ldk, lead, p2, ldp, o, ldo, D); \
+    } while (0)
+
+static void softmax_pairs_avx512(int cols, int rows, const float *st, int64_t ld, float qs, float *m, float *l,
+                                 float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p2, int64_t ldp,
+                                 float *o, int64_t ldo, int D) {
+    SOFTMAX_PAIRS_FORMS(0, p2);
 }
 
-void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, int64_t ld, float *m, float *l,
-                                         float *alpha, const uint16_t *keep, int64_t ldk, int lead, uint16_t *p,
-                                         int64_t ldp, float *o, int64_t ldo, int D) {
-    if (keep) softmax_pairs_tile(1, 1, cols, rows, st, ld, m, l, alpha, keep, ldk, lead, p, ldp, o, ldo, D);
-    else softmax_pairs_tile(0, 1, cols, rows, st, ld, m, l, alpha, NULL, 0, lead, p, ldp, o, ldo, D);
+void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, int64_t ld, float qs, float *m,
+                                         float *l, float *alpha, const uint16_t *keep, int64_t ldk, int lead,
+                                         uint16_t *p, int64_t ldp, float *o, int64_t ldo, int D) {
+    SOFTMAX_PAIRS_FORMS(1, p);
 }
+#undef SOFTMAX_PAIRS_FORMS
 
 const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .gemm = gemm_bf16_avx512,
