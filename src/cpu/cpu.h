@@ -283,7 +283,7 @@ extern const flashc_cpu_kernels flashc_cpu_kernels_avx512;
 #  if defined(FLASHC_CPU_AVX512BF16)
 /* kernels_avx512bf16.c: the bf16 products that the "avx512bf16" set adds to the AVX-512 table (backend.c). */
 extern const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512;
-/* ... and its decode kernels: bf16 K / V rows on vdpbf16ps (fp32 rows go to the AVX2 ones). */
+/* ... and its decode kernels: bf16 K / V rows on vdpbf16ps (fp32 rows go to the AVX-512 set's). */
 void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k,
                                    int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
@@ -298,9 +298,8 @@ void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, in
  * built with FLASHC_CPU_AMX_EMULATE). */
 void flashc_cpu_bf16_kernels_amx_fill(flashc_cpu_bf16_kernels *k);
 #  endif
-/* The AVX2 decode kernels, which the AVX-512 table shares but for softmax_rows (every AVX-512 CPU has AVX2; decode
- * streams K and V at memory speed, where the wider vectors have little to add), and the avx512bf16 set for fp32 K
- * and V rows. */
+/* The AVX2 decode kernels (kernels_avx2.c), which the AVX-512 sets take for K and V rows they have no kernel of their
+ * own for (bf16 rows in the avx512 set). */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
 void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
@@ -308,6 +307,9 @@ void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t 
 void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                         const void *const *v, int vt, float *o, int64_t ldo);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
+/* The AVX-512 set's dots_kv (kernels_avx512.c): fp32 K rows in 16-wide blocks, bf16 rows the AVX2 kernel's. */
+void flashc_cpu_dots_kv_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
+                               float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 #endif
 /* The portable dropout (kernels_generic.c): the definition the SIMD ones must match bit for bit. */
 void flashc_cpu_dropout_generic(int cols, int rows, float *st, int64_t ld, const flashc_cpu_dropout *d, int64_t i0,

@@ -12,6 +12,7 @@
 
 #include "exp2_avx512.h"
 #include "philox_avx512.h"
+#include "transpose_avx512.h"
 
 #define AI __attribute__((always_inline)) static inline
 
@@ -161,6 +162,96 @@ static void softmax_rows_avx512(int rows, int cols, float *s, int64_t lds, float
 }
 
 /*
+ * Decode's scores (cpu.h, flashc_cpu_dots_kv_fn) for fp32 K rows: R query rows (4, 2 or 1) against KC = 16 / R keys,
+ * sixteen accumulators along D in chunks of 16 (the tail masked: K is read in place), each K chunk loaded once for
+ * the R rows (a GQA group's heads), and one flashc_cpu_reduce16 for the block's sixteen scores (lane r * KC + c), as
+ * the avx512bf16 set's dots_kv is built on vdpbf16ps. Against the AVX2 kernel (4 rows x 2 keys a block, 8 wide, one
+ * hsum8 per eight scores): per key and 4 rows at D 128, half the K and q loads and FMA instructions, and the
+ * reduction of 16 scores in 45 instructions where two hsum8 took 16. The sums run in an order of their own (16 lanes
+ * along D, then reduce16's tree), so the scores differ from the AVX2 set's in the last bits; dots takes the same
+ * kernel through a stride, so dots_kv and dots keep the same bits within the set. Keys past n repeat key n - 1 and
+ * are not stored.
+ */
+AI void dots_f32_block(const int R, int D, const float *q, int64_t ldq, const float *const kp[16], float *s,
+                       int64_t lds, int n) {
+    const int KC = 16 / R, dv = D & ~15;
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+#define D_STEP(d, LOAD)                                                                                               \
+    {                                                                                                                 \
+        __m512 x[4];                                                                                                  \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) x[r] = LOAD(q + r * ldq + (d));                          \
+        _Pragma("GCC unroll 16") for (int c = 0; c < KC; c++) {                                                       \
+            const __m512 kv = LOAD(kp[c] + (d));                                                                      \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) acc[r * KC + c] =                                     \
+                _mm512_fmadd_ps(x[r], kv, acc[r * KC + c]);                                                           \
+        }                                                                                                             \
+    }
+#define FULL(ptr) _mm512_loadu_ps(ptr)
+#define TAIL(ptr) _mm512_maskz_loadu_ps(tail, ptr)
+#pragma GCC unroll 1
+    for (int d = 0; d < dv; d += 16) D_STEP(d, FULL)
+    if (dv < D) {
+        const __mmask16 tail = first(D - dv);
+        D_STEP(dv, TAIL)
+    }
+#undef TAIL
+#undef FULL
+#undef D_STEP
+    const __m512 sc = flashc_cpu_reduce16(acc);
+    const __mmask16 mn = first(n < KC ? n : KC);
+    /* row r's lanes moved to the front (whole 128-bit blocks, or the upper half), then its first n stored */
+    _mm512_mask_storeu_ps(s, mn, sc);
+    if (R == 2) _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0xee));
+    if (R == 4) {
+        _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x01));
+        _mm512_mask_storeu_ps(s + 2 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x02));
+        _mm512_mask_storeu_ps(s + 3 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x03));
+    }
+}
+
+/* Rows four at a time, then a pair, then one, each against its keys in blocks of 16 / R; with pf, an issue of its
+ * rows before each block. K rows from the table kr (decode's), or without one at k + c * ldk (dots). */
+static void dots_f32_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *kr,
+                            const float *k, int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    const int rem = rows % 4;
+    const int blocks = rows / 4 * ((cols + 3) / 4) + (rem >= 2 ? (cols + 7) / 8 : 0) + (rem % 2 ? (cols + 15) / 16 : 0);
+    flashc_cpu_pf_cursor cur;
+    flashc_cpu_pf_begin(&cur, pf, blocks);
+    for (int r0 = 0; r0 < rows;) {
+        const int R = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1, KC = 16 / R;
+        for (int c0 = 0; c0 < cols; c0 += KC) {
+            const int n = cols - c0 < KC ? cols - c0 : KC;
+            const float *kp[16];
+            for (int c = 0; c < KC; c++) {
+                const int cc = c0 + (c < n ? c : n - 1);
+                kp[c] = kr ? (const float *)kr[cc] : k + (int64_t)cc * ldk;
+            }
+            flashc_cpu_pf_issue(&cur);
+            const float *qr = q + (int64_t)r0 * ldq;
+            float *sb = s + (int64_t)r0 * lds + c0;
+            if (R == 4) dots_f32_block(4, D, qr, ldq, kp, sb, lds, n);
+            else if (R == 2) dots_f32_block(2, D, qr, ldq, kp, sb, lds, n);
+            else dots_f32_block(1, D, qr, ldq, kp, sb, lds, n);
+        }
+        r0 += R;
+    }
+}
+
+/* dots_kv: fp32 rows as above, bf16 rows the AVX2 kernel's (the avx512bf16 set takes them on vdpbf16ps). */
+void flashc_cpu_dots_kv_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
+                               float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
+    if (kt != FLASHC_CPU_KV_F32) flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, s, lds, pf);
+    else dots_f32_avx512(rows, cols, D, q, ldq, k, NULL, 0, s, lds, pf);
+}
+
+static void dots_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk, float *s,
+                        int64_t lds) {
+    dots_f32_avx512(rows, cols, D, q, ldq, NULL, k, ldk, s, lds, NULL);
+}
+
+/*
  * Decode's O = alpha O + P V (cpu.h, flashc_cpu_pv_fn) for fp32 V rows: MR query rows (1..4) by NV vectors of 16
  * columns (up to 64), the products in MR x NV accumulators from zero, per key NV V loads, MR broadcasts of P and
  * MR x NV FMAs, then one FMA per vector adds alpha O. The AVX2 kernel's order for every element (keys in order from
@@ -285,9 +376,9 @@ const flashc_cpu_kernels flashc_cpu_kernels_avx512 = {
     .exp2 = exp2_avx512,
     .f16_to_f32 = f16_avx512,
     .bf16_to_f32 = bf16_avx512,
-    .dots = flashc_cpu_dots_avx2,
+    .dots = dots_avx512,
     .softmax_rows = softmax_rows_avx512,
-    .dots_kv = flashc_cpu_dots_kv_avx2,
+    .dots_kv = flashc_cpu_dots_kv_avx512,
     .pv = pv_avx512,
     .dropout = dropout_avx512,
 };

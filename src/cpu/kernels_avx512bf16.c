@@ -12,10 +12,10 @@
  * and dO's pair rows by 16x16 transposes of pair words; softmax_pairs: the forward's online-softmax step writing P's
  * pair rows (no fp32 P) and rescaling O; both take dropout's keep bits as masks (keep: philox_avx512.h's sixteen rows
  * a vector, written as 16-bit masks that the two steps apply with zero-masking moves).
- * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX2 kernels): dots_kv, 4x4, 2x8 or 1x16 blocks of
- * (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen keys in the
- * lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of
- * O, two V rows zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do.
+ * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX-512 set's kernels): dots_kv, 4x4, 2x8 or
+ * 1x16 blocks of (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen
+ * keys in the lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of O, two V rows
+ * zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do.
  */
 #include "cpu.h"
 
@@ -227,31 +227,9 @@ static void keep_avx512(int cols, int rows, uint16_t *keep, int64_t ldk, const f
     if (cols > 0 && rows > 0) flashc_dropout_tile_avx512(cols, rows, d, i0, j0, NULL, 0, keep, ldk);
 }
 
-/* ---- decode (decode.c): dots_kv and pv on vdpbf16ps when K / V are bf16; fp32 rows take the AVX2 kernels -------- */
+/* ---- decode (decode.c): dots_kv and pv on vdpbf16ps when K / V are bf16; fp32 rows take the AVX-512 set's ------- */
 
 AI __mmask32 first32(int n) { return n <= 0 ? 0 : n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1u); }
-
-/*
- * The sums of sixteen vectors' lanes in one vector, lane i the sum of a[i]: 45 instructions, halving the count of
- * vectors at each of four levels (whole 256-bit halves, 128-bit blocks, then pairs and single lanes within blocks).
- * A level's shuffles send its inputs to blocks and lanes in an order of their own; `in` undoes it.
- */
-AI __m512 reduce16(const __m512 a[16]) {
-    __m512 in[16], u[8], w[4], x[2];
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) in[(int[]){0, 2, 1, 3}[i % 4] + (int[]){0, 8, 4, 12}[i / 4]] = a[i];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in[i], in[i + 8], 0x44),
-                             _mm512_shuffle_f32x4(in[i], in[i + 8], 0xee));
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd));
-#pragma GCC unroll 2
-    for (int i = 0; i < 2; i++)
-        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xdd));
-}
 
 enum { DEC_CHUNKS = 8 }; /* 32-value chunks of D at most (FLASHC_MAX_HEAD_DIM 256) */
 
@@ -280,7 +258,7 @@ AI void dots_bf16_block(const int R, const int T, int nd, __mmask32 tail, const 
             }
         }
     }
-    const __m512 sc = reduce16(acc);
+    const __m512 sc = flashc_cpu_reduce16(acc);
     const __mmask16 mn = first(n < KC ? n : KC);
     /* row r's lanes moved to the front (whole 128-bit blocks), then its first n stored */
     _mm512_mask_storeu_ps(s, mn, sc);
@@ -384,7 +362,7 @@ static void dots_kv_short(int rows, int cols, int D, const float *q, int64_t ldq
 void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k,
                                    int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     if (kt != FLASHC_CPU_KV_BF16 || D > 32 * DEC_CHUNKS) {
-        flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, s, lds, pf);
+        flashc_cpu_kernels_avx512.dots_kv(rows, cols, D, q, ldq, k, kt, s, lds, pf);
         return;
     }
     const int nd = (D + 31) / 32;

@@ -1,6 +1,7 @@
 /*
- * transpose_avx512.h - sixteen rows of sixteen 32-bit words transposed in AVX-512 registers, shared by the
- * avx512bf16 and amx kernel sets (each file is built with its own ISA flags; the function is inlined into each).
+ * transpose_avx512.h - sixteen rows of sixteen 32-bit words transposed in AVX-512 registers, and sixteen vectors'
+ * lane sums gathered into one (a transposing reduction: decode's dots_kv), shared by the avx512, avx512bf16 and amx
+ * kernel sets (each file is built with its own ISA flags; the functions are inlined into each; AVX-512F only).
  */
 #ifndef FLASHC_CPU_TRANSPOSE_AVX512_H
 #define FLASHC_CPU_TRANSPOSE_AVX512_H
@@ -34,6 +35,28 @@ __attribute__((always_inline)) static inline void flashc_cpu_transpose16(__m512i
         x[8 + j] = _mm512_shuffle_i32x4(u1, v1, 0x88);
         x[12 + j] = _mm512_shuffle_i32x4(u1, v1, 0xdd);
     }
+}
+
+/*
+ * The sums of sixteen vectors' lanes in one vector, lane i the sum of a[i]: 45 instructions, halving the count of
+ * vectors at each of four levels (whole 256-bit halves, 128-bit blocks, then pairs and single lanes within blocks).
+ * A level's shuffles send its inputs to blocks and lanes in an order of their own; `in` undoes it.
+ */
+__attribute__((always_inline)) static inline __m512 flashc_cpu_reduce16(const __m512 a[16]) {
+    __m512 in[16], u[8], w[4], x[2];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) in[(int[]){0, 2, 1, 3}[i % 4] + (int[]){0, 8, 4, 12}[i / 4]] = a[i];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(in[i], in[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(in[i], in[i + 8], 0xee));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd));
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xdd));
 }
 
 #endif /* FLASHC_CPU_TRANSPOSE_AVX512_H */
