@@ -14,7 +14,7 @@
  * a vector, written as 16-bit masks that the two steps apply with zero-masking moves).
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX-512 set's kernels): dots_kv, 4x4, 2x8 or
  * 1x16 blocks of (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen
- * keys in the lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x32 tiles of O, two V rows
+ * keys in the lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x64 tiles of O, two V rows
  * zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do.
  */
 #include "cpu.h"
@@ -402,43 +402,66 @@ void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, in
 enum { PV_KEYS = 64 }; /* keys of P rounded to bf16 at a time */
 
 /*
- * O[r][j0, j0 + 32) (+)= sum over the pairs of keys (c, c + 1) of P(r, c) V[c] + P(r, c + 1) V[c + 1], for MR rows:
- * two V rows zipped by vpermt2w into the pair layout (two registers of 16 columns), then per row one 32-bit broadcast
- * of its P pair and two vdpbf16ps. P enters rounded to bf16 (as flash-attn rounds P before P V on the GPU, and as
- * the bf16 gemm's pairs_f32 does here); the sums are fp32.
+ * O[r][j0, j0 + 32 NC) (+)= sum over the pairs of keys (c, c + 1) of P(r, c) V[c] + P(r, c + 1) V[c + 1], for MR rows
+ * and NC chunks of 32 columns: per chunk two V rows zipped by vpermt2w into the pair layout (two registers of 16
+ * columns), then per row one 32-bit broadcast of its P pair for all NC chunks and 2 NC vdpbf16ps. P enters rounded to
+ * bf16 (as flash-attn rounds P before P V on the GPU, and as the bf16 gemm's pairs_f32 does here); the sums are fp32,
+ * each column's in key order whatever NC, so the same bits at any NC. Two chunks a pass (64 columns, 16 accumulators
+ * at 4 rows) halve the P broadcasts and the loop's overhead per key against one.
  */
-AI void pv_bf16_rows(const int MR, int keys, int D, const uint16_t *pb, int ldpb, const float *alpha, int first_chunk,
-                     const void *const *v, float *o, int64_t ldo) {
+AI void pv_bf16_block(const int MR, const int NC, int keys, int nr, const uint16_t *pb, int ldpb, const float *alpha,
+                      int first_chunk, const void *const *v, int j0, float *o, int64_t ldo) {
     const __m512i z0 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i z1 = _mm512_add_epi16(z0, _mm512_set1_epi16(16));
-    for (int j0 = 0; j0 < D; j0 += 32) {
-        const int nr = D - j0 < 32 ? D - j0 : 32;
-        const __mmask32 mv = first32(nr);
-        __m512 c0[4], c1[4];
+    __mmask32 mv[2];
+    __m512 acc[4][2][2];
+#pragma GCC unroll 2
+    for (int h = 0; h < NC; h++) mv[h] = first32(nr - 32 * h);
 #pragma GCC unroll 4
-        for (int i = 0; i < MR; i++) c0[i] = c1[i] = _mm512_setzero_ps();
-        for (int c = 0; c < keys; c += 2) {
-            const __m512i a = _mm512_maskz_loadu_epi16(mv, (const uint16_t *)v[c] + j0);
-            const __m512i b = c + 1 < keys ? _mm512_maskz_loadu_epi16(mv, (const uint16_t *)v[c + 1] + j0)
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 2
+        for (int h = 0; h < NC; h++) acc[i][h][0] = acc[i][h][1] = _mm512_setzero_ps();
+    for (int c = 0; c < keys; c += 2) {
+        __m512bh b[2][2];
+#pragma GCC unroll 2
+        for (int h = 0; h < NC; h++) {
+            const __m512i x = _mm512_maskz_loadu_epi16(mv[h], (const uint16_t *)v[c] + j0 + 32 * h);
+            const __m512i y = c + 1 < keys ? _mm512_maskz_loadu_epi16(mv[h], (const uint16_t *)v[c + 1] + j0 + 32 * h)
                                            : _mm512_setzero_si512();
-            const __m512bh b0 = (__m512bh)_mm512_permutex2var_epi16(a, z0, b);
-            const __m512bh b1 = (__m512bh)_mm512_permutex2var_epi16(a, z1, b);
-#pragma GCC unroll 4
-            for (int i = 0; i < MR; i++) {
-                const __m512bh pi = (__m512bh)_mm512_set1_epi32(pair_at(pb + i * ldpb + c));
-                c0[i] = _mm512_dpbf16_ps(c0[i], pi, b0);
-                c1[i] = _mm512_dpbf16_ps(c1[i], pi, b1);
-            }
+            b[h][0] = (__m512bh)_mm512_permutex2var_epi16(x, z0, y);
+            b[h][1] = (__m512bh)_mm512_permutex2var_epi16(x, z1, y);
         }
-        const __mmask16 m0 = first(nr), m1 = first(nr - 16);
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) {
-            float *oi = o + (int64_t)i * ldo + j0;
-            const __m512 a = _mm512_set1_ps(first_chunk ? alpha[i] : 1.0f);
-            _mm512_mask_storeu_ps(oi, m0, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, oi), c0[i]));
-            _mm512_mask_storeu_ps(oi + 16, m1, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m1, oi + 16), c1[i]));
+            const __m512bh pi = (__m512bh)_mm512_set1_epi32(pair_at(pb + i * ldpb + c));
+#pragma GCC unroll 2
+            for (int h = 0; h < NC; h++) {
+                acc[i][h][0] = _mm512_dpbf16_ps(acc[i][h][0], pi, b[h][0]);
+                acc[i][h][1] = _mm512_dpbf16_ps(acc[i][h][1], pi, b[h][1]);
+            }
         }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++) {
+        const __m512 a = _mm512_set1_ps(first_chunk ? alpha[i] : 1.0f);
+#pragma GCC unroll 2
+        for (int h = 0; h < NC; h++) {
+            float *oi = o + (int64_t)i * ldo + j0 + 32 * h;
+            const __mmask16 m0 = first(nr - 32 * h), m1 = first(nr - 32 * h - 16);
+            _mm512_mask_storeu_ps(oi, m0, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, oi), acc[i][h][0]));
+            _mm512_mask_storeu_ps(oi + 16, m1, _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m1, oi + 16), acc[i][h][1]));
+        }
+    }
+}
+
+/* The O rows' columns 64 at a time (the last 32 or fewer as one chunk). */
+AI void pv_bf16_rows(const int MR, int keys, int D, const uint16_t *pb, int ldpb, const float *alpha, int first_chunk,
+                     const void *const *v, float *o, int64_t ldo) {
+    for (int j0 = 0; j0 < D; j0 += 64) {
+        const int nr = D - j0 < 64 ? D - j0 : 64;
+        if (nr > 32) pv_bf16_block(MR, 2, keys, nr, pb, ldpb, alpha, first_chunk, v, j0, o, ldo);
+        else pv_bf16_block(MR, 1, keys, nr, pb, ldpb, alpha, first_chunk, v, j0, o, ldo);
     }
 }
 
