@@ -44,8 +44,12 @@ enum {
      * the prefetches into L1 (2-core EPYC VM, AVX2, lab/LOG.md), fp32 faster than 32 there; with the prefetches into
      * L2 (dots_kv's), 32 measured faster for fp32 too (Zen 4 VM, 1 thread, cold, 8/2/32 Nk 1k-32k 1.01-1.17x,
      * 32/8/128 0.99-1.06x), the per-step work (row maxima, alphas, the O rows' load and store) spread
-     * over twice the keys. bf16 had measured faster with 32 than with 16 already. */
-    DEC_BC = 32,
+     * over twice the keys. bf16 had measured faster with 32 than with 16 already. bf16 K at D <= 32 takes steps of
+     * 64 keys (DEC_BC, the buffers' size; make_layout): its rows are an eighth of fp32 D 128's, the per-step work a
+     * larger share (Zen 4 VM, 1 thread, cold, 8/2/32 bf16 1.06-1.09x); fp32 at 8/2/32 had measured 0.74-0.79x with
+     * 64 at Nk 8k (1.00-1.02x at 1k and 32k). */
+    DEC_BC = 64,
+    DEC_BC_LONG = 32, /* keys per step otherwise */
     DEC_MIN_PIECE = 256,    /* keys per piece at least */
     DEC_TARGET_UNITS = 128, /* units the split aims for */
     DEC_MAX_HEADS = 16,     /* kv heads per unit at most */
@@ -138,8 +142,9 @@ typedef struct dec_row {
 typedef struct dec_layout {
     int64_t G, nrb;        /* query heads per kv head, row blocks per (sequence, kv head) */
     int64_t hb, nhb;       /* kv heads per unit, kv-head blocks */
-    int64_t splits, piece; /* pieces per sequence, keys per piece (a multiple of DEC_BC) */
+    int64_t splits, piece; /* pieces per sequence, keys per piece (a multiple of bc) */
     int cap, dp;           /* rows per tile at most, D rounded up to 16 */
+    int bc, pad_;          /* keys per step (DEC_BC at most) */
     size_t hs;             /* floats of one head's state: O (cap x dp), m (cap), l (cap), padded to 16 */
     size_t per_thread, part; /* floats: per-thread buffers, one unit's partial result */
 } dec_layout;
@@ -162,7 +167,8 @@ static dec_layout make_layout(const flashc_problem *p, int64_t splits) {
     if (L.hb < 1) L.hb = 1;
     L.nhb = ceil_div(p->Hkv, L.hb);
     L.splits = splits;
-    L.piece = splits > 0 ? ceil_div(ceil_div(p->Nk, splits), DEC_BC) * DEC_BC : 0;
+    L.bc = p->D <= 32 && p->k.dtype == FLASHC_DTYPE_BF16 ? DEC_BC : DEC_BC_LONG;
+    L.piece = splits > 0 ? ceil_div(ceil_div(p->Nk, splits), L.bc) * L.bc : 0;
     const size_t cap = (size_t)L.cap, dp = (size_t)L.dp, hb = (size_t)L.hb;
     L.hs = (cap * dp + 2 * cap + 15) / 16 * 16;
     const size_t info = (hb * cap * sizeof(dec_row) + 63) / 64 * 16;
@@ -320,7 +326,7 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             for (int d = 0; d < D; d++) dst[d] = src[d] * qk;
             for (int d = D; d < dp; d++) dst[d] = 0.0f;
         }
-    const int bc = DEC_BC;
+    const int bc = L->bc;
     /* The raw rows of steps si, si + 1 and si + 2 in ring[si % 3]: the head-step two ahead lies up to two steps ahead
      * (one kv head per unit). */
     dec_step ring[3];
