@@ -298,8 +298,8 @@ void flashc_cpu_softmax_prows_avx512bf16(int cols, int rows, const float *st, in
  * built with FLASHC_CPU_AMX_EMULATE). */
 void flashc_cpu_bf16_kernels_amx_fill(flashc_cpu_bf16_kernels *k);
 #  endif
-/* The AVX2 decode kernels (kernels_avx2.c), which the AVX-512 sets take for K and V rows they have no kernel of their
- * own for (bf16 rows in the avx512 set). */
+/* The AVX2 decode kernels (kernels_avx2.c), which the AVX-512 sets take where they have none of their own (fp32 K
+ * rows at D > 32, bf16 rows in the avx512 set). */
 void flashc_cpu_dots_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk,
                           float *s, int64_t lds);
 void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
@@ -307,7 +307,8 @@ void flashc_cpu_dots_kv_avx2(int rows, int cols, int D, const float *q, int64_t 
 void flashc_cpu_pv_avx2(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                         const void *const *v, int vt, float *o, int64_t ldo);
 void flashc_cpu_softmax_rows_avx2(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha);
-/* The AVX-512 set's dots_kv (kernels_avx512.c): fp32 K rows in 16-wide blocks, bf16 rows the AVX2 kernel's. */
+/* The AVX-512 set's dots_kv (kernels_avx512.c): fp32 K rows in 16-wide blocks at D <= 32 (the AVX2 kernel's beyond),
+ * bf16 rows the AVX2 kernel's. */
 void flashc_cpu_dots_kv_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
                                float *s, int64_t lds, const flashc_cpu_prefetch *pf);
 #endif

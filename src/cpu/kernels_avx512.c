@@ -212,7 +212,8 @@ AI void dots_f32_block(const int R, int D, const float *q, int64_t ldq, const fl
 }
 
 /* Rows four at a time, then a pair, then one, each against its keys in blocks of 16 / R; with pf, an issue of its
- * rows before each block. K rows from the table kr (decode's), or without one at k + c * ldk (dots). */
+ * rows before each block. K rows from the table kr (decode's), or without one at k + c * ldk (dots).
+ * Taken at D <= 32 only (dots_kv_f32 below). */
 static void dots_f32_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *kr,
                             const float *k, int64_t ldk, float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
     const int rem = rows % 4;
@@ -239,16 +240,26 @@ static void dots_f32_avx512(int rows, int cols, int D, const float *q, int64_t l
     }
 }
 
-/* dots_kv: fp32 rows as above, bf16 rows the AVX2 kernel's (the avx512bf16 set takes them on vdpbf16ps). */
+/*
+ * Which kernel takes fp32 K rows: the one above at D <= 32, the AVX2 one (kernels_avx2.c) beyond. Zen 4 VM, 1 thread,
+ * decode_ab --cpu-time in both orders: with the cache hot (Nk 1024) the block kernel measured 1.15x at both 8/2/32 and
+ * 32/8/128, but cold, where the K/V stream sets the time (the prefetch instructions stall for free fill buffers), it
+ * measured 0.94-0.99x at 32/8/128 and 1.01-1.04x at 8/2/32. dots follows the same choice, so dots_kv and dots keep
+ * the same bits.
+ */
+AI int dots_f32_blocks(int D) { return D <= 32; }
+
+/* dots_kv: fp32 rows as chosen above, bf16 rows the AVX2 kernel's (the avx512bf16 set takes them on vdpbf16ps). */
 void flashc_cpu_dots_kv_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k, int kt,
                                float *s, int64_t lds, const flashc_cpu_prefetch *pf) {
-    if (kt != FLASHC_CPU_KV_F32) flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, s, lds, pf);
-    else dots_f32_avx512(rows, cols, D, q, ldq, k, NULL, 0, s, lds, pf);
+    if (kt == FLASHC_CPU_KV_F32 && dots_f32_blocks(D)) dots_f32_avx512(rows, cols, D, q, ldq, k, NULL, 0, s, lds, pf);
+    else flashc_cpu_dots_kv_avx2(rows, cols, D, q, ldq, k, kt, s, lds, pf);
 }
 
 static void dots_avx512(int rows, int cols, int D, const float *q, int64_t ldq, const float *k, int64_t ldk, float *s,
                         int64_t lds) {
-    dots_f32_avx512(rows, cols, D, q, ldq, NULL, k, ldk, s, lds, NULL);
+    if (!dots_f32_blocks(D)) flashc_cpu_dots_avx2(rows, cols, D, q, ldq, k, ldk, s, lds);
+    else dots_f32_avx512(rows, cols, D, q, ldq, NULL, k, ldk, s, lds, NULL);
 }
 
 /*
