@@ -65,8 +65,17 @@ def _no_fast(*args):
 # flashc.ops.fast_flash_attn_func once flashc.ops is imported (it sets this; the first call imports it), a function
 # returning None before: always a function, so that torch.compile's guard on it keeps one type.
 _fast = _no_fast
-# flashc.ops.fast_kvcache, likewise (flash_attn_with_kvcache imports flashc.ops on its first call)
-_fast_kvcache = None
+
+
+def _first_kvcache(*args):
+    from . import ops  # sets _fast_kvcache to ops.fast_kvcache
+
+    return ops.fast_kvcache(*args)
+
+
+# flashc.ops.fast_kvcache once flashc.ops is imported, before it a function that imports it and forwards the call:
+# always a function, as _fast is
+_fast_kvcache = _first_kvcache
 
 
 def _run(kind, inputs, varlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -288,12 +297,8 @@ def flash_attn_with_kvcache(
     if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
             and cache_leftpad is None and block_table is None and alibi_slopes is None and sinks is None):
         # plain calls on tensors whose shapes were seen before (flashc.ops' kvcache plans); None otherwise
-        fast = _fast_kvcache
-        if fast is None:
-            from . import ops  # noqa: F401 (sets _fast_kvcache)
-
-            fast = _fast_kvcache
-        r = fast(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap, return_softmax_lse)
+        r = _fast_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                          return_softmax_lse)
         if r is not None:
             return r
     from . import _torch

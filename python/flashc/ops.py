@@ -681,6 +681,9 @@ _grad_enabled = torch.is_grad_enabled
 _get_num_threads = torch.get_num_threads
 _get_ident = threading.get_ident
 _MAX_PLANS = 256  # per thread; the cache is cleared when full (shapes that keep changing get no benefit)
+# The scale and softcap types a plan's key may hold: a plan keeps the value it was made with, and a tensor option
+# hashes by identity, so one changed in place would hit its old plan (those calls take the full path).
+_SCALAR = (type(None), int, float)
 
 
 # The entry points below (fast_flash_attn_func, fast_attention, fast_sdpa) each spell out the same steps inline, since
@@ -695,10 +698,11 @@ def fast_flash_attn_func(q, k, v, softmax_scale, causal, window_size, softcap, d
     yet, the library refused it)."""
     if not (type(q) is _T and type(k) is _T and type(v) is _T and _EAGER_FAST_PATH and not _compiling()
             and not _dispatch_stack_len() and not _functorch_active()
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+            and type(softmax_scale) in _SCALAR and type(softcap) in _SCALAR):
         return None
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap, deterministic)
+           q.device, k.device, v.device, softmax_scale, causal, window_size, softcap, deterministic)
     try:
         plan = _local.plans[key]
     except (AttributeError, KeyError, TypeError):
@@ -730,10 +734,11 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
     paths of both are _torch.apply), so either function's calls plan the key for the other."""
     if not (type(q) is _T and type(k) is _T and type(v) is _T and _EAGER_FAST_PATH and not _compiling()
             and not _dispatch_stack_len() and not _functorch_active()
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+            and type(softmax_scale) in _SCALAR and type(softcap) in _SCALAR):
         return None
     key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), softmax_scale, causal, window_size, softcap, deterministic)
+           q.device, k.device, v.device, softmax_scale, causal, window_size, softcap, deterministic)
     try:
         plan = _local.plans[key]
     except (AttributeError, KeyError, TypeError):
@@ -781,10 +786,10 @@ def fast_sdpa(query, key, value, is_causal, scale, enable_gqa):
     attn_mask or dropout, through this thread's plan for the call's key; None when the call must take the full path."""
     if not (type(query) is _T and type(key) is _T and type(value) is _T and _EAGER_FAST_PATH and not _compiling()
             and not _dispatch_stack_len() and not _functorch_active()
-            and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+            and not (query.is_cuda and torch.cuda.is_current_stream_capturing()) and type(scale) in _SCALAR):
         return None
     k = (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
-         value.dtype, query.get_device(), key.get_device(), value.get_device(), scale, is_causal, enable_gqa, _SDPA)
+         value.dtype, query.device, key.device, value.device, scale, is_causal, enable_gqa, _SDPA)
     try:
         plan = _local.plans[k]
     except (AttributeError, KeyError, TypeError):
@@ -886,17 +891,18 @@ def fast_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, wind
     options but cache_seqlens), through this thread's plan for the call's key; None when the call must take the full
     path (not plain eager tensors, no plan yet, the library refused it)."""
     if not (type(q) is _T and type(k_cache) is _T and type(v_cache) is _T and _EAGER_FAST_PATH and not _compiling()
-            and not _dispatch_stack_len() and not _functorch_active()):
+            and not _dispatch_stack_len() and not _functorch_active() and type(softmax_scale) in _SCALAR
+            and type(softcap) in _SCALAR):
         return None
     lens = cache_seqlens
     if lens is None:
         lk = None
     elif type(lens) is _T:
-        lk = (lens.shape, lens.stride(), lens.dtype, lens.get_device())
+        lk = (lens.shape, lens.stride(), lens.dtype, lens.device)
     else:
         return None
     key = (q.shape, k_cache.shape, v_cache.shape, q.stride(), k_cache.stride(), v_cache.stride(), q.dtype,
-           k_cache.dtype, v_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), lk,
+           k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device, lk,
            softmax_scale, causal, window_size, softcap, _KV)
     try:
         plan = _local.plans[key]

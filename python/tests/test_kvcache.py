@@ -395,6 +395,30 @@ def test_planned_decode_cpu(gen):
         flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
 
 
+def test_planned_decode_keys_cpu(gen):
+    """What a kvcache plan's key must tell apart: cache_seqlens on another device with the same shape (a meta tensor
+    has no data, so its planned call would attend every row) and a tensor softmax_scale or softcap changed in place
+    (a plan keeps the value it was made with: tensor options take the full path)."""
+    from flashc import _torch
+
+    b, nk, h, hkv, d = 2, 40, 8, 2, 32
+    kc, vc = make_cache(b, nk, hkv, d, [nk, nk], torch.float32, "cpu")
+    q = torch.randn(b, 1, h, d)
+    lens = torch.tensor([5, 7], dtype=torch.int32)
+    for _ in range(3):
+        flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    with pytest.raises((NotImplementedError, RuntimeError, ValueError, TypeError)):
+        flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.empty(2, dtype=torch.int32, device="meta"))
+    for opt in ("softmax_scale", "softcap"):
+        x = torch.tensor(0.5)
+        for _ in range(3):
+            flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **{opt: x})
+        x.fill_(0.1)
+        got = flashc.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **{opt: x})
+        want = _torch.with_kvcache(q, kc, vc, cache_seqlens=lens, **{opt: 0.1})[0]
+        assert torch.equal(got, want), opt
+
+
 def test_inference_only_and_version_cpu(gen):
     """No autograd node (inference), the caller's q and k are not rotated in place, and the caches' version counter
     moves (the library wrote them)."""

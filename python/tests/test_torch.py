@@ -1442,3 +1442,32 @@ def test_plan_backward_fallback(api, gen, monkeypatch):
         a = [t.clone().requires_grad_() for t in (q, k, v)]
         for x, y in zip(torch.autograd.grad(fn(*a), a, do), want):
             assert torch.equal(x, y) and x.stride() == y.stride()
+
+
+@pytest.mark.parametrize("api", ["flash_attn_func", "sdpa"])
+def test_plan_keys_tensor_options(api, gen):
+    """A plan keeps the scale (and softcap) it was made with; a tensor option changed in place between calls must not
+    reach its old plan (tensor options take the full path), and meta tensors must not reach a CPU tensors' plan."""
+    q, k, v = (torch.randn(2, 9, 2, 16) for _ in range(3))
+    x = torch.tensor(0.5)
+    if api == "sdpa":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+
+        def fn(*t, s):
+            return flashc.scaled_dot_product_attention(*t, scale=s)
+    else:
+
+        def fn(*t, s):
+            return flashc.flash_attn_func(*t, softmax_scale=s)
+    for _ in range(3):
+        fn(q, k, v, s=x)
+    x.fill_(0.1)
+    assert torch.equal(fn(q, k, v, s=x), fn(q, k, v, s=0.1))
+    for _ in range(3):
+        fn(q, k, v, s=0.3)
+    meta = [t.to("meta") for t in (q, k, v)]
+    try:
+        out = fn(*meta, s=0.3)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError):
+        return
+    assert out.device.type == "meta"  # the full path's result, not a planned call on null pointers
