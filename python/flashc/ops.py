@@ -755,16 +755,24 @@ def fast_attention(q, k, v, softmax_scale, causal, window_size, softcap, determi
     return plan.forward(q, k, v, True)
 
 
+def _room_for(plans, key):
+    """Whether key can be planned (False for an unhashable option, window_size as a list); makes room in this
+    thread's plans (cleared when full)."""
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    return True
+
+
 def _build(plans, key, q, k, v):
     """Plans the key when the full path's Python checks pass (float32 / float16 / bfloat16 tensors of one dtype on one
     device, 4-d) and the library takes the problem as it lies (flashc_supported); otherwise no plan, and every call
     with the key takes the full path."""
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option (window_size as a list)
+    if not _room_for(plans, key):
         return
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
     if 0 in q.shape or 0 in k.shape:
         return
     softmax_scale, causal, window_size, softcap, deterministic = key[-5:]
@@ -811,12 +819,8 @@ def _build_sdpa(plans, k, query, key, value, is_causal, scale, enable_gqa):
     """Plans an SDPA key when the full path (_torch.sdpa) would run the problem as one flashc call on the (B, N, H, D)
     transposes of 4-d inputs: its checks pass, and the causal mask keeps every key (top-left causal with Nq < Nk
     drops keys by a view, which the full path's autograd handles)."""
-    try:
-        hash(k)
-    except TypeError:
+    if not _room_for(plans, k):
         return
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
     try:
         for n, t in (("query", query), ("key", key), ("value", value)):
             _torch._check(n, t)
@@ -919,12 +923,8 @@ def _build_kvcache(plans, key, q, k_cache, v_cache, lens):
     """Plans a kvcache key when the full path's Python checks pass for CPU tensors laid out as the library takes them
     (q (B, Nq, H, D), caches (B, Nk_max, Hkv, D) of one dtype; cache_seqlens None or a contiguous int32 (B,)) and the
     library takes the problem as it lies (flashc_supported); otherwise every call with the key takes the full path."""
-    try:
-        hash(key)
-    except TypeError:  # an unhashable option (window_size as a list)
+    if not _room_for(plans, key):
         return
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
     softmax_scale, causal, window_size, softcap = key[-5:-1]
     try:
         _torch._check("q", q)
