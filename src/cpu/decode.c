@@ -284,11 +284,37 @@ static void step_epilogue(const flashc_problem *p, const dec_row *rows, int n, i
 }
 
 /*
+ * The unit a thread takes after this one, when the thread knows it (one thread: units in order) and it reads the
+ * same kv heads (one head block, one row block): the last head-steps of a unit then prefetch the first two of the
+ * next, which would otherwise start with nothing fetched ahead (units of 256 keys at 32/8/128 are 64 head-steps).
+ */
+typedef struct dec_next {
+    int chained; /* this unit's first head-steps were prefetched by the unit before */
+    int on;      /* prefetch the next unit's keys [lo, hi) of sequence b (first key row k0) */
+    int issued;  /* out: this unit reached its key steps (and so its last head-steps' prefetches) */
+    int pad_;
+    int64_t b, k0, lo, hi;
+} dec_next;
+
+/* The tables of step x of a unit with nsteps steps of bc keys over [jlo, jhi) (first key row k0); steps past the
+ * unit's are the next unit's (nx), or empty (cols 0). */
+static void fill_step(const flashc_problem *p, int64_t b, int64_t k0, int64_t jlo, int64_t jhi, int64_t nsteps, int bc,
+                      const dec_next *nx, int64_t x, dec_step *st) {
+    if (x >= nsteps) {
+        st->cols = 0;
+        if (!nx->on) return;
+        b = nx->b, k0 = nx->k0, jlo = nx->lo, jhi = nx->hi, x -= nsteps;
+    }
+    const int64_t n0 = jlo + x * bc;
+    if (n0 < jhi) step_tables(p, b, k0 + n0, (int)(jhi - n0 < bc ? jhi - n0 : bc), st);
+}
+
+/*
  * One unit: the rows of row block rb of (sequence b, kv heads hk0 .. hk0 + nh - 1) against piece s of its keys.
  * Leaves each head's unnormalized O, m and l in t.st; returns the rows per head (0: none).
  */
 static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, const dec_layout *L, dec_bufs *t,
-                       int64_t b, int64_t s, int64_t hk0, int nh, int64_t rb) {
+                       int64_t b, int64_t s, int64_t hk0, int nh, int64_t rb, dec_next *nx) {
     int64_t q0, nq, k0, nk;
     flashc_seq_bounds(p, b, &q0, &nq, &k0, &nk);
     int n = 0;
@@ -328,17 +354,15 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
         }
     const int bc = L->bc;
     /* The raw rows of steps si, si + 1 and si + 2 in ring[si % 3]: the head-step two ahead lies up to two steps ahead
-     * (one kv head per unit). */
+     * (one kv head per unit); steps past the unit's are the next unit's (nx). */
     dec_step ring[3];
     const int64_t nsteps = ceil_div(jhi - jlo, bc);
-    for (int64_t si = 0; si < 2 && si < nsteps; si++) {
-        const int64_t n0 = jlo + si * bc;
-        step_tables(p, b, k0 + n0, (int)(jhi - n0 < bc ? jhi - n0 : bc), &ring[si]);
-    }
-    /* The unit's first two head-steps, which no earlier head-step prefetches (below), issued at once: with pieces of
-     * 256 keys they are an eighth of a unit's rows at 8/2/32 (1 thread, cold: 1.09-1.11x there, 1.00-1.05x at
-     * 32/8/128, where they are a 32nd). */
-    for (int j = 0; j < 2 && j / nh < nsteps; j++) {
+    nx->issued = 1;
+    for (int64_t si = 0; si < 2; si++) fill_step(p, b, k0, jlo, jhi, nsteps, bc, nx, si, &ring[si]);
+    /* The unit's first two head-steps, unless the unit before prefetched them, issued at once: with pieces of 256
+     * keys they are an eighth of a unit's rows at 8/2/32 (1 thread, cold: 1.09-1.11x there, 1.00-1.05x at 32/8/128,
+     * where they are a 32nd). */
+    for (int j = 0; !nx->chained && j < 2 && j / nh < nsteps; j++) {
         flashc_cpu_prefetch pf;
         flashc_cpu_pf_cursor cur;
         step_prefetch(p, &ring[j / nh], hk0 + j % nh, &pf);
@@ -348,10 +372,7 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
     for (int64_t j0 = jlo, si = 0; j0 < jhi; j0 += bc, si++) {
         const int cols = (int)(jhi - j0 < bc ? jhi - j0 : bc), padded = (cols + 15) / 16 * 16;
         const dec_step *st = &ring[si % 3];
-        if (si + 2 < nsteps) {
-            const int64_t n0 = j0 + 2 * bc;
-            step_tables(p, b, k0 + n0, (int)(jhi - n0 < bc ? jhi - n0 : bc), &ring[(si + 2) % 3]);
-        }
+        fill_step(p, b, k0, jlo, jhi, nsteps, bc, nx, si + 2, &ring[(si + 2) % 3]);
         for (int j = 0; j < nh; j++) {
             const int64_t hk = hk0 + j;
             const dec_row *rows = t->rows + (size_t)j * L->cap;
@@ -366,11 +387,12 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
              * two, and the whole head-step issued at once before the dots lost (1.2x against 1.5x). */
             flashc_cpu_prefetch pf;
             const int64_t ahead = si + (j + 2) / nh;
-            if (ahead < nsteps) step_prefetch(p, &ring[ahead % 3], hk0 + (j + 2) % nh, &pf);
+            const int have = ring[ahead % 3].cols > 0;
+            if (have) step_prefetch(p, &ring[ahead % 3], hk0 + (j + 2) % nh, &pf);
             const void *krow[DEC_BC], *vrow[DEC_BC];
             const int kt = head_rows(kern, p, &p->k, st->k, b, k0 + j0, cols, hk, t->kbuf, dp, krow);
             kern->dots_kv(n, cols, D, t->q + (size_t)j * L->cap * dp, dp, krow, kt, t->s, DEC_BC,
-                          ahead < nsteps ? &pf : NULL);
+                          have ? &pf : NULL);
             if (sk != 1.0f)
                 for (int r = 0; r < n; r++)
                     for (int c = 0; c < cols; c++) t->s[(size_t)r * DEC_BC + c] *= sk;
@@ -415,6 +437,7 @@ typedef struct decode_job {
     dec_layout L;
     float *base, *parts;
     int64_t nunits;
+    int nthreads, chain; /* chain: units prefetch their successor's first head-steps (dec_next) */
 } decode_job;
 
 /* One thread's part of the decode: the units (pieces of them with split-KV), then the pieces' merge. */
@@ -424,6 +447,7 @@ static void decode_body(void *arg, int tid) {
     const dec_layout *L = &J->L;
     const int64_t per_piece = L->nhb * L->nrb;
     dec_bufs t = carve(J->base + (size_t)tid * L->per_thread, L);
+    int chained = 0; /* the unit before prefetched this one's first head-steps */
     /* unit u = ((b * splits + s) * nhb + kv-head block) * nrb + rb */
 #ifdef _OPENMP
 #  pragma omp for schedule(dynamic, 1)
@@ -432,7 +456,20 @@ static void decode_body(void *arg, int tid) {
         const int64_t b = u / (L->splits * per_piece), s = u / per_piece % L->splits, hk0 = u / L->nrb % L->nhb * L->hb,
                       rb = u % L->nrb;
         const int nh = (int)(p->Hkv - hk0 < L->hb ? p->Hkv - hk0 : L->hb);
-        const int n = decode_unit(p, J->kern, L, &t, b, s, hk0, nh, rb);
+        /* With one thread, one head block and one row block, unit u + 1 is this thread's next, on the next piece's
+         * keys of the same heads (dec_next). Only where the rows lie 1 KiB or more apart: at 8/2/32 bf16 (rows of 128
+         * B) it measured 0.94-0.98x (f32 0.99-1.03x). */
+        dec_next nx = {.chained = chained};
+        if (J->nthreads == 1 && L->nhb == 1 && L->nrb == 1 && u + 1 < J->nunits && J->chain) {
+            int64_t q0, nq, k0, nk;
+            nx.b = (u + 1) / L->splits;
+            flashc_seq_bounds(p, nx.b, &q0, &nq, &k0, &nk);
+            nx.k0 = k0, nx.lo = (u + 1) % L->splits * L->piece;
+            nx.hi = nx.lo + L->piece < nk ? nx.lo + L->piece : nk;
+            nx.on = nx.lo < nx.hi;
+        }
+        const int n = decode_unit(p, J->kern, L, &t, b, s, hk0, nh, rb, &nx);
+        chained = nx.on && nx.issued;
         if (n == 0) continue;
         if (L->splits == 1) {
             for (int j = 0; j < nh; j++) store_block(p, L, t.st + (size_t)j * L->hs, b, hk0 + j, rb, n);
@@ -468,6 +505,8 @@ void flashc_cpu_decode(const flashc_problem *p, const flashc_cpu_kernels *kern, 
     J.base = flashc_cpu_align64(workspace);
     J.parts = J.base + (size_t)nthreads * J.L.per_thread;
     J.nunits = (int64_t)units_of(p, &J.L);
+    J.nthreads = nthreads;
+    J.chain = flashc_cpu_pf_spread(p->k.stride[1] * (int64_t)flashc_dtype_size(p->k.dtype));
     /* the longer of decode_body's two loops */
     const int64_t merges = J.L.splits > 1 ? p->B * p->Hkv * J.L.nrb : 0;
     flashc_cpu_team(nthreads, J.nunits > merges ? J.nunits : merges, decode_body, &J);
