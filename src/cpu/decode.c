@@ -4,7 +4,7 @@
  *
  * The query rows of a GQA group, G = H / Hkv heads times nq rows, are packed into one tile, so that each K and V
  * row is read from memory once for all of them; the tile forward (attn.c) reads it once per head, through a
- * 64-row query tile that is nearly all padding at Nq = 1. Per key step (DEC_BC keys): scores by dot
+ * 64-row query tile that is nearly all padding at Nq = 1. Per key step (L->bc keys, DEC_BC at most): scores by dot
  * products over D (kern->dots_kv), the online softmax along each row (kern->softmax_rows), then O = alpha O + P V in
  * one pass over the O rows (kern->pv). Both kernels read fp32 and bf16 K and V rows in place (bf16 widened in
  * registers), through a table of the step's row addresses (a paged cache's step may span pages); other dtypes and

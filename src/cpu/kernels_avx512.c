@@ -201,14 +201,7 @@ AI void dots_f32_block(const int R, int D, const float *q, int64_t ldq, const fl
 #undef D_STEP
     const __m512 sc = flashc_cpu_reduce16(acc);
     const __mmask16 mn = first(n < KC ? n : KC);
-    /* row r's lanes moved to the front (whole 128-bit blocks, or the upper half), then its first n stored */
-    _mm512_mask_storeu_ps(s, mn, sc);
-    if (R == 2) _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0xee));
-    if (R == 4) {
-        _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x01));
-        _mm512_mask_storeu_ps(s + 2 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x02));
-        _mm512_mask_storeu_ps(s + 3 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x03));
-    }
+    flashc_cpu_store_scores(s, lds, sc, mn, R);
 }
 
 /* Rows four at a time, then a pair, then one, each against its keys in blocks of 16 / R; with pf, an issue of its

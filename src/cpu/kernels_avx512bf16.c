@@ -260,14 +260,7 @@ AI void dots_bf16_block(const int R, const int T, int nd, __mmask32 tail, const 
     }
     const __m512 sc = flashc_cpu_reduce16(acc);
     const __mmask16 mn = first(n < KC ? n : KC);
-    /* row r's lanes moved to the front (whole 128-bit blocks), then its first n stored */
-    _mm512_mask_storeu_ps(s, mn, sc);
-    if (R == 2) _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0xee));
-    if (R == 4) {
-        _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x01));
-        _mm512_mask_storeu_ps(s + 2 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x02));
-        _mm512_mask_storeu_ps(s + 3 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x03));
-    }
+    flashc_cpu_store_scores(s, lds, sc, mn, R);
 }
 
 /* Rows [r0, r0 + R) of q as hi / lo bf16 chunks, zero past D; whether some lo is not 0 (q not bf16 already). */

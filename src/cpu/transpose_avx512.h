@@ -7,6 +7,7 @@
 #define FLASHC_CPU_TRANSPOSE_AVX512_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 /* In place: x[c] word g = the old x[g] word c. Words paired within 128-bit blocks, then pairs of words, then blocks
  * across rows in two steps; 64 shuffles. */
@@ -57,6 +58,22 @@ __attribute__((always_inline)) static inline __m512 flashc_cpu_reduce16(const __
     for (int i = 0; i < 2; i++)
         x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xee));
     return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xdd));
+}
+
+/*
+ * A dots kernel's block of R rows (1, 2 or 4) x 16 / R keys, reduced into one vector (flashc_cpu_reduce16: row r's
+ * keys in lanes r 16 / R ..), stored as the first lanes of each row's scores: row r's lanes moved to the front
+ * (whole 128-bit blocks, or the upper half when R is 2), mn the keys to store.
+ */
+__attribute__((always_inline)) static inline void flashc_cpu_store_scores(float *s, int64_t lds, __m512 sc,
+                                                                          __mmask16 mn, int R) {
+    _mm512_mask_storeu_ps(s, mn, sc);
+    if (R == 2) _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0xee));
+    if (R == 4) {
+        _mm512_mask_storeu_ps(s + lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x01));
+        _mm512_mask_storeu_ps(s + 2 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x02));
+        _mm512_mask_storeu_ps(s + 3 * lds, mn, _mm512_shuffle_f32x4(sc, sc, 0x03));
+    }
 }
 
 #endif /* FLASHC_CPU_TRANSPOSE_AVX512_H */
