@@ -66,6 +66,8 @@ static int amx_permission(void) {
     pthread_once(&amx_permission_once, amx_permission_ask);
     return amx_permitted;
 }
+#  elif defined(FLASHC_CPU_AMX)
+static int amx_permission(void) { return 1; } /* emulated tiles: no tile state to ask for */
 #  endif
 
 static unsigned detect_x86(void) {
@@ -171,11 +173,7 @@ static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name)
 #      else
     const unsigned amx = bf16 | CPU_AMX_BF16;
 #      endif
-#      if defined(FLASHC_CPU_AMX_EMULATE)
-    if (!strcmp(name, "amx") && (x86 & amx) == amx) {
-#      else
     if (!strcmp(name, "amx") && (x86 & amx) == amx && amx_permission()) {
-#      endif
         pthread_once(&amx_once, amx_init);
         return &kernels_amx;
     }

@@ -34,6 +34,17 @@ __attribute__((always_inline)) static inline __m512 flashc_exp2_avx512(__m512 x)
     return _mm512_maskz_mov_ps(keep, flashc_exp2_poly_avx512(x));
 }
 
+/* flashc_softmax_sub_avx512's end from the new row maxima mx (m_old among them), however they were found: what the
+ * scores subtract, alpha and *m_new. */
+__attribute__((always_inline)) static inline __m512 flashc_softmax_sub_of_max(__m512 mx, __m512 m_old, __m512 *m_new,
+                                                                              __m512 *alpha) {
+    const __mmask16 empty = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    const __m512 sub = _mm512_mask_mov_ps(mx, empty, _mm512_setzero_ps());
+    *alpha = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, _mm512_set1_ps(1.0f));
+    *m_new = mx;
+    return sub;
+}
+
 /*
  * The online softmax's first steps for 16 rows whose scores lie in columns (st + c ld, c < cols): the new row max
  * from m_old (NaN scores skipped: max returns its second operand, mx, when the score is NaN, as fmaxf does in the
@@ -45,11 +56,7 @@ __attribute__((always_inline)) static inline __m512 flashc_softmax_sub_avx512(in
                                                                                __m512 *alpha) {
     __m512 mx = m_old;
     for (int c = 0; c < cols; c++) mx = _mm512_max_ps(_mm512_loadu_ps(st + (size_t)c * ld), mx);
-    const __mmask16 empty = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    const __m512 sub = _mm512_mask_mov_ps(mx, empty, _mm512_setzero_ps());
-    *alpha = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, _mm512_set1_ps(1.0f));
-    *m_new = mx;
-    return sub;
+    return flashc_softmax_sub_of_max(mx, m_old, m_new, alpha);
 }
 
 #endif

@@ -539,11 +539,7 @@ AI __m512 softmax_sub(const int SCALED, int cols, const float *st, int64_t ld, _
     if (!SCALED) return flashc_softmax_sub_avx512(cols, st, ld, m_old, m_new, alpha);
     __m512 mx = m_old;
     for (int c = 0; c < cols; c++) mx = _mm512_max_ps(score16(1, st + (size_t)c * ld, qs), mx);
-    const __mmask16 empty = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    const __m512 sub = _mm512_mask_mov_ps(mx, empty, _mm512_setzero_ps());
-    *alpha = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, _mm512_set1_ps(1.0f));
-    *m_new = mx;
-    return sub;
+    return flashc_softmax_sub_of_max(mx, m_old, m_new, alpha);
 }
 
 /* P's pair word (keys 2p - lead, 2p + 1 - lead; 16 rows from r) of softmax_pairs: exp2 of the scores less sub, summed
