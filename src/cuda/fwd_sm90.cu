@@ -491,45 +491,36 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
                 const int prow = (ktile * BC) % a.page_size; /* the first box's row in its page (the others: 0) */
                 const int group = page * (a.page_size / 8) + prow / 8; /* kv_groups: the box's first 8-row group */
                 const uint32_t dst = groups ? bi * box * D * 2 : (bch * BC + bi * box) * FC90_SW_ROW;
-                sm.kr.wait_empty(kv_it);
-                if (lead) sm.kr.expect(kv_it, bytes);
-                __syncwarp(); /* the bytes expected before any box lands */
-                if (bi < nbox && groups)
-                    fc90_tma_load5(sm.k + off + dst, &tm_k, sm.kr.full_bar(kv_it), 0, 0, 0, group, hk);
-                else if (bi < nbox)
-                    fc90_tma_load(sm.k + off + dst, &tm_k, sm.kr.full_bar(kv_it), bch * FC90_SW_COLS, prow, hk, page);
-                sm.vr.wait_empty(kv_it);
-                if (lead) sm.vr.expect(kv_it, bytes);
-                __syncwarp();
-                if (bi < nbox && groups)
-                    fc90_tma_load5(sm.v + off + dst, &tm_v, sm.vr.full_bar(kv_it), 0, 0, 0, group, hk);
-                else if (bi < nbox)
-                    fc90_tma_load(sm.v + off + dst, &tm_v, sm.vr.full_bar(kv_it), bch * FC90_SW_COLS, prow, hk, page);
+                /* One operand: its ring, map and slot. */
+                auto load = [&](const auto &ring, const CUtensorMap &tm, uint32_t slot) {
+                    ring.wait_empty(kv_it);
+                    if (lead) ring.expect(kv_it, bytes);
+                    __syncwarp(); /* the bytes expected before any box lands */
+                    if (bi < nbox && groups)
+                        fc90_tma_load5(slot + dst, &tm, ring.full_bar(kv_it), 0, 0, 0, group, hk);
+                    else if (bi < nbox)
+                        fc90_tma_load(slot + dst, &tm, ring.full_bar(kv_it), bch * FC90_SW_COLS, prow, hk, page);
+                };
+                load(sm.kr, tm_k, sm.k + off);
+                load(sm.vr, tm_v, sm.v + off);
                 continue;
             }
             /* Every lane waits with the lead, so that the warp stays converged (lanes that ran ahead to the next
              * tile's wait took issue slots from the lead's loads: contiguous decode 4% slower). */
             /* With 5-dimensional maps (kv_chunks) one load brings every column chunk of the tile's rows. */
-            sm.kr.wait_empty(kv_it);
-            if (lead) {
-                sm.kr.expect(kv_it, KV_BYTES);
+            auto load = [&](const auto &ring, const CUtensorMap &tm, uint32_t slot) {
+                ring.wait_empty(kv_it);
+                if (!lead) return;
+                ring.expect(kv_it, KV_BYTES);
                 if (a.kv_chunks)
-                    fc90_tma_load5(sm.k + off, &tm_k, sm.kr.full_bar(kv_it), 0, sq.k0 + ktile * BC, 0, hk, sq.qb);
+                    fc90_tma_load5(slot, &tm, ring.full_bar(kv_it), 0, sq.k0 + ktile * BC, 0, hk, sq.qb);
                 else
                     for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(sm.k + off + c * BC * FC90_SW_ROW, &tm_k, sm.kr.full_bar(kv_it),
-                                      c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
-            }
-            sm.vr.wait_empty(kv_it);
-            if (lead) {
-                sm.vr.expect(kv_it, KV_BYTES);
-                if (a.kv_chunks)
-                    fc90_tma_load5(sm.v + off, &tm_v, sm.vr.full_bar(kv_it), 0, sq.k0 + ktile * BC, 0, hk, sq.qb);
-                else
-                    for (int c = 0; c < NCH; ++c)
-                        fc90_tma_load(sm.v + off + c * BC * FC90_SW_ROW, &tm_v, sm.vr.full_bar(kv_it),
-                                      c * FC90_SW_COLS, sq.k0 + ktile * BC, hk, sq.qb);
-            }
+                        fc90_tma_load(slot + c * BC * FC90_SW_ROW, &tm, ring.full_bar(kv_it), c * FC90_SW_COLS,
+                                      sq.k0 + ktile * BC, hk, sq.qb);
+            };
+            load(sm.kr, tm_k, sm.k + off);
+            load(sm.vr, tm_v, sm.v + off);
         }
         tile = next;
         if (!PERSIST) break;
