@@ -306,18 +306,21 @@ static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
 }
 
 /*
- * The tile order. A tile is (query tile, head, sequence); the heads (head-major within each sequence) go in groups
- * of hg whose K and V fit in half the L2 together (fc90_head_group), and within a group the query tiles run
- * from the last to the first (with causal masks the longest first), the group's heads fastest. Both grids take
- * the tiles in this order: BLOCKS as block indices, which the hardware starts in order and hands to SMs as they
- * free up; PERSISTENT from a counter, the same greedy longest-first schedule without a block launch per tile.
+ * The tile order. A tile is (query tile, head, sequence); the heads (head-major within each sequence) go in ng
+ * groups whose K and V fit in half the L2 together (fc90_head_groups), of sizes that differ by at most one, and
+ * within a group the query tiles run from the last to the first (with causal masks the longest first), the group's
+ * heads fastest. Both grids take the tiles in this order: BLOCKS as block indices, which the hardware starts in
+ * order and hands to SMs as they free up; PERSISTENT from a counter, the same greedy longest-first schedule without
+ * a block launch per tile. Equal groups give the launch's last group as many tiles as the others: a remainder
+ * group of one head (d 128, N 16k: 128 causal tiles on 132 SMs) left its longest tile running alone at the end.
  */
-static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk, uint32_t H, uint32_t B, uint32_t hg,
+static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk, uint32_t H, uint32_t B, uint32_t ng,
                                                     int &mblk, int &h, int &b) {
-    /* 32-bit: the launch keeps tiles (n_mblk H B) below 2^31 */
-    const uint32_t per = hg * n_mblk, g = t / per, r = t - g * per, hb0 = g * hg;
-    const uint32_t gs = min(hg, H * B - hb0); /* the last group may be smaller */
-    const uint32_t hb = hb0 + r % gs;
+    /* 32-bit: the launch keeps tiles (n_mblk H B) below 2^31; rem groups of q + 1 heads, then ng - rem of q */
+    const uint32_t q = H * B / ng, rem = H * B - q * ng, big = rem * (q + 1) * n_mblk;
+    const uint32_t gs = t < big ? q + 1 : q, t0 = t < big ? t : t - big; /* t0: in its run of equal groups */
+    const uint32_t g = t0 / (gs * n_mblk), r = t0 - g * gs * n_mblk;
+    const uint32_t hb = (t < big ? 0 : big / n_mblk) + g * gs + r % gs;
     mblk = (int)(n_mblk - 1 - r / gs);
     h = (int)(hb % H);
     b = (int)(hb / H);
@@ -424,7 +427,7 @@ struct fc90_fwd_smem {
 template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
-                                                         unsigned *ctr, int hg,
+                                                         unsigned *ctr, int ng,
                                                          const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
                                                          int lane) {
     constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
@@ -455,7 +458,7 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             if (lead) *sm.tile_slot = (int)tile;
         }
         int mblk, h, b, split;
-        fc90_tile_of(fc90_split_of<VARLEN>(a, tile, split), a.n_mblk, a.H, a.B, hg, mblk, h, b);
+        fc90_tile_of(fc90_split_of<VARLEN>(a, tile, split), a.n_mblk, a.H, a.B, ng, mblk, h, b);
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
         fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, split, &tb, &te);
@@ -780,7 +783,7 @@ template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP = fals
 __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                    unsigned *ctr, int hg) {
+                    unsigned *ctr, int ng) {
 #if FC90_DEVICE
     constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NC = fc90_consumers(TL);
@@ -813,7 +816,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
          * loads. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
         if (fc90_paged_kernel<D, VARLEN, BMASK, DROP>() ? threadIdx.x < 32 : threadIdx.x == 0)
-            fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP>(a, tm_q, tm_k, tm_v, ctr, hg, sm, threadIdx.x);
+            fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP>(a, tm_q, tm_k, tm_v, ctr, ng, sm, threadIdx.x);
         return;
     }
 
@@ -833,7 +836,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
         const int tile = PERSIST ? *sm.tile_slot : (int)blockIdx.x;
         if (tile < 0) break;
         int mblk, h, b, split;
-        fc90_tile_of(fc90_split_of<VARLEN>(a, (uint32_t)tile, split), a.n_mblk, a.H, a.B, hg, mblk, h, b);
+        fc90_tile_of(fc90_split_of<VARLEN>(a, (uint32_t)tile, split), a.n_mblk, a.H, a.B, ng, mblk, h, b);
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
         int tb, te;
         fc90_key_tiles<BR, BC, VARLEN>(a, sq, mblk, split, &tb, &te);
@@ -876,12 +879,12 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
 
 template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false, bool DROP = false>
 static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
-                                  const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
+                                  const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int ng, cudaStream_t stream) {
     const int smem = (int)fc90_smem_bytes(fc90_tile_for(D, BMASK));
     cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>>(smem);
     if (e != cudaSuccess) return e;
     fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>
-        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D, BMASK)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, hg);
+        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D, BMASK)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, ng);
     return cudaGetLastError();
 }
 /* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
@@ -893,27 +896,27 @@ static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *t
  * tiles the mask cuts). */
 template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
-                               const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int hg, cudaStream_t stream) {
+                               const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int ng, cudaStream_t stream) {
     const bool generic = fc90_generic(k);
     /* Dropout: a VARLEN kernel of its own (fixed-length problems too), plain scores only (supports() says) */
-    if (k->dropout) return fc90_launch_as<D, BF, false, true, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
+    if (k->dropout) return fc90_launch_as<D, BF, false, true, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
     if (k->bm)
-        return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
-                       : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
+        return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream)
+                       : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
     if (k->varlen || k->seqused_k || k->sinks || k->nsplit > 1 || k->block_table)
-        return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, hg, stream)
-                       : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, hg, stream);
-    return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, hg, stream)
-                   : fc90_launch_as<D, BF, false, false>(k, tq, tk, tv, blocks, ctr, hg, stream);
+        return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream)
+                       : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
+    return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, ng, stream)
+                   : fc90_launch_as<D, BF, false, false>(k, tq, tk, tv, blocks, ctr, ng, stream);
 }
 
 /* Heads per group of the tile order (fc90_tile_of): as many as have their K and V (16-bit, shared by the query
  * heads of a GQA group) in half the L2 together, at least one. */
-static int fc90_head_group(const flashc_fwd_args *a, long long l2_bytes) {
+static int fc90_head_groups(const flashc_fwd_args *a, long long l2_bytes) {
     const double kv_per_head = 4.0 * a->Nk * a->D / (a->H / a->Hkv);
-    const double hg = (double)(l2_bytes / 2) / kv_per_head;
-    const int64_t hb = (int64_t)a->H * a->B;
-    return hg < 1.0 ? 1 : hg >= (double)hb ? (int)(hb < INT32_MAX ? hb : INT32_MAX) : (int)hg;
+    const double fit = (double)(l2_bytes / 2) / kv_per_head; /* heads whose K and V fit in half the L2 */
+    const int64_t hb = (int64_t)a->H * a->B, hg = fit < 1.0 ? 1 : fit >= (double)hb ? hb : (int64_t)fit;
+    return (int)((hb + hg - 1) / hg);
 }
 
 /* Tiles of the launch, and whether its grid is persistent: only for the tiles that allow it, with counters,
@@ -944,7 +947,7 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
     const int persistent = fc90_grid_persistent(a, grid);
     const int64_t blocks = persistent ? grid->sms : tiles;
     unsigned *ctr = persistent ? grid->ctr : NULL;
-    const int hg = fc90_head_group(a, grid->l2_bytes);
+    const int ng = fc90_head_groups(a, grid->l2_bytes);
     CUtensorMap tq, tk, tv;
     /* Varlen: one batch of the packed rows (the tensor's batch stride unused). */
     const int64_t qrows = a->varlen ? a->total_q : a->Nq, krows = a->varlen ? a->total_k : a->Nk;
@@ -1002,7 +1005,7 @@ static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cud
         e = fc_bm_tiles_build(&bt, (uint32_t *)a->bm_tiles, stream);
         if (e != cudaSuccess) return e;
     }
-    return fc90_launch<D, BF>(&k, &tq, &tk, &tv, blocks, ctr, hg, stream);
+    return fc90_launch<D, BF>(&k, &tq, &tk, &tv, blocks, ctr, ng, stream);
 }
 
 int flashc_fwd_sm90_available(int device) {
