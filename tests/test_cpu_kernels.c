@@ -153,8 +153,9 @@ static void test_dots(const flashc_cpu_kernels *k) {
     }
 }
 
-/* The row-major online-softmax step: as test_softmax, with rows along memory. */
-static void test_softmax_rows(const flashc_cpu_kernels *k) {
+/* The row-major online-softmax step: as test_softmax, with rows along memory; fn is k->softmax_rows, or
+ * k->softmax_rows_p16 (P to bf16's need) with its P held to ptol relative instead of 1e-6. */
+static void test_softmax_rows(const flashc_cpu_kernels *k, flashc_cpu_softmax_rows_fn fn, double ptol) {
     enum { ROWS = 7, COLS = 48, LDS = 64 };
     float s[ROWS * LDS], orig[ROWS * LDS], m[ROWS], l[ROWS], alpha[ROWS];
     double m_ref[ROWS], l_ref[ROWS];
@@ -166,7 +167,7 @@ static void test_softmax_rows(const flashc_cpu_kernels *k) {
     for (int c = 0; c < COLS; c++) s[1 * LDS + c] = -INFINITY; /* row 1 sees nothing in this tile */
     for (int c = 0; c < COLS; c++) s[3 * LDS + c] = -INFINITY; /* row 3 neither, and had nothing before */
     memcpy(orig, s, sizeof s);
-    k->softmax_rows(ROWS, COLS, s, LDS, m, l, alpha);
+    fn(ROWS, COLS, s, LDS, m, l, alpha);
     for (int r = 0; r < ROWS; r++) {
         double mx = m_ref[r];
         for (int c = 0; c < COLS; c++) mx = fmax(mx, orig[r * LDS + c]);
@@ -179,7 +180,7 @@ static void test_softmax_rows(const flashc_cpu_kernels *k) {
         for (int c = 0; c < COLS; c++) {
             double p = exp2(orig[r * LDS + c] - mx);
             sum += p;
-            CHECK(fabs(s[r * LDS + c] - p) <= 1e-6 * (p + 1e-30) + 1e-37, "%s softmax_rows p[%d][%d] %g vs %g",
+            CHECK(fabs(s[r * LDS + c] - p) <= ptol * (p + 1e-30) + 1e-37, "%s softmax_rows p[%d][%d] %g vs %g",
                   k->name, r, c, s[r * LDS + c], p);
         }
         CHECK(fabs(alpha[r] - a) <= 1e-6 * a + 1e-37, "%s softmax_rows alpha[%d] %g vs %g", k->name, r, alpha[r], a);
@@ -190,8 +191,52 @@ static void test_softmax_rows(const flashc_cpu_kernels *k) {
     /* A NaN score is skipped by the max but makes its row's sum NaN. */
     float x[16], mm = 0.0f, ll = 1.0f, aa;
     for (int c = 0; c < 16; c++) x[c] = c == 3 ? NAN : (float)c;
-    k->softmax_rows(1, 16, x, 16, &mm, &ll, &aa);
+    fn(1, 16, x, 16, &mm, &ll, &aa);
     CHECK(mm == 15.0f && isnan(ll), "%s softmax_rows with a NaN score: m %g, l %g", k->name, mm, ll);
+}
+
+/*
+ * softmax_rows_p16's 2^x (exp2_avx512.h, flashc_exp2_p16_avx512) against exp2 in double: rows whose first score is
+ * 0 and m 0, so that P = 2^s, over every 61st float of [-30, 0] and a sweep of [-126, -30]: the largest relative
+ * error where 2^s is a normal float, and 0 at -inf and below -150. Returns that error.
+ */
+static double test_exp2_p16(const flashc_cpu_kernels *k) {
+    enum { CHUNK = 4096 };
+    static float x[CHUNK], y[CHUNK];
+    double worst = 0.0;
+    float worst_x = 0.0f;
+    long count = 0;
+    uint32_t u = bits(-30.0f);
+    for (int s = 0, done = 0; !done; s++) {
+        int n = 1;
+        x[0] = 0.0f;
+        for (; n < CHUNK; n++) {
+            if (s < 64) {
+                x[n] = -126.0f + 96.0f * (float)(s * CHUNK + n) / (64.0f * CHUNK);
+            } else if (u < 0x80000000u + EXP2_STRIDE) { /* past -0 */
+                done = 1;
+                break;
+            } else {
+                memcpy(&x[n], &u, 4);
+                u -= EXP2_STRIDE;
+            }
+        }
+        for (int i = n; i < (n + 15) / 16 * 16; i++) x[i] = i % 2 ? -INFINITY : -1000.0f;
+        float m = 0.0f, l = 0.0f, a;
+        memcpy(y, x, sizeof x);
+        k->softmax_rows_p16(1, (n + 15) / 16 * 16, y, CHUNK, &m, &l, &a);
+        for (int i = 0; i < n; i++) {
+            const double want = exp2((double)x[i]), e = fabs(y[i] - want) / want;
+            if (e > worst) worst = e, worst_x = x[i];
+        }
+        for (int i = n; i < (n + 15) / 16 * 16; i++)
+            CHECK(y[i] == 0.0f, "%s softmax_rows_p16: 2^%g = %g", k->name, x[i], y[i]);
+        CHECK(y[0] == 1.0f, "%s softmax_rows_p16: 2^0 = %.9g", k->name, y[0]);
+        count += n;
+    }
+    printf("%-8s softmax_rows_p16's exp2: max relative error %.3g at x = %.9g over %ld inputs in [-126, 0]\n", k->name,
+           worst, worst_x, count);
+    return worst;
 }
 
 /* Max ulp error of k->exp2 against exp2 in double rounded to float, over inputs where 2^x is a normal float. */
@@ -252,10 +297,19 @@ int main(void) {
         test_gemm(k);
         test_softmax(k);
         test_dots(k);
-        test_softmax_rows(k);
+        test_softmax_rows(k, k->softmax_rows, 1e-6);
         /* The vector exp2 is stated to be within 2 ulp; libm's exp2f (generic) within 1. */
         uint32_t worst = test_exp2(k);
         CHECK(worst <= 2, "%s exp2 max error %u ulp > 2", k->name, worst);
+    }
+    /* The avx512bf16 set's softmax_rows for P that pv rounds to bf16 (its other kernels here are avx512's) */
+    const flashc_cpu_kernels *b = flashc_cpu_kernels_by_name("avx512bf16");
+    if (b && b->softmax_rows_p16) {
+        const double worst = test_exp2_p16(b);
+        CHECK(worst <= 3.2e-6, "%s softmax_rows_p16's exp2: relative error %.3g > 3.2e-6", b->name, worst);
+        test_softmax_rows(b, b->softmax_rows_p16, 3.2e-6);
+    } else {
+        printf("avx512bf16 not available on this CPU/build: softmax_rows_p16 not tested\n");
     }
     printf("test_cpu_kernels: %s\n", failures ? "FAILED" : "all passed");
     return failures != 0;

@@ -26,7 +26,7 @@
 #    include <unistd.h>
 #  endif
 enum { CPU_SSE42 = 1, CPU_AVX = 2, CPU_AVX2 = 4, CPU_FMA = 8, CPU_F16C = 16, CPU_AVX512F = 32, CPU_AVX512BW = 64,
-       CPU_AVX512BF16 = 128, CPU_AMX_BF16 = 256 };
+       CPU_AVX512BF16 = 128, CPU_AMX_BF16 = 256, CPU_AVX512DQ = 512 };
 
 /*
  * AMX-BF16 present: cpuid leaf 7 EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), the OS saving the tile state (XCR0 bits
@@ -90,6 +90,7 @@ static unsigned detect_x86(void) {
         if ((b7 >> 5 & 1) && avx_os) f |= CPU_AVX2;
         if ((b7 >> 16 & 1) && avx512_os) f |= CPU_AVX512F;
         if ((b7 >> 30 & 1) && avx512_os) f |= CPU_AVX512BW;
+        if ((b7 >> 17 & 1) && avx512_os) f |= CPU_AVX512DQ; /* vreduceps: kernels_avx512bf16.c's exp2 of P */
         if (a7 >= 1) { /* subleaf 1, EAX bit 5: AVX512_BF16 (vdpbf16ps, vcvtne2ps2bf16, vcvtneps2bf16) */
             unsigned a71, b71, c71, d71;
             __cpuid_count(7, 1, a71, b71, c71, d71);
@@ -127,6 +128,7 @@ static void avx512bf16_init(void) {
     kernels_avx512bf16.name = "avx512bf16_12x32";
     kernels_avx512bf16.bf16 = &flashc_cpu_bf16_kernels_avx512;
     kernels_avx512bf16.dots_kv = flashc_cpu_dots_kv_avx512bf16;
+    kernels_avx512bf16.softmax_rows_p16 = flashc_cpu_softmax_rows_p16_avx512bf16;
     kernels_avx512bf16.pv = pv_avx512bf16;
 }
 #endif
@@ -162,7 +164,7 @@ static const flashc_cpu_kernels *kernels_by_name(unsigned x86, const char *name)
     if (!strcmp(name, "avx2") && (x86 & avx2) == avx2) return &flashc_cpu_kernels_avx2;
     if (!strcmp(name, "avx512") && (x86 & avx512) == avx512) return &flashc_cpu_kernels_avx512;
 #  if defined(FLASHC_CPU_AVX512BF16)
-    const unsigned bf16 = avx512 | CPU_AVX512BW | CPU_AVX512BF16;
+    const unsigned bf16 = avx512 | CPU_AVX512BW | CPU_AVX512DQ | CPU_AVX512BF16;
     if (!strcmp(name, "avx512bf16") && (x86 & bf16) == bf16) {
         pthread_once(&avx512bf16_once, avx512bf16_init);
         return &kernels_avx512bf16;
@@ -192,8 +194,8 @@ static void cpu_info_init(void) {
     cpu_info.x86 = f;
     static const struct { unsigned bit; const char *name; } names[] = {
         {CPU_SSE42, "sse4.2"}, {CPU_AVX, "avx"}, {CPU_AVX2, "avx2"}, {CPU_FMA, "fma"}, {CPU_F16C, "f16c"},
-        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}, {CPU_AVX512BF16, "avx512bf16"},
-        {CPU_AMX_BF16, "amx-bf16"}};
+        {CPU_AVX512F, "avx512f"}, {CPU_AVX512BW, "avx512bw"}, {CPU_AVX512DQ, "avx512dq"},
+        {CPU_AVX512BF16, "avx512bf16"}, {CPU_AMX_BF16, "amx-bf16"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (f & names[i].bit) strcat(buf, names[i].name), strcat(buf, " ");
 #elif defined(__aarch64__)

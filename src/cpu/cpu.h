@@ -230,12 +230,13 @@ typedef void (*flashc_cpu_keep_fn)(int cols, int rows, uint16_t *keep, int64_t l
 typedef void (*flashc_cpu_pairs_t_fn)(int rows, int pad_rows, int pairs, const uint16_t *src, int64_t lds,
                                       uint16_t *dst, int64_t ldd);
 /*
- * The forward's online-softmax step for the bf16 products, P written only as bf16 pair rows: m, l and alpha as
+ * The forward's online-softmax step for the bf16 products, P written only as bf16 pair rows: m and alpha as
  * softmax_fn computes them from the scores qs st (cols keys x rows queries, rows a multiple of 16; st is only read;
  * qs 1, or the Q scale > 0 that the gemm's alpha would have applied: each qs st rounded once, the same bits as scaling
- * st first, so masked -inf stay -inf), P = 2^(qs st - m') rounded to nearest even into pair rows p2 as
- * pairs_f32(cols, lead, rows, P, ...) lays them out (leading dim ldp), and the first D values of each O row r (o,
- * leading dim ldo) multiplied by alpha[r]. The bits of (the scaling,) softmax_fn, pairs_f32 and the rescale in turn.
+ * st first, so masked -inf stay -inf), P = 2^(qs st - m') to bf16's need (exp2_avx512.h, flashc_exp2_p16_avx512,
+ * 3e-6 relative, where softmax_fn's P is fp32's) summed into l in softmax_fn's order and rounded to nearest even into
+ * pair rows p2 as pairs_f32(cols, lead, rows, P, ...) lays them out (leading dim ldp), and the first D values of each
+ * O row r (o, leading dim ldo) multiplied by alpha[r].
  * With dropout, keep (NULL without) holds the keep_fn masks of the tile (leading dim ldk): l sums P undropped, and the
  * pair rows take 0 where dropped (as dropout_fn with kept 1 between the two).
  */
@@ -268,6 +269,9 @@ typedef struct flashc_cpu_kernels {
     flashc_cpu_cvt_fn bf16_to_f32;
     flashc_cpu_dots_fn dots;                 /* decode.c */
     flashc_cpu_softmax_rows_fn softmax_rows; /* decode.c */
+    /* decode.c: softmax_rows for a tile whose P this set's pv rounds to bf16 (bf16 V rows read in place), its P to
+     * that need (exp2_avx512.h, flashc_exp2_p16_avx512); NULL: softmax_rows */
+    flashc_cpu_softmax_rows_fn softmax_rows_p16;
     flashc_cpu_dropout_fn dropout;
     flashc_cpu_dots_kv_fn dots_kv; /* decode.c */
     flashc_cpu_pv_fn pv;           /* decode.c */
@@ -286,6 +290,8 @@ extern const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512;
 /* ... and its decode kernels: bf16 K / V rows on vdpbf16ps (fp32 rows go to the AVX-512 set's). */
 void flashc_cpu_dots_kv_avx512bf16(int rows, int cols, int D, const float *q, int64_t ldq, const void *const *k,
                                    int kt, float *s, int64_t lds, const flashc_cpu_prefetch *pf);
+void flashc_cpu_softmax_rows_p16_avx512bf16(int rows, int cols, float *s, int64_t lds, float *m, float *l,
+                                            float *alpha);
 void flashc_cpu_pv_avx512bf16(int rows, int cols, int D, const float *p, int64_t ldp, const float *alpha,
                               const void *const *v, int vt, float *o, int64_t ldo);
 /* ... and softmax_pairs writing P query-major (the softmax_prows that the amx set takes). */
@@ -538,6 +544,16 @@ void flashc_cpu_rotary(const flashc_tensor *x, const flashc_tensor *cos, const f
 #define FLASHC_EXP2_C4 9.6184373934e-03f
 #define FLASHC_EXP2_C5 1.3398876758e-03f
 #define FLASHC_EXP2_C6 1.5353357724e-04f
+
+/*
+ * 2^f ~ 1 + f (C1 + f (C2 + f (C3 + f C4))) on [0, 1], for a P rounded to bf16 next (exp2_avx512.h,
+ * flashc_exp2_p16_avx512): the minimax fit of the relative error with p(0) = 1 (Remez), 2.9e-6 relative before
+ * rounding, 3.0e-6 evaluated in fp32, against bf16's 2^-9 rounding of P.
+ */
+#define FLASHC_EXP2_P16_C1 6.9304484129e-01f
+#define FLASHC_EXP2_P16_C2 2.4128019810e-01f
+#define FLASHC_EXP2_P16_C3 5.2242472768e-02f
+#define FLASHC_EXP2_P16_C4 1.3426683843e-02f
 
 #define FLASHC_LOG2E 1.4426950408889634f
 #define FLASHC_LN2 0.6931471805599453f

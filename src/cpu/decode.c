@@ -353,6 +353,10 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             for (int d = D; d < dp; d++) dst[d] = 0.0f;
         }
     const int bc = L->bc;
+    /* P to bf16's need where pv rounds it (V's bf16 rows read in place, head_rows) */
+    const flashc_cpu_softmax_rows_fn softmax_rows =
+        kern->softmax_rows_p16 && p->v.dtype == FLASHC_DTYPE_BF16 && p->v.stride[3] == 1 ? kern->softmax_rows_p16
+                                                                                          : kern->softmax_rows;
     /* The raw rows of steps si, si + 1 and si + 2 in ring[si % 3]: the head-step two ahead lies up to two steps ahead
      * (one kv head per unit); steps past the unit's are the next unit's (nx). */
     dec_step ring[3];
@@ -400,7 +404,7 @@ static int decode_unit(const flashc_problem *p, const flashc_cpu_kernels *kern, 
             if (cols < padded)
                 for (int r = 0; r < n; r++)
                     for (int c = cols; c < padded; c++) t->s[(size_t)r * DEC_BC + c] = -INFINITY;
-            kern->softmax_rows(n, padded, t->s, DEC_BC, m, l, t->alpha);
+            softmax_rows(n, padded, t->s, DEC_BC, m, l, t->alpha);
             if (p->dropout_p > 0.0f) /* as the tile forward: l summed P undropped, the store scales by 1 / (1 - p) */
                 for (int r = 0; r < n; r++) {
                     flashc_cpu_dropout drop;

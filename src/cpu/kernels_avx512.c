@@ -121,44 +121,9 @@ static void softmax_avx512(int cols, int rows, float *st, int64_t ld, float *m, 
     }
 }
 
-/*
- * Decode's online softmax on a query-row-major tile (cpu.h, flashc_cpu_softmax_rows_fn): each row in 16-wide vectors,
- * its max and sum reduced once, then per group of up to 16 rows one vector exp2 for their alphas. Against the AVX2
- * kernel (8-wide, which the AVX-512 table used before): half the exp2 polynomials and loads per row; 2.5 -> 2.1 ns
- * per key and kv head at 4 rows x 32 keys (Zen 4 VM), decode with the cache hot 1.06-1.08x at 8/2/32, cold no
- * change beyond the spread.
- */
+/* Decode's online softmax (exp2_avx512.h says how), P in fp32. */
 static void softmax_rows_avx512(int rows, int cols, float *s, int64_t lds, float *m, float *l, float *alpha) {
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        const int g = rows - r0 < 16 ? rows - r0 : 16;
-        _Alignas(64) float mn[16] = {0}, sm[16] = {0};
-        for (int i = 0; i < g; i++) {
-            float *x = s + (int64_t)(r0 + i) * lds;
-            /* NaN scores are skipped by the max (its second operand, mx, wins) and reach the sum through exp2. */
-            __m512 mx = _mm512_set1_ps(m[r0 + i]);
-            for (int c = 0; c < cols; c += 16) mx = _mm512_max_ps(_mm512_loadu_ps(x + c), mx);
-            const float m_new = _mm512_reduce_max_ps(mx);
-            const __m512 vsub = _mm512_set1_ps(m_new == -INFINITY ? 0.0f : m_new);
-            __m512 sum = zero;
-            for (int c = 0; c < cols; c += 16) {
-                const __m512 e = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + c), vsub));
-                _mm512_storeu_ps(x + c, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            sm[i] = _mm512_reduce_add_ps(sum);
-            mn[i] = m_new;
-        }
-        const __mmask16 mask = first(g);
-        const __m512 m_old = _mm512_maskz_loadu_ps(mask, m + r0), m_new = _mm512_load_ps(mn);
-        const __mmask16 empty = _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ);
-        const __m512 a =
-            _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, _mm512_mask_mov_ps(m_new, empty, zero))), empty, one);
-        _mm512_mask_storeu_ps(alpha + r0, mask, a);
-        const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, l + r0), a, _mm512_load_ps(sm));
-        _mm512_mask_storeu_ps(l + r0, mask, l_new);
-        _mm512_mask_storeu_ps(m + r0, mask, m_new);
-    }
+    flashc_softmax_rows_avx512(0, rows, cols, s, lds, m, l, alpha);
 }
 
 /*

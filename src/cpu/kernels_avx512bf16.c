@@ -11,11 +11,13 @@
  * their bf16 forms in one pass over the tile (exp2 from exp2_avx512.h, so P is exp2_sub's bit for bit); pairs_t: Q's
  * and dO's pair rows by 16x16 transposes of pair words; softmax_pairs: the forward's online-softmax step writing P's
  * pair rows (no fp32 P) and rescaling O; both take dropout's keep bits as masks (keep: philox_avx512.h's sixteen rows
- * a vector, written as 16-bit masks that the two steps apply with zero-masking moves).
+ * a vector, written as 16-bit masks that the two steps apply with zero-masking moves); its P's 2^x to bf16's need
+ * (exp2_avx512.h, flashc_exp2_p16_avx512: 6 operations, 3e-6 relative, where the fp32 softmax's takes 13).
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX-512 set's kernels): dots_kv, 4x4, 2x8 or
  * 1x16 blocks of (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen
  * keys in the lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x64 tiles of O, two V rows
- * zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do.
+ * zipped into pair layout by vpermt2w and P rounded to bf16 as the gemm's pairs do; softmax_rows_p16, the AVX-512
+ * softmax_rows with that P's 2^x as softmax_pairs's (decode.c takes it with bf16 V rows).
  */
 #include "cpu.h"
 
@@ -516,17 +518,6 @@ static void pairs_t_avx512(int rows, int pad_rows, int pairs, const uint16_t *sr
     }
 }
 
-/*
- * 2^x for softmax_pairs's P, where x = s - m' <= 0 (or NaN, kept): clamped below at -150 only, where vscalefps gives 0
- * (-inf, a masked score, too), without flashc_exp2_avx512's flush below -126 and clamp above; 10 operations of its 13.
- * From -150 to -126 it gives a denormal where that exp2 gives 0: vcvtne2ps2bf16 reads it as 0, and l, which the row's
- * largest P (1) joins, cannot hold it (half an ulp of 1 is 2^-24), so P's pair rows and l keep their bits.
- */
-AI __m512 exp2_p(__m512 x) {
-    /* a NaN x is max's second operand: returned as it is */
-    return flashc_exp2_poly_avx512(_mm512_max_ps(_mm512_set1_ps(-150.0f), x));
-}
-
 /* Sixteen scores of softmax_pairs: st's, times qs where SCALED (one rounding, the product the gemm's alpha gave). */
 AI __m512 score16(const int SCALED, const float *x, __m512 qs) {
     const __m512 s = _mm512_loadu_ps(x);
@@ -551,11 +542,11 @@ AI __m512i softmax_pair(const int DROP, const int SCALED, int p, int cols, int l
     const int c0 = 2 * p - lead, c1 = c0 + 1;
     __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
     if (c0 >= 0) {
-        e0 = exp2_p(_mm512_sub_ps(score16(SCALED, st + (size_t)c0 * ld + r, qs), sub));
+        e0 = flashc_exp2_p16_avx512(_mm512_sub_ps(score16(SCALED, st + (size_t)c0 * ld + r, qs), sub));
         *sum = _mm512_add_ps(*sum, e0);
     }
     if (c1 < cols) {
-        e1 = exp2_p(_mm512_sub_ps(score16(SCALED, st + (size_t)c1 * ld + r, qs), sub));
+        e1 = flashc_exp2_p16_avx512(_mm512_sub_ps(score16(SCALED, st + (size_t)c1 * ld + r, qs), sub));
         *sum = _mm512_add_ps(*sum, e1);
     }
     __m512i pb = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
@@ -618,6 +609,12 @@ AI void softmax_pairs_tile(const int DROP, const int SCALED, const int ROWS, int
             }
         }
     }
+}
+
+/* Decode's softmax_rows where pv rounds P to bf16 (bf16 V rows): P by flashc_exp2_p16_avx512 (exp2_avx512.h). */
+void flashc_cpu_softmax_rows_p16_avx512bf16(int rows, int cols, float *s, int64_t lds, float *m, float *l,
+                                            float *alpha) {
+    flashc_softmax_rows_avx512(1, rows, cols, s, lds, m, l, alpha);
 }
 
 /* The forms of softmax_pairs_tile by keep and qs (the avx512bf16 set's gemm scales S^T in its registers, so attn.c
