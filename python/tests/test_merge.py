@@ -62,7 +62,7 @@ def test_split_keys_merge_to_the_whole(shape, dtype, device, gen):
     else:
         # the rule, plus one rounding of each part (stored in the dtype): max (wa |out_a| + wb |out_b|) u
         naive, _ = attn_ref(*(t.to(rd) for t in (q, k, v)), causal=causal, upcast=False)
-        u = 2.0 ** -8 if rd == torch.bfloat16 else 2.0 ** -11
+        u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, 2.0 ** -24)  # the parts are stored in dtype
         parts = merge_ref(oa.abs(), la, ob.abs(), lb)[0].max().item() * u
         err = (out.double() - ref).abs().max().item()
         base = (naive.double() - ref).abs().max().item()

@@ -40,6 +40,7 @@ typedef struct flashc_bwd_args {
     const uint32_t *bm_tiles; /* the block mask by the Hopper kernel's tiles, a row per key tile (bm_tiles.h) */
     int bm_tiles_w;           /* words per half of a bitmap row (fc_bm_tile_words) */
     FC_DROP_FIELDS;           /* dropout (score.h); the Hopper kernels take none yet */
+    int kv_groups; /* the Hopper dK/dV kernel's block order: groups of (kv head, sequence) pairs (bwd_sm90.cu) */
 } flashc_bwd_args;
 
 /*

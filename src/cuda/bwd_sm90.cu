@@ -151,9 +151,12 @@ static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[N / 2], con
 #endif /* FC90_DEVICE */
 
 /*
- * Grid: one block per (key tile, K/V head, sequence), key tile fastest: with causal masks the first key tiles
- * see the most query rows, so the longest blocks start first, and the blocks of one head run together and share
- * its Q and dO in L2. Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over
+ * Grid: one block per (key tile, K/V head, sequence), in a.kv_groups groups of (K/V head, sequence) pairs whose Q
+ * and dO fit in half the L2 together (fc90b_kv_groups; sizes differ by at most one), each group's blocks key tile
+ * by key tile, the group's pairs fastest: with causal masks the first key tiles see the most query rows, so the
+ * longest blocks start first within the group, and the group's blocks share its Q and dO in L2. (Before: key tile
+ * fastest within each pair, so the last pair's longest block started when nearly all work was out and ran alone
+ * at the end: a 6% tail at N 1k-4k causal in a simulation of the hardware's in-order block dispatch.) Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over
  * (d, Nk, Hkv, B) with boxes of 64 x bn. DQ: the dQ product and its reductions are on (a.dq_acc is set).
  */
 /*
@@ -708,10 +711,13 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const uint32_t bar_kv = base + fc90b_off_bar(TL);
     const fc90_ring<ST> ring = {bar_kv + 8, bar_kv + 8 + 8 * ST}; /* full[st], empty[st] */
 
-    int64_t bid = blockIdx.x;
-    const int kt = (int)(bid % a.n_kblk);
-    bid /= a.n_kblk;
-    const int hk = (int)(bid % a.Hkv), b = (int)(bid / a.Hkv);
+    /* Block -> (key tile, pair) in the group order above (32-bit: the launch keeps blocks below 2^31); rem groups
+     * of q + 1 pairs, then kv_groups - rem of q. */
+    const uint32_t np = (uint32_t)a.Hkv * a.B, q = np / a.kv_groups, rem = np - q * a.kv_groups,
+                   big = rem * (q + 1) * a.n_kblk, t = blockIdx.x;
+    const uint32_t gs = t < big ? q + 1 : q, t0 = t < big ? t : t - big, g = t0 / (gs * a.n_kblk),
+                   r = t0 - g * gs * a.n_kblk, pair = (t < big ? 0 : rem * (q + 1)) + g * gs + r % gs;
+    const int kt = (int)(r / gs), hk = (int)(pair % a.Hkv), b = (int)(pair / a.Hkv);
     /* The sequence: its first query and key rows sq0, sk0 in the packed tensors (varlen), its lengths, and its batch
      * coordinate in the tensor maps (0 with varlen: one packed batch). */
     const bool packed = VARLEN && a.varlen; /* VARLEN kernels also run fixed-length problems with seqused_k */
@@ -839,6 +845,20 @@ static fc_bm_tiles_args fc90b_bm_tiles_args(const flashc_bwd_args *a) {
                             tl.bm, tl.bn, 1};
 }
 
+/* Groups of the block order: enough that each holds at most as many (K/V head, sequence) pairs as have their Q and
+ * dO (4 Nq D bytes per query head) in half the L2 together; at least one. */
+static int fc90b_kv_groups(const flashc_bwd_args *a) {
+    int dev = 0, l2 = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
+        cudaGetLastError(); /* not left for the launch's check; one group per pair */
+        l2 = 0;
+    }
+    const double per_pair = 4.0 * (a->varlen ? (double)a->total_q / a->B : a->Nq) * a->D * (a->H / a->Hkv);
+    const double fit = per_pair > 0 ? (double)(l2 / 2) / per_pair : 1.0;
+    const int64_t np = (int64_t)a->Hkv * a->B, pg = fit < 1.0 ? 1 : fit >= (double)np ? np : (int64_t)fit;
+    return (int)((np + pg - 1) / pg);
+}
+
 template <int D, int BF>
 static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     constexpr fc90_btile TL = fc90_btile_for(D);
@@ -846,6 +866,8 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
     k.n_kblk = (a->Nk + TL.bn - 1) / TL.bn;
     const int64_t blocks = (int64_t)k.n_kblk * a->Hkv * a->B;
     if (blocks == 0) return cudaSuccess;
+    if (blocks >= INT32_MAX) return cudaErrorInvalidValue; /* the block order's 32-bit arithmetic */
+    k.kv_groups = fc90b_kv_groups(a);
     CUtensorMap tm[5];
     /* Varlen: one batch of the packed rows (the tensors' batch strides unused). */
     const int64_t qr = a->varlen ? a->total_q : a->Nq, kr = a->varlen ? a->total_k : a->Nk, nb = a->varlen ? 1 : a->B;

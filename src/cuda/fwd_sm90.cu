@@ -311,8 +311,9 @@ static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
  * within a group the query tiles run from the last to the first (with causal masks the longest first), the group's
  * heads fastest. Both grids take the tiles in this order: BLOCKS as block indices, which the hardware starts in
  * order and hands to SMs as they free up; PERSISTENT from a counter, the same greedy longest-first schedule without
- * a block launch per tile. Equal groups give the launch's last group as many tiles as the others: a remainder
- * group of one head (d 128, N 16k: 128 causal tiles on 132 SMs) left its longest tile running alone at the end.
+ * a block launch per tile. Equal groups give the launch's last group as many tiles as the others (or n_mblk
+ * fewer): a remainder group of one head (d 128, N 16k: 128 causal tiles on 132 SMs) left its longest tile running
+ * alone at the end.
  */
 static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk, uint32_t H, uint32_t B, uint32_t ng,
                                                     int &mblk, int &h, int &b) {
@@ -910,8 +911,8 @@ static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, 
                    : fc90_launch_as<D, BF, false, false>(k, tq, tk, tv, blocks, ctr, ng, stream);
 }
 
-/* Heads per group of the tile order (fc90_tile_of): as many as have their K and V (16-bit, shared by the query
- * heads of a GQA group) in half the L2 together, at least one. */
+/* Groups of the tile order (fc90_tile_of): enough that none holds more heads than have their K and V (16-bit,
+ * shared by the query heads of a GQA group) in half the L2 together; at least one. */
 static int fc90_head_groups(const flashc_fwd_args *a, long long l2_bytes) {
     const double kv_per_head = 4.0 * a->Nk * a->D / (a->H / a->Hkv);
     const double fit = (double)(l2_bytes / 2) / kv_per_head; /* heads whose K and V fit in half the L2 */
