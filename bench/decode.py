@@ -117,7 +117,9 @@ def main():
             def fcp(kp=kp, vp=vp, table=table):
                 return kvcache(q, kp, vp, cache_seqlens=lens, causal=True, block_table=table)
 
-            paged_same[ps] = torch.equal(fcp(), fc())
+            # 0: the same bits (the same kernel); else the largest difference (page sizes the Hopper kernel does not
+            # take run the mma.sync kernels, whose rounding differs; tests hold both to the fp64 oracle)
+            paged_same[ps] = (fcp().float() - fc().float()).abs().max().item()
             graphs[f"paged {ps}"] = graph_of(fcp, args.calls)
             held.append((kp, vp, table))  # a graph holds no reference to what it reads: keep the pools to its replays
         peers = () if args.no_peers else (("cuDNN", SDPBackend.CUDNN_ATTENTION),
@@ -153,7 +155,8 @@ def main():
             cells = []
             for ps in sizes:
                 tp = t[f"paged {ps}"]
-                cells.append(f"{tp:.0f} µs ({tp / t['flashc']:.2f}{'' if same[ps] else ', DIFFERS'})")
+                diff = '' if same[ps] == 0 else f', max |paged - contiguous| {same[ps]:.1g}: another kernel'
+                cells.append(f"{tp:.0f} µs ({tp / t['flashc']:.2f}{diff})")
             print(f"| {row.replace('x', ' × ')} | {t['flashc']:.0f} µs | " + " | ".join(cells) + " |")
     return 0
 
