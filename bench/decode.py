@@ -155,7 +155,7 @@ def main():
             cells = []
             for ps in sizes:
                 tp = t[f"paged {ps}"]
-                diff = '' if same[ps] == 0 else f', max |paged - contiguous| {same[ps]:.1g}: another kernel'
+                diff = '' if same[ps] == 0 else f', another kernel: differs by {same[ps]:.1g} at most'
                 cells.append(f"{tp:.0f} µs ({tp / t['flashc']:.2f}{diff})")
             print(f"| {row.replace('x', ' × ')} | {t['flashc']:.0f} µs | " + " | ".join(cells) + " |")
     return 0
