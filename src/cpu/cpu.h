@@ -205,12 +205,13 @@ typedef void (*flashc_cpu_pairs_bf16_fn)(int rows, int n, const uint16_t *src, i
 typedef void (*flashc_cpu_to_bf16_fn)(int n, const float *src, uint16_t *dst);
 /*
  * The backward's elementwise step of a key-major tile (cols keys x rows queries, rows a multiple of 16) in one pass,
- * for the bf16 products: from the masked scores st (log2 units) and dP^T (dpt), P = 2^(st - lse2[r]) as exp2_sub
- * gives it and dS = P (dP - di[r]), written only as bf16 (nearest even): P and dS key-major (p16, ds16, leading dim
- * ld as st and dpt) and dS's pair rows along the keys (ds2: (cols + 1) / 2 rows of leading dim 2 ld, the second key
- * of the last pair 0 after an odd count), the operands of dV += P^T dO, dK += dS^T Q and dQ += dS K. st and dpt are
- * only read. With dropout, keep (NULL without) holds the keep_fn masks of the tile (leading dim ldk) and
- * Z = kept where kept, else 0: dS = P (Z dP - di[r]) and p16 gets P Z, the arithmetic of attn.c's unfused loop.
+ * for the bf16 products: from the masked scores st (log2 units) and dP^T (dpt), P = 2^(st - lse2[r]) to bf16's need
+ * (exp2_avx512.h, flashc_exp2_p16_avx512, 3e-6 relative, where exp2_sub's P is fp32's) and dS = P (dP - di[r]) in fp32,
+ * written only as bf16 (nearest even): P and dS key-major (p16, ds16, leading dim ld as st and dpt) and dS's pair rows
+ * along the keys (ds2: (cols + 1) / 2 rows of leading dim 2 ld, the second key of the last pair 0 after an odd count),
+ * the operands of dV += P^T dO, dK += dS^T Q and dQ += dS K. st and dpt are only read. With dropout, keep (NULL
+ * without) holds the keep_fn masks of the tile (leading dim ldk) and Z = kept where kept, else 0: dS = P (Z dP - di[r])
+ * and p16 gets P Z, the arithmetic of attn.c's unfused loop.
  */
 typedef void (*flashc_cpu_ds_bf16_fn)(int cols, int rows, const float *st, const float *dpt, int64_t ld,
                                       const float *lse2, const float *di, const uint16_t *keep, int64_t ldk,

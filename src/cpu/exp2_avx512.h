@@ -3,10 +3,11 @@
  * kernels_avx512.c (softmax, exp2_sub, softmax_rows) and kernels_avx512bf16.c (the bf16 backward's fused P and dS
  * step, the forward's softmax into P's pair rows, decode's softmax_rows_p16) share (include it only from a file built
  * with -mavx512f -mfma). Degree-6 polynomial of 2^f (cpu.h, FLASHC_EXP2_C*), scaled by 2^n with vscalefps: the fp32
- * P, the alphas, and the bf16 backward's P, which is exp2_sub's bit for bit. Where the forward's P is rounded to bf16
- * before P V (softmax_pairs / softmax_prows, decode with bf16 V) it takes flashc_exp2_p16_avx512 instead, 3e-6
- * relative against bf16's 2^-9: that P is no longer the fp32 softmax's bit for bit (nothing compared them; the
- * backward recomputes its own P from the lse either way).
+ * P (softmax, exp2_sub: the fp32 backward and the bf16 one with softcap) and the alphas. Where P is rounded to bf16
+ * before its product and read nowhere else (the forward's softmax_pairs / softmax_prows and decode with bf16 V, before
+ * P V; the bf16 backward's fused step, before dV += P^T dO, and its dS = P (dP - D), rounded to bf16 before dK and dQ)
+ * it takes flashc_exp2_p16_avx512 instead, 3e-6 relative against bf16's 2^-9: that P is neither the fp32 softmax's
+ * nor exp2_sub's bit for bit (nothing compares them; the backward recomputes its own P from the forward's lse).
  */
 #ifndef FLASHC_CPU_EXP2_AVX512_H
 #define FLASHC_CPU_EXP2_AVX512_H
@@ -30,15 +31,18 @@ __attribute__((always_inline)) static inline __m512 flashc_exp2_poly_avx512(__m5
 }
 
 /*
- * 2^x for a P that is rounded to bf16 next (the forward's P before P V with bf16 V): x = s - m' <= 0, -inf (a
- * masked score) or NaN (kept). vreduceps gives f = x - floor(x) in [0, 1] in one instruction, a degree-4 polynomial
- * with p(0) = 1 exactly (cpu.h, FLASHC_EXP2_P16_C*: the row's largest P is 1) gives 2^f to 3e-6 relative, and
- * vscalefps multiplies by 2^floor(x): 6 operations where flashc_exp2_avx512 takes 13 (and the degree-6 polynomial
- * behind a clamp at -150 that softmax_pairs took before, 10). At -inf f is 0 and the scale 2^-inf gives 0, so no
- * clamp; below -126 denormals, as that clamped form gave (vcvtne2ps2bf16 reads them as 0, and l, which the row's
- * largest P, 1, joins, cannot hold them). 3e-6 is a 650th of bf16's rounding of P (2^-9); l sums these same fp32
- * values, so P / l carries only their differences across a row. Needs AVX512DQ (vreduceps): defined only in files
- * built with it (kernels_avx512bf16.c; backend.c checks the CPU for it).
+ * 2^x for a P that is rounded to bf16 next (the forward's P before P V with bf16 V; the bf16 backward's P before dV +=
+ * P^T dO and dS = P (dP - D) before dK, dQ): x = s - m' <= 0 (s - lse2 in the backward, at most a rounding of the lse
+ * above 0, where f = x and 2^0 scales), -inf (a masked score, or a padding row's lse2 +inf) or NaN (kept). vreduceps
+ * gives f = x - floor(x) in [0, 1] in one instruction, a degree-4 polynomial with p(0) = 1 exactly (cpu.h,
+ * FLASHC_EXP2_P16_C*: the row's largest P is 1) gives 2^f to 3e-6 relative, and vscalefps multiplies by 2^floor(x): 6
+ * operations where flashc_exp2_avx512 takes 13 (and the degree-6 polynomial behind a clamp at -150 that softmax_pairs
+ * took before, 10). At -inf f is 0 and the scale 2^-inf gives 0, so no clamp; below -126 denormals, as that clamped
+ * form gave (vcvtne2ps2bf16 reads them as 0, and l, which the row's largest P, 1, joins, cannot hold them; the
+ * backward's dS = P (dP - D) of such a P is at most |dP - D| 2^-126, where flashc_exp2_avx512's flush gave 0). 3e-6 is
+ * a 650th of bf16's rounding of P (2^-9); l sums these same fp32 values, so P / l carries only their differences across
+ * a row. Needs AVX512DQ (vreduceps): defined only in files built with it (kernels_avx512bf16.c; backend.c checks the
+ * CPU for it).
  */
 #if defined(__AVX512DQ__)
 __attribute__((always_inline)) static inline __m512 flashc_exp2_p16_avx512(__m512 x) {

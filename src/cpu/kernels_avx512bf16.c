@@ -8,11 +8,12 @@
  * rows (cpu.h, flashc_cpu_gemm_bf16_fn). pairs: two rows of a tile interleaved into one pair row, fp32 rounded to
  * bf16 by vcvtne2ps2bf16 (to nearest even, as flash-attn rounds P and dS on the GPU) and zipped by vpermw (AVX512BW,
  * which every CPU with AVX512-BF16 has); to_bf16: the same rounding in place of layout. ds: the backward's P, dS and
- * their bf16 forms in one pass over the tile (exp2 from exp2_avx512.h, so P is exp2_sub's bit for bit); pairs_t: Q's
+ * their bf16 forms in one pass over the tile (P's 2^x as softmax_pairs's: P and dS go only to bf16); pairs_t: Q's
  * and dO's pair rows by 16x16 transposes of pair words; softmax_pairs: the forward's online-softmax step writing P's
  * pair rows (no fp32 P) and rescaling O; both take dropout's keep bits as masks (keep: philox_avx512.h's sixteen rows
- * a vector, written as 16-bit masks that the two steps apply with zero-masking moves); its P's 2^x to bf16's need
- * (exp2_avx512.h, flashc_exp2_p16_avx512: 6 operations, 3e-6 relative, where the fp32 softmax's takes 13).
+ * a vector, written as 16-bit masks that the two steps apply with zero-masking moves); their P's 2^x to bf16's need
+ * (exp2_avx512.h, flashc_exp2_p16_avx512: 6 operations, 3e-6 relative, where the fp32 softmax's and exp2_sub's take
+ * 13).
  * decode (decode.c), when K / V rows are bf16 (fp32 rows go to the AVX-512 set's kernels): dots_kv, 4x4, 2x8 or
  * 1x16 blocks of (query row, key) with vdpbf16ps along D and one 16-way reduction per block, or for D <= 32 sixteen
  * keys in the lanes after a 16x16 transpose of their pairs; pv, O = alpha O + P V on 4x64 tiles of O, two V rows
@@ -186,8 +187,8 @@ AI void ds_tile(const int DROP, int cols, int rows, const float *st, const float
         uint16_t *pr = p16 + (int64_t)c * ld, *dr = ds16 + (int64_t)c * ld, *pair = ds2 + (int64_t)c * ld;
         for (int r = 0; r < rows; r += 16) {
             const __m512 lse = _mm512_loadu_ps(lse2 + r), dv = _mm512_loadu_ps(di + r);
-            __m512 p0 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + r), lse)), g0, p1 = _mm512_setzero_ps(),
-                   g1 = p1;
+            __m512 p0 = flashc_exp2_p16_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + r), lse)), g0,
+                   p1 = _mm512_setzero_ps(), g1 = p1;
             if (DROP) { /* dS = P (Z dP - D), then P Z, Z = kept or 0 */
                 const __m512 z = _mm512_maskz_mov_ps(keep[r / 16 * ldk + c], kv);
                 g0 = _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_loadu_ps(d0 + r)), dv));
@@ -196,7 +197,7 @@ AI void ds_tile(const int DROP, int cols, int rows, const float *st, const float
                 g0 = _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_loadu_ps(d0 + r), dv));
             }
             if (two) {
-                p1 = flashc_exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + ld + r), lse));
+                p1 = flashc_exp2_p16_avx512(_mm512_sub_ps(_mm512_loadu_ps(s0 + ld + r), lse));
                 if (DROP) {
                     const __m512 z = _mm512_maskz_mov_ps(keep[r / 16 * ldk + c + 1], kv);
                     g1 = _mm512_mul_ps(p1, _mm512_sub_ps(_mm512_mul_ps(z, _mm512_loadu_ps(d0 + ld + r)), dv));
