@@ -2,8 +2,9 @@
  * AVX-512F microkernels (built with -mavx512f -mfma -mf16c, chosen at run time).
  * gemm: a 12x32 register tile (24 zmm accumulators, 2 for the B row, 1 for the A broadcast), masked for the
  * last columns, A read in place through either stride (no packing). exp2: as the AVX2 kernel (degree-6 polynomial
- * of 2^f), scaled by 2^n with vscalefps (exp2_avx512.h, shared with the bf16 backward's fused step). dropout: Philox
- * in sixteen lanes (philox_avx512.h, shared with the bf16 kernels' keep masks), applied with zero-masking multiplies.
+ * of 2^f), scaled by 2^n with vscalefps (exp2_avx512.h, whose cheaper 2^x the bf16 kernels use where P goes to bf16
+ * only). dropout: Philox in sixteen lanes (philox_avx512.h, shared with the bf16 kernels' keep masks), applied with
+ * zero-masking multiplies.
  */
 #include "cpu.h"
 
