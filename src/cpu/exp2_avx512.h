@@ -112,7 +112,7 @@ __attribute__((always_inline)) static inline __m512 flashc_exp2_of_p_avx512(cons
 __attribute__((always_inline)) static inline void flashc_softmax_rows_avx512(const int P16, int rows, int cols,
                                                                               float *s, int64_t lds, float *m,
                                                                               float *l, float *alpha) {
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 zero = _mm512_setzero_ps();
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int g = rows - r0 < 16 ? rows - r0 : 16;
         _Alignas(64) float mn[16] = {0}, sm[16] = {0};
@@ -133,10 +133,8 @@ __attribute__((always_inline)) static inline void flashc_softmax_rows_avx512(con
             mn[i] = m_new;
         }
         const __mmask16 mask = (__mmask16)((1u << g) - 1u);
-        const __m512 m_old = _mm512_maskz_loadu_ps(mask, m + r0), m_new = _mm512_load_ps(mn);
-        const __mmask16 empty = _mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ);
-        const __m512 sub = _mm512_mask_mov_ps(m_new, empty, zero);
-        const __m512 a = _mm512_mask_mov_ps(flashc_exp2_avx512(_mm512_sub_ps(m_old, sub)), empty, one);
+        __m512 m_new, a;
+        (void)flashc_softmax_sub_of_max(_mm512_load_ps(mn), _mm512_maskz_loadu_ps(mask, m + r0), &m_new, &a);
         _mm512_mask_storeu_ps(alpha + r0, mask, a);
         const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, l + r0), a, _mm512_load_ps(sm));
         _mm512_mask_storeu_ps(l + r0, mask, l_new);
