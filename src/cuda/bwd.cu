@@ -327,21 +327,21 @@ static void make_args(const flashc_problem *p, const fc_btile &t, float *dvec, f
 }
 
 static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_plan *plan, float *dvec,
-                                          void *workspace, cudaStream_t stream);
+                                          void *workspace, long long l2_bytes, cudaStream_t stream);
 
 cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, const flashc_plan *plan, void *workspace,
-                                   cudaStream_t stream) {
+                                   long long l2_bytes, cudaStream_t stream) {
     if (plan->workspace > 0 && (!workspace || (uintptr_t)workspace % sizeof(float))) return cudaErrorInvalidValue;
     float *dvec = (float *)workspace;
     cudaError_t err = plan->path == FC_BWD_SIMT ? flashc_cuda_bwd_simt_launch(p, dvec, stream)
-                                                : bwd_tensor_core_launch(p, plan, dvec, workspace, stream);
+                                                : bwd_tensor_core_launch(p, plan, dvec, workspace, l2_bytes, stream);
     if (err != cudaSuccess) return err;
     return flashc_cuda_bwd_post_launch(p, dvec, stream);
 }
 
 /* The tensor-core paths: D_i, the dK/dV (and atomic dQ) kernel, then dq. */
 static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_plan *plan, float *dvec,
-                                          void *workspace, cudaStream_t stream) {
+                                          void *workspace, long long l2_bytes, cudaStream_t stream) {
 
     const int e = plan->entry;
     const fc_btile t = fc_btile_for(bwd_entries[e].d);
@@ -382,7 +382,7 @@ static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_
         if ((err = bwd_entries[e].fn(&a, stream, 2, &smem)) != cudaSuccess) return err;
         if (plan->path == FC_BWD_SM90 || plan->path == FC_BWD_SM90_DET) {
             if (a.bm) a.bm_tiles = (const uint32_t *)((char *)workspace + bwd_bm_tiles_offset(p));
-            err = flashc_bwd_sm90_launch(&a, stream);
+            err = flashc_bwd_sm90_launch(&a, l2_bytes, stream);
         }
         else err = bwd_entries[e].fn(&a, stream, 0, NULL);
         if (err != cudaSuccess) return err;

@@ -28,9 +28,10 @@ const char *flashc_cuda_bwd_plan(const flashc_problem *p, int sm90, int simt_onl
 /* Queues the backward as planned on stream: dq, dk, dv from q, k, v, out, dout and lse. workspace: device memory
  * of plan->workspace bytes, 4-byte aligned (NULL when that is 0); nothing else is allocated. Returns the first
  * launch error (cudaErrorInvalidValue for a missing workspace). dk and dv are always bitwise reproducible (one
- * writer per element, fixed order); dq is too with p->deterministic, otherwise it is summed with fp32 atomics. */
+ * writer per element, fixed order); dq is too with p->deterministic, otherwise it is summed with fp32 atomics.
+ * l2_bytes: the GPU's L2 cache (the Hopper kernel's block order; 0 when unknown). */
 cudaError_t flashc_cuda_bwd_launch(const flashc_problem *p, const flashc_plan *plan, void *workspace,
-                                   cudaStream_t stream);
+                                   long long l2_bytes, cudaStream_t stream);
 
 /* The CUDA-core baseline (bwd_simt.cu): any strides, every feature, fp32 throughout; deterministic. dvec: rows x
  * H floats of workspace for D_i. */

@@ -711,13 +711,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const uint32_t bar_kv = base + fc90b_off_bar(TL);
     const fc90_ring<ST> ring = {bar_kv + 8, bar_kv + 8 + 8 * ST}; /* full[st], empty[st] */
 
-    /* Block -> (key tile, pair) in the group order above (32-bit: the launch keeps blocks below 2^31); rem groups
-     * of q + 1 pairs, then kv_groups - rem of q. */
-    const uint32_t np = (uint32_t)a.Hkv * a.B, q = np / a.kv_groups, rem = np - q * a.kv_groups,
-                   big = rem * (q + 1) * a.n_kblk, t = blockIdx.x;
-    const uint32_t gs = t < big ? q + 1 : q, t0 = t < big ? t : t - big, g = t0 / (gs * a.n_kblk),
-                   r = t0 - g * gs * a.n_kblk, pair = (t < big ? 0 : rem * (q + 1)) + g * gs + r % gs;
-    const int kt = (int)(r / gs), hk = (int)(pair % a.Hkv), b = (int)(pair / a.Hkv);
+    /* Block -> (key tile, pair) in the group order above (the launch keeps blocks below 2^31) */
+    uint32_t pair;
+    const int kt = (int)fc90_group_order(blockIdx.x, a.n_kblk, (uint32_t)a.Hkv * a.B, a.kv_groups, &pair);
+    const int hk = (int)(pair % a.Hkv), b = (int)(pair / a.Hkv);
     /* The sequence: its first query and key rows sq0, sk0 in the packed tensors (varlen), its lengths, and its batch
      * coordinate in the tensor maps (0 with varlen: one packed batch). */
     const bool packed = VARLEN && a.varlen; /* VARLEN kernels also run fixed-length problems with seqused_k */
@@ -845,29 +842,22 @@ static fc_bm_tiles_args fc90b_bm_tiles_args(const flashc_bwd_args *a) {
                             tl.bm, tl.bn, 1};
 }
 
-/* Groups of the block order: enough that each holds at most as many (K/V head, sequence) pairs as have their Q and
- * dO (4 Nq D bytes per query head) in half the L2 together; at least one. */
-static int fc90b_kv_groups(const flashc_bwd_args *a) {
-    int dev = 0, l2 = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev) != cudaSuccess) {
-        cudaGetLastError(); /* not left for the launch's check; one group per pair */
-        l2 = 0;
-    }
+/* Groups of the block order: none holds more (K/V head, sequence) pairs than have their Q and dO (4 Nq D bytes per
+ * query head) in half the L2 together. */
+static int fc90b_kv_groups(const flashc_bwd_args *a, long long l2_bytes) {
     const double per_pair = 4.0 * (a->varlen ? (double)a->total_q / a->B : a->Nq) * a->D * (a->H / a->Hkv);
-    const double fit = per_pair > 0 ? (double)(l2 / 2) / per_pair : 1.0;
-    const int64_t np = (int64_t)a->Hkv * a->B, pg = fit < 1.0 ? 1 : fit >= (double)np ? np : (int64_t)fit;
-    return (int)((np + pg - 1) / pg);
+    return fc90_group_count((int64_t)a->Hkv * a->B, per_pair, l2_bytes);
 }
 
 template <int D, int BF>
-static cudaError_t fc90b_run(const flashc_bwd_args *a, cudaStream_t stream) {
+static cudaError_t fc90b_run(const flashc_bwd_args *a, long long l2_bytes, cudaStream_t stream) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     flashc_bwd_args k = *a;
     k.n_kblk = (a->Nk + TL.bn - 1) / TL.bn;
     const int64_t blocks = (int64_t)k.n_kblk * a->Hkv * a->B;
     if (blocks == 0) return cudaSuccess;
     if (blocks >= INT32_MAX) return cudaErrorInvalidValue; /* the block order's 32-bit arithmetic */
-    k.kv_groups = fc90b_kv_groups(a);
+    k.kv_groups = fc90b_kv_groups(a, l2_bytes);
     CUtensorMap tm[5];
     /* Varlen: one batch of the packed rows (the tensors' batch strides unused). */
     const int64_t qr = a->varlen ? a->total_q : a->Nq, kr = a->varlen ? a->total_k : a->Nk, nb = a->varlen ? 1 : a->B;
@@ -932,11 +922,11 @@ int flashc_bwd_sm90_supports(const flashc_bwd_args *a) {
            fc90b_tma_ok(a->dout, eq, sg);
 }
 
-cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream) {
+cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, long long l2_bytes, cudaStream_t stream) {
     if (!flashc_bwd_sm90_supports(a) || !a->q || !a->k || !a->v || !a->dout) return cudaErrorInvalidValue;
-    if (a->D == 64) return a->bf16 ? fc90b_run<64, 1>(a, stream) : fc90b_run<64, 0>(a, stream);
-    if (a->D == 128) return a->bf16 ? fc90b_run<128, 1>(a, stream) : fc90b_run<128, 0>(a, stream);
-    return a->bf16 ? fc90b_run<256, 1>(a, stream) : fc90b_run<256, 0>(a, stream);
+    if (a->D == 64) return a->bf16 ? fc90b_run<64, 1>(a, l2_bytes, stream) : fc90b_run<64, 0>(a, l2_bytes, stream);
+    if (a->D == 128) return a->bf16 ? fc90b_run<128, 1>(a, l2_bytes, stream) : fc90b_run<128, 0>(a, l2_bytes, stream);
+    return a->bf16 ? fc90b_run<256, 1>(a, l2_bytes, stream) : fc90b_run<256, 0>(a, l2_bytes, stream);
 }
 
 size_t flashc_bwd_sm90_workspace(const flashc_bwd_args *a) {

@@ -54,7 +54,8 @@ size_t flashc_bwd_sm90_workspace(const flashc_bwd_args *a);
 
 /* Queues the dK/dV kernel (and dQ, added to the fp32 sums a->dq_acc by TMA reductions, when it is set) on stream, for a
  * problem flashc_bwd_sm90_supports accepted on a device where flashc_bwd_sm90_available holds. Builds the tensor
- * maps on the host, so it fails without launching when the driver refuses one. */
-cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, cudaStream_t stream);
+ * maps on the host, so it fails without launching when the driver refuses one. l2_bytes: the GPU's L2 cache, which
+ * sizes the block order's groups (0 when unknown). */
+cudaError_t flashc_bwd_sm90_launch(const flashc_bwd_args *a, long long l2_bytes, cudaStream_t stream);
 
 #endif /* FLASHC_CUDA_BWD_SM90_H */

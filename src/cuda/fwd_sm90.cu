@@ -12,7 +12,7 @@
  *
  * Block: 1 + br / 64 warpgroups working on tiles (query tile of br rows, head, sequence), one after another on
  * the persistent grid (see fc90_fwd_kernel's grid comment): 384 threads at br 128, 512 at br 192 (d 64, but
- * for block masks: fc90_tile_for).
+ * on the narrow tile of block masks and short causal problems: fc90_tile_for).
  * Warpgroup 0 is the producer: it gives registers back (setmaxnreg.dec, fc90_producer_regs) and one thread takes
  * the tiles and issues the TMA loads: per tile Q once, then K and V tiles of bc keys into a ring of 2 stages
  * that runs on across tiles. The others are consumers (setmaxnreg.inc, fc90_consumer_regs), each owning 64 query
@@ -186,10 +186,10 @@ static __host__ __device__ __forceinline__ bool fc90_generic(const flashc_fwd_ar
 /* Issues s = Q K^T for this warpgroup's 64 rows and the bc keys of one ring slot (d / 16 k-steps) as one commit
  * group; the caller fences before and waits after. kcs: K's column-chunk step in 16-byte units (bc rows of 128
  * bytes, or one 1024-byte group with kv_groups). */
-template <int D, int BF, bool BMASK>
-static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D, BMASK).bc / 2], uint64_t dq,
+template <int D, int BF, bool NARROW>
+static __device__ __forceinline__ void fc90_qk_issue(float (&s)[fc90_tile_for(D, NARROW).bc / 2], uint64_t dq,
                                                      uint64_t dk, uint32_t kcs) {
-    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
+    constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         /* k16 step kk: chunk kk / 4, 32 bytes per step within its rows */
@@ -240,12 +240,12 @@ static __device__ __forceinline__ void fc90_rescale(float (&o)[D / 2], const flo
 
 /* Issues o += P V, V from one ring slot, as one commit group; the caller fences before and waits after. vks: the
  * step of 16 keys in 16-byte units (two 8-row groups). */
-template <int D, int BF, bool BMASK>
+template <int D, int BF, bool NARROW>
 static __device__ __forceinline__ void fc90_pv_issue(float (&o)[D / 2],
-                                                     const uint32_t (&pa)[fc90_tile_for(D, BMASK).bc / 16][4],
+                                                     const uint32_t (&pa)[fc90_tile_for(D, NARROW).bc / 16][4],
                                                      uint64_t dv, uint32_t vks) {
 #pragma unroll
-    for (int c = 0; c < fc90_tile_for(D, BMASK).bc / 16; ++c) fc90_mma_rs<D, BF>(o, pa[c], dv + c * vks);
+    for (int c = 0; c < fc90_tile_for(D, NARROW).bc / 16; ++c) fc90_mma_rs<D, BF>(o, pa[c], dv + c * vks);
     fc90_wgmma_commit();
 }
 
@@ -317,12 +317,8 @@ static __device__ __forceinline__ void fc90_turn_end(int cw, bool last) {
  */
 static __device__ __forceinline__ void fc90_tile_of(uint32_t t, uint32_t n_mblk, uint32_t H, uint32_t B, uint32_t ng,
                                                     int &mblk, int &h, int &b) {
-    /* 32-bit: the launch keeps tiles (n_mblk H B) below 2^31; rem groups of q + 1 heads, then ng - rem of q */
-    const uint32_t q = H * B / ng, rem = H * B - q * ng, big = rem * (q + 1) * n_mblk;
-    const uint32_t gs = t < big ? q + 1 : q, t0 = t < big ? t : t - big; /* t0: in its run of equal groups */
-    const uint32_t g = t0 / (gs * n_mblk), r = t0 - g * gs * n_mblk;
-    const uint32_t hb = (t < big ? 0 : big / n_mblk) + g * gs + r % gs;
-    mblk = (int)(n_mblk - 1 - r / gs);
+    uint32_t hb;
+    mblk = (int)(n_mblk - 1 - fc90_group_order(t, n_mblk, H * B, ng, &hb));
     h = (int)(hb % H);
     b = (int)(hb / H);
 }
@@ -425,13 +421,13 @@ struct fc90_fwd_smem {
  * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
  * none is left. The last block to finish sets the counters back to zero for the next launch.
  */
-template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
+template <int D, int BF, bool VARLEN, bool BMASK, bool DROP, bool NARROW>
 static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &a, const CUtensorMap &tm_q,
                                                          const CUtensorMap &tm_k, const CUtensorMap &tm_v,
                                                          unsigned *ctr, int ng,
-                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
+                                                         const fc90_fwd_smem<fc90_tile_for(D, NARROW).st> &sm,
                                                          int lane) {
-    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
+    constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int BR = TL.br, BC = TL.bc, NCH = D / FC90_SW_COLS;
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL), PAGED = fc90_paged_kernel<D, VARLEN, BMASK, DROP>();
@@ -548,16 +544,16 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
  * live together. Q is released (PERSIST) after the tile's last S.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP, int LAYOUT>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP, bool NARROW, int LAYOUT>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a, const fc_drop_stream &drop,
-                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
+                                                         const fc90_fwd_smem<fc90_tile_for(D, NARROW).st> &sm,
                                                          uint32_t nt, uint32_t kv_it, int tb, int ntiles, const uint32_t *bits,
                                                          const uint8_t *bmbase, float slope2, int nq, int nk,
                                                          int m0, int cw, int row0, int tig,
                                                          uint64_t dq, uint64_t dk, uint64_t dv, float (&o)[D / 2],
-                                                         float (&s)[fc90_tile_for(D, BMASK).bc / 2], float (&row_m)[2],
+                                                         float (&s)[fc90_tile_for(D, NARROW).bc / 2], float (&row_m)[2],
                                                          float (&row_l)[2]) {
-    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
+    constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int BC = TL.bc, NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
@@ -594,7 +590,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_turn_begin(cw);
     fc90_pin(s);
     fc90_wgmma_fence();
-    fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4), kcs);
+    fc90_qk_issue<D, BF, NARROW>(s, dq, dk + ((sm.kr.slot(kv_it) * KV_BYTES) >> 4), kcs);
     fc90_turn_end<NC>(cw, false);
     fc90_wgmma_wait<0>();
     fc90_pin(s);
@@ -622,8 +618,8 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_pin(o);
         fc90_pin(pa);
         fc90_wgmma_fence();
-        fc90_qk_issue<D, BF, BMASK>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4), kcs);
-        fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4), vks);
+        fc90_qk_issue<D, BF, NARROW>(s, dq, dk + ((sm.kr.slot(kt) * KV_BYTES) >> 4), kcs);
+        fc90_pv_issue<D, BF, NARROW>(o, pa, dv + ((sm.vr.slot(kt - 1) * KV_BYTES) >> 4), vks);
         fc90_turn_end<NC>(cw, false);
         fc90_wgmma_wait<1>();
         fc90_pin(s);
@@ -652,7 +648,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_pin(o);
     fc90_pin(pa);
     fc90_wgmma_fence();
-    fc90_pv_issue<D, BF, BMASK>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4), vks);
+    fc90_pv_issue<D, BF, NARROW>(o, pa, dv + ((sm.vr.slot(kt) * KV_BYTES) >> 4), vks);
     fc90_turn_end<NC>(cw, true);
     fc90_wgmma_wait<0>();
     fc90_pin(o);
@@ -666,14 +662,14 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
  * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
  * bad (paged, fc90_bad_pages): the rows come out NaN, out and lse.
  */
-template <int D, int BF, bool VARLEN, bool BMASK, bool DROP>
+template <int D, int BF, bool VARLEN, bool BMASK, bool DROP, bool NARROW>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
-                                                         const fc90_fwd_smem<fc90_tile_for(D, BMASK).st> &sm,
+                                                         const fc90_fwd_smem<fc90_tile_for(D, NARROW).st> &sm,
                                                          float (&o)[D / 2],
                                                          const float (&row_m)[2], const float (&row_l)[2],
                                                          const fc90_seq &sq, int m0, int h, int b, int cw, int warp,
                                                          int lane, bool bad) {
-    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
+    constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
     constexpr bool ALIASED = fc90_o_aliased(TL);
     const int nq = sq.nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
@@ -780,13 +776,13 @@ static __device__ __forceinline__ void fc90_fwd_partials(const flashc_fwd_args &
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP = false>
-__global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP, bool NARROW>
+__global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, NARROW)), 1)
     fc90_fwd_kernel(const __grid_constant__ flashc_fwd_args a, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                     unsigned *ctr, int ng) {
 #if FC90_DEVICE
-    constexpr fc90_tile TL = fc90_tile_for(D, BMASK);
+    constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NC = fc90_consumers(TL);
     constexpr bool PERSIST = fc90_persistent(TL);
     static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
@@ -817,7 +813,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
          * loads. */
         fc90_regs_dec<fc90_producer_regs(TL)>();
         if (fc90_paged_kernel<D, VARLEN, BMASK, DROP>() ? threadIdx.x < 32 : threadIdx.x == 0)
-            fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP>(a, tm_q, tm_k, tm_v, ctr, ng, sm, threadIdx.x);
+            fc90_fwd_producer<D, BF, VARLEN, BMASK, DROP, NARROW>(a, tm_q, tm_k, tm_v, ctr, ng, sm, threadIdx.x);
         return;
     }
 
@@ -853,7 +849,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
         if (PERSIST && ntiles == 0) sm.qr.release(nt);
         /* the main loop for the slots' layout (fc90_layout) */
         auto mainloop = [&](auto layout) {
-            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP, decltype(layout)::value>(
+            fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP, NARROW, decltype(layout)::value>(
                 a, DROP ? fc_drop_begin(a, b, h) : fc_drop_stream{}, sm, nt, kv_it, tb, ntiles, bits,
                 BMASK ? fc_bm_base(a, b, h) : (const uint8_t *)NULL, fc_alibi_slope2(a, b, h), sq.nq, sq.nk, m0, cw,
                 row0, tig, dq, dk, dv, o, s, row_m, row_l);
@@ -872,20 +868,21 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, BMASK)), 1)
         if (VARLEN && a.nsplit > 1)
             fc90_fwd_partials<D>(a, o, row_m, row_l, sq, m0, h, b, split, cw, warp, lane, bad);
         else
-            fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane, bad);
+            fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP, NARROW>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane,
+                                                                  bad);
         if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
 }
 
-template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false, bool DROP = false>
+template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK = false, bool DROP = false, bool NARROW = BMASK>
 static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                   const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int ng, cudaStream_t stream) {
-    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D, BMASK));
-    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>>(smem);
+    const int smem = (int)fc90_smem_bytes(fc90_tile_for(D, NARROW));
+    cudaError_t e = fc_smem_optin<fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP, NARROW>>(smem);
     if (e != cudaSuccess) return e;
-    fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP>
-        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D, BMASK)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, ng);
+    fc90_fwd_kernel<D, BF, GENERIC, VARLEN, BMASK, DROP, NARROW>
+        <<<(unsigned)blocks, fc90_threads(fc90_tile_for(D, NARROW)), smem, stream>>>(*k, *tq, *tk, *tv, ctr, ng);
     return cudaGetLastError();
 }
 /* Kernels per (score step, varlen): the plain fixed-length kernels keep their registers and their code. The
@@ -894,7 +891,22 @@ static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *t
  * whose fold in the epilogue the fixed-length kernels leave out; split-KV (fc90_split_of, fc90_fwd_partials); and
  * paged K/V (fc90_tile_pages).
  * Block masks take VARLEN kernels of their own (BMASK: the key tiles from the bitmaps, the element test on the
- * tiles the mask cuts). */
+ * tiles the mask cuts). NARROW: the narrow d 64 tile (fwd_sm90.h), which the BMASK kernels take and, of the others,
+ * the fixed-length kernels of short causal problems (flashc_fwd_sm90_narrow). */
+static bool fc90_varlen_kernel(const flashc_fwd_args *a) {
+    return a->varlen || a->seqused_k || a->sinks || a->nsplit > 1 || a->block_table;
+}
+
+int flashc_fwd_sm90_narrow(const flashc_fwd_args *a) {
+    return fc90_kernel_d(a->D) == 64 && !a->bm && !a->dropout && !fc90_varlen_kernel(a) && a->win_left < 0 &&
+           a->win_right == 0 && a->Nq <= FC90_NARROW_NQ;
+}
+
+/* The tile of the kernel that fc90_launch picks for a. */
+static fc90_tile fc90_tile_of_launch(const flashc_fwd_args *a) {
+    return fc90_tile_for(fc90_kernel_d(a->D), a->bm || flashc_fwd_sm90_narrow(a));
+}
+
 template <int D, int BF>
 static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, const CUtensorMap *tk,
                                const CUtensorMap *tv, int64_t blocks, unsigned *ctr, int ng, cudaStream_t stream) {
@@ -904,20 +916,23 @@ static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, 
     if (k->bm)
         return generic ? fc90_launch_as<D, BF, true, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream)
                        : fc90_launch_as<D, BF, false, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
-    if (k->varlen || k->seqused_k || k->sinks || k->nsplit > 1 || k->block_table)
+    if (fc90_varlen_kernel(k))
         return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream)
                        : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
+    if constexpr (D == 64) /* short causal problems on the narrow tile */
+        if (flashc_fwd_sm90_narrow(k)) {
+            if (generic)
+                return fc90_launch_as<D, BF, true, false, false, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
+            return fc90_launch_as<D, BF, false, false, false, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
+        }
     return generic ? fc90_launch_as<D, BF, true, false>(k, tq, tk, tv, blocks, ctr, ng, stream)
                    : fc90_launch_as<D, BF, false, false>(k, tq, tk, tv, blocks, ctr, ng, stream);
 }
 
-/* Groups of the tile order (fc90_tile_of): enough that none holds more heads than have their K and V (16-bit,
- * shared by the query heads of a GQA group) in half the L2 together; at least one. */
+/* Groups of the tile order (fc90_tile_of): none holds more heads than have their K and V (16-bit, shared by the
+ * query heads of a GQA group) in half the L2 together. */
 static int fc90_head_groups(const flashc_fwd_args *a, long long l2_bytes) {
-    const double kv_per_head = 4.0 * a->Nk * a->D / (a->H / a->Hkv);
-    const double fit = (double)(l2_bytes / 2) / kv_per_head; /* heads whose K and V fit in half the L2 */
-    const int64_t hb = (int64_t)a->H * a->B, hg = fit < 1.0 ? 1 : fit >= (double)hb ? hb : (int64_t)fit;
-    return (int)((hb + hg - 1) / hg);
+    return fc90_group_count((int64_t)a->H * a->B, 4.0 * a->Nk * a->D / (a->H / a->Hkv), l2_bytes);
 }
 
 /* Tiles of the launch, and whether its grid is persistent: only for the tiles that allow it, with counters,
@@ -926,7 +941,7 @@ static int64_t fc90_tiles(const flashc_fwd_args *a, fc90_tile tl) {
     return (int64_t)((a->Nq + tl.br - 1) / tl.br) * a->H * a->B * (a->nsplit > 1 ? a->nsplit : 1);
 }
 static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid) {
-    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D), a->bm != NULL);
+    const fc90_tile tl = fc90_tile_of_launch(a);
     return fc90_persistent(tl) && grid->ctr && grid->sms > 0 && fc90_tiles(a, tl) > grid->sms;
 }
 
@@ -939,7 +954,7 @@ static fc_bm_tiles_args fc90_bm_tiles_args(const flashc_fwd_args *a) {
 
 template <int D, int BF>
 static cudaError_t fc90_run(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream) {
-    const fc90_tile TL = fc90_tile_for(D, a->bm != NULL); /* the kernel fc90_launch picks */
+    const fc90_tile TL = fc90_tile_of_launch(a);
     flashc_fwd_args k = *a;
     k.n_mblk = (a->Nq + TL.br - 1) / TL.br;
     const int64_t tiles = fc90_tiles(a, TL);
@@ -1018,10 +1033,10 @@ int flashc_fwd_sm90_available(int device) {
     }
     if (major != 9 || minor != 0) return 0;
     /* The sm_90a binary, not the sm_80 PTX (whose kernel body is empty), must be what this GPU runs. */
-    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false, false, false>,
-                              (const void *)fc90_fwd_kernel<64, 1, false, false, false>,
-                              (const void *)fc90_fwd_kernel<128, 0, false, false, false>,
-                              (const void *)fc90_fwd_kernel<128, 1, false, false, false>};
+    const void *kernels[4] = {(const void *)fc90_fwd_kernel<64, 0, false, false, false, false, false>,
+                              (const void *)fc90_fwd_kernel<64, 1, false, false, false, false, false>,
+                              (const void *)fc90_fwd_kernel<128, 0, false, false, false, false, false>,
+                              (const void *)fc90_fwd_kernel<128, 1, false, false, false, false, false>};
     for (int i = 0; i < 4; i++) {
         cudaFuncAttributes fa;
         if (cudaFuncGetAttributes(&fa, kernels[i]) != cudaSuccess) {

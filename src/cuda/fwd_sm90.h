@@ -39,16 +39,21 @@ typedef struct fc90_tile {
 #ifndef FC90_TILE_256
 #define FC90_TILE_256 fc90_tile{256, 128, 80, 2}
 #endif
-/* Block masks (BMASK kernels) at d 64 take two consumers: mask blocks of 128 (or 64) query rows, the common sizes,
- * would be straddled by 192-row tiles, each of which visits the key tiles of two mask rows (the union) and masks
- * the blocks one of them drops: on 128-row blocks a mask kept half the blocks and took 1.10x the dense time
- * (0.67x on this tile; bench/RESULTS.md). */
-#ifndef FC90_TILE_64_BMASK
-#define FC90_TILE_64_BMASK fc90_tile{64, 128, 128, 2}
+/* The narrow d 64 tile (NARROW kernels: two consumers, 128 rows), for
+ * - block masks (BMASK kernels): mask blocks of 128 (or 64) query rows, the common sizes, would be straddled by
+ *   192-row tiles, each of which visits the key tiles of two mask rows (the union) and masks the blocks one of them
+ *   drops: on 128-row blocks a mask kept half the blocks and took 1.10x the dense time (0.67x on this tile);
+ * - causal problems of Nq <= FC90_NARROW_NQ (flashc_fwd_sm90_narrow): there the diagonal's tiles are a large share
+ *   of the work, and 192-row tiles leave more of them masked (and N 1024 a sixth tile of 64 rows). Causal d 64 on an
+ *   H200 ran 1.13x at N 512 and 1024 on this tile, 1.01x at 768, 0.96x at 1152 and 0.89-0.95x from N 1536;
+ *   non-causal 0.85-0.95x everywhere (bench/RESULTS.md). */
+#ifndef FC90_TILE_64_NARROW
+#define FC90_TILE_64_NARROW fc90_tile{64, 128, 128, 2}
 #endif
+#define FC90_NARROW_NQ 1024
 
-__host__ __device__ constexpr fc90_tile fc90_tile_for(int d, bool bmask = false) {
-    return d <= 64 ? (bmask ? FC90_TILE_64_BMASK : FC90_TILE_64) : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
+__host__ __device__ constexpr fc90_tile fc90_tile_for(int d, bool narrow = false) {
+    return d <= 64 ? (narrow ? FC90_TILE_64_NARROW : FC90_TILE_64) : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
 }
 
 /* The kernel a head dim runs on: its own at 64, 128 and 256; d 96 on the d 128 kernel and d 192 on the d 256 one,
@@ -98,6 +103,11 @@ typedef struct fc90_grid {
  * ping-pong between warpgroups (section 3.1) with the intra-warpgroup overlap of softmax and products (3.2);
  * the schedules it beat are in lab/fwd90/. Launches sharing a grid->ctr must not run concurrently. */
 cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream);
+
+/* 1 when a runs on the narrow d 64 tile though it has no block mask (fwd_sm90.h's FC90_TILE_64_NARROW): causal
+ * problems of Nq <= FC90_NARROW_NQ on the fixed-length kernels (no varlen, seqused_k, sinks, split-KV, paged K/V
+ * or dropout). */
+int flashc_fwd_sm90_narrow(const flashc_fwd_args *a);
 
 /* "persistent grid" or "a block per tile": the grid that launch takes for a on grid (for the forward log). */
 const char *flashc_fwd_sm90_grid_name(const flashc_fwd_args *a, const fc90_grid *grid);

@@ -361,6 +361,31 @@ static __device__ __forceinline__ void fc90_pack_p(uint32_t (&pa)[BC / 16][4], c
 
 #endif /* FC90_DEVICE */
 
+/* ---- the launch order of both kernels ------------------------------------------------------------------ */
+
+/*
+ * Launch index t -> (tile, item): `items` (the forward's (head, sequence) pairs, the backward's (kv head,
+ * sequence) pairs) in ng groups of sizes that differ by at most one (rem groups of q + 1, then ng - rem of q),
+ * each group's per tiles one after the other, the group's items fastest. Returns the tile's place in its group's
+ * order (0 .. per - 1) and sets *item. 32-bit: the launches keep per x items below 2^31.
+ */
+static __host__ __device__ __forceinline__ uint32_t fc90_group_order(uint32_t t, uint32_t per, uint32_t items,
+                                                                     uint32_t ng, uint32_t *item) {
+    const uint32_t q = items / ng, rem = items - q * ng, big = rem * (q + 1) * per;
+    const uint32_t gs = t < big ? q + 1 : q, t0 = t < big ? t : t - big; /* t0: in its run of equal groups */
+    const uint32_t g = t0 / (gs * per), r = t0 - g * gs * per;
+    *item = (t < big ? 0 : rem * (q + 1)) + g * gs + r % gs;
+    return r / gs;
+}
+
+/* Groups for fc90_group_order: enough that none holds more items than have bytes_per_item in half the L2 together;
+ * at least one, and one per item where an item alone does not fit (or the L2 size is unknown: 0). */
+static inline int fc90_group_count(int64_t items, double bytes_per_item, long long l2_bytes) {
+    const double fit = bytes_per_item > 0 ? (double)(l2_bytes / 2) / bytes_per_item : 1.0;
+    const int64_t per = fit < 1.0 ? 1 : fit >= (double)items ? items : (int64_t)fit;
+    return per > 0 ? (int)((items + per - 1) / per) : 1;
+}
+
 /* ---- host ------------------------------------------------------------------------------------------------ */
 
 /* cuTensorMapEncodeTiled from the driver the runtime already loaded (no -lcuda), looked up once. */
