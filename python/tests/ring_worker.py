@@ -8,9 +8,10 @@ the inputs' dtype, so every partial result is rounded once before the fp32 sums.
 u * (the sum of the absolute terms), u the dtype's unit roundoff: for out_i, sum_j P_ij |v_j|; for dq_i,
 scale * sum_j |dS_ij| |k_j|; for dk_j, scale * sum_i |dS_ij| |q_i|; for dv_j, sum_i P_ij |dO_i| (since the calls
 split those sums into disjoint parts, the parts' absolute values add up to at most that), as test_merge adds one
-rounding per part. Writes what it found as JSON; asserts nothing itself, so that
-every rank makes the same collective calls whatever a check says (a rank that stopped early would leave the others
-waiting on the ring).
+rounding per part. In 16-bit the gradients are held against the fp64 backward of the operands the backward is
+given, the returned out among them (its D_i = rowsum(dO o out) reads it; see run_case), and the naive algorithm's
+against the exact gradients. Writes what it found as JSON; asserts nothing itself, so that every rank makes the same
+collective calls whatever a check says (a rank that stopped early would leave the others waiting on the ring).
 
     python ring_worker.py RANK WORLD STORE_FILE SEED OUT_JSON [--backend gloo|nccl] [--device cpu|cuda]
 
@@ -176,7 +177,20 @@ def run_case(case, dtype, device, seed, group, record):
     # rule measures the attention's error, not the inputs' rounding (as the bf16 rows do)
     qr, kr, vr = (t.detach().to(rd).double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = per_sequence(lambda al, *t: attn_ref(*t, alibi_slopes=al, **opts), cu, alibi, qr, kr, vr)
-    ref.backward(do.to(rd).double())
+    ref.backward(do.to(rd).double(), retain_graph=True)
+    exact = [ref, ref_lse] + [t.grad.clone() for t in (qr, kr, vr)]  # the naive algorithm's oracle
+    if rd != torch.float32:
+        # 16-bit: the backward's operands are q, k, v, dO and the out it is given (as flash-attn's backward takes
+        # them), in the dtype, and its D_i = rowsum(dO o out) reads that out, while the naive algorithm's softmax
+        # backward forms D_i = sum_j P_ij dP_ij and reads none. The fp64 oracle of the backward's operands has
+        # dS_ij = P_ij (dP_ij - D_i) with D_i from the out returned: the exact gradients plus the gradients of
+        # -(D_i(out) - D_i(exact out)) lse_i, as d lse_i / d s_ij = P_ij (every row here sees a key, so lse is
+        # finite). Against the exact gradients a row with large logits (|q_i| up to ~17) turns out's rounding to the
+        # dtype into a dk error several times the naive one's, which is the forward's error, not the backward's;
+        # out itself is held to the rule against the exact oracle below.
+        got_out = fcd.unshard(out.detach(), group, dim=1 if cu is None else 0, **sh).to(ref.device, torch.float64)
+        d_out = (do.to(rd).double() * (got_out - ref.detach())).sum(-1)
+        ref_lse.backward(-(d_out.transpose(1, 2) if cu is None else d_out.t()))  # lse's (B, H, N) or (H, total)
     naive = [None] * 5
     if rd != torch.float32:
         ql, kl, vl = (t.detach().to(rd).requires_grad_() for t in (q, k, v))
@@ -191,7 +205,7 @@ def run_case(case, dtype, device, seed, group, record):
         po, pq, pk, pv = per_sequence(lambda al, *t: part_rounding(al, *t, causal, window, softcap, rd), cu, alibi,
                                       q, k, v, do)
         parts = [po, None, pq, pk, pv]
-    for (what, got, want, factor), nv, part in zip(pairs, naive, parts):
+    for (what, got, want, factor), nv, part, oracle in zip(pairs, naive, parts, exact):
         # the rule's maxima are over the whole sequence, as for one process: the ranks' results gathered
         seq_dim = (2 if what == "lse" else 1) if cu is None else (1 if what == "lse" else 0)
         want = want.detach().cpu()
@@ -205,7 +219,7 @@ def run_case(case, dtype, device, seed, group, record):
         else:
             nv = nv.detach().cpu()
             err = (got.double() - want).abs().max().item()
-            base = (nv.double() - want).abs().max().item()
+            base = (nv.double() - oracle.detach().cpu()).abs().max().item()
             extra = 0.0 if part is None else part.max().item()
             ok = err <= factor * base + extra + 1e-5
             msg = "%s: max error %.3g > %d x naive %.3g + partial roundings %.3g" % (what, err, factor, base, extra)

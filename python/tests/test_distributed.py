@@ -7,9 +7,10 @@
   those positions, and each call's rows and keys on consecutive positions.
 - 1, 2 and 4 processes (ring_worker.py, one per rank, a gloo group through a file store): forward and backward of a case
   table (causal, GQA, windows, softcap, ALiBi, both layouts, packed sequences; fp32 and bf16) against test_torch's fp64
-  reference of the whole sequence by CONVENTIONS.md's rule (plus the 16-bit partial results' roundings, see
-  ring_worker.py); a second run gives the same bits; with dropout (fp32), the same elements dropped as by the one
-  call on the whole sequence with the same seed; uneven shards, an odd zig-zag shard, dropout on chunks that are
+  reference of the whole sequence by CONVENTIONS.md's rule (plus the 16-bit partial results' roundings; 16-bit
+  gradients against the fp64 backward of the out the backward was given, see ring_worker.py); a second run gives
+  the same bits; with dropout (fp32), the same elements dropped as by the one call on the whole sequence with the
+  same seed; uneven shards, an odd zig-zag shard, dropout on chunks that are
   not whole groups of 4 keys, ALiBi slopes of the wrong shape, an unknown argument,
   a bad layout, a packed sequence that does not split evenly and cu_seqlens that differ between ranks are refused on
   every rank with a clear error, and the ring still works afterwards.
