@@ -590,19 +590,22 @@ int main(int argc, char **argv) {
         long_shape(ctx, "d192_causal_gqa", (shape){2, 1500, 1700, 8, 2, 192, 1}, 128, 17, sm90);
         long_shape(ctx, "persistent_d64_causal", (shape){8, 2000, 2000, 8, 4, 64, 1}, 200, 18, sm90);
         long_shape(ctx, "persistent_nq_gt_nk_causal", (shape){4, 3000, 700, 8, 8, 128, 1}, 2400, 19, sm90);
-        /* d 64, causal, Nq <= 1024: the two-consumer 128-row tile (fwd_sm90.h's FC90_NARROW_NQ), here with keys
-         * that do not end at a tile's edge; at Nq 1025 and without the causal mask the 192-row one */
+        /* d 64, causal, Nq <= 1024: the two-consumer 128-row tile (fwd_sm90.h's FC90_NARROW_NQ), here also with
+         * fewer keys than queries (rows above the first key's diagonal see none) and with long rows; at Nq 1025 and
+         * without the causal mask the 192-row one */
         const char *narrow = hopper ? "sm90 (wgmma, TMA, warp-specialized), 128-row tile" : "sm80";
         long_shape(ctx, "narrow_d64_causal", (shape){16, 1000, 1000, 8, 8, 64, 1}, 1000, 20, narrow);
-        long_shape(ctx, "narrow_d64_causal_nk_gt_nq", (shape){4, 1024, 1500, 8, 2, 64, 1}, 1024, 21, narrow);
+        long_shape(ctx, "narrow_d64_causal_nq_gt_nk", (shape){4, 1024, 700, 8, 2, 64, 1}, 1024, 21, narrow);
+        long_shape(ctx, "narrow_d64_causal_long_rows", (shape){16, 256, 8192, 8, 8, 64, 1}, 256, 25, narrow);
         if (hopper) {
             const shape wide[2] = {{16, 1025, 1025, 8, 8, 64, 1}, {16, 1000, 1000, 8, 8, 64, 0}};
+            const char *const wide_what[2] = {"causal_1025", "noncausal"};
             for (int i = 0; i < 2; i++) {
                 problem_buf pb;
                 if (make_problem(&pb, wide[i], 22 + i)) continue;
                 const char *k = flashc_kernel_name(ctx, FLASHC_OP_FORWARD, &pb.tq, &pb.tk, &pb.tv, &pb.prm);
                 const int ok = k && !strcmp(k, "sm90 (wgmma, TMA, warp-specialized)");
-                printf("%s wide_d64_%-17s runs on %s\n", ok ? "ok  " : "FAIL", i ? "noncausal" : "causal_1025",
+                printf("%s wide_d64_%-17s runs on %s\n", ok ? "ok  " : "FAIL", wide_what[i],
                        k ? k : flashc_context_last_error(ctx));
                 if (!ok) failures++;
                 free_problem(&pb);

@@ -43,10 +43,12 @@ typedef struct fc90_tile {
  * - block masks (BMASK kernels): mask blocks of 128 (or 64) query rows, the common sizes, would be straddled by
  *   192-row tiles, each of which visits the key tiles of two mask rows (the union) and masks the blocks one of them
  *   drops: on 128-row blocks a mask kept half the blocks and took 1.10x the dense time (0.67x on this tile);
- * - causal problems of Nq <= FC90_NARROW_NQ (flashc_fwd_sm90_narrow): there the diagonal's tiles are a large share
- *   of the work, and 192-row tiles leave more of them masked (and N 1024 a sixth tile of 64 rows). Causal d 64 on an
- *   H200 ran 1.13x at N 512 and 1024 on this tile, 1.01x at 768, 0.96x at 1152 and 0.89-0.95x from N 1536;
- *   non-causal 0.85-0.95x everywhere (bench/RESULTS.md). */
+ * - causal problems of Nq <= FC90_NARROW_NQ (flashc_fwd_sm90_narrow): with Nk as short, the diagonal's tiles are a
+ *   large share of the work, and 192-row tiles leave more of them masked (and N 1024 a sixth tile of 64 rows); with
+ *   long rows (Nk >> Nq) the 192-row tiles' padding (Nq 256: a second tile of 64 rows) costs about what two
+ *   consumers lose on long rows. Causal d 64 on an H200 ran 1.13x at N 512 and 1024 on this tile, 1.01x at 768,
+ *   0.96x at 1152 and 0.89-0.95x from N 1536; at Nq 256 / Nk 8192 about 1.2x, at Nq 512 and 1024 / Nk 4096 level;
+ *   non-causal 0.84-0.95x at Nq = Nk (bench/RESULTS.md). */
 #ifndef FC90_TILE_64_NARROW
 #define FC90_TILE_64_NARROW fc90_tile{64, 128, 128, 2}
 #endif
