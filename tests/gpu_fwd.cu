@@ -591,12 +591,15 @@ int main(int argc, char **argv) {
         long_shape(ctx, "persistent_d64_causal", (shape){8, 2000, 2000, 8, 4, 64, 1}, 200, 18, sm90);
         long_shape(ctx, "persistent_nq_gt_nk_causal", (shape){4, 3000, 700, 8, 8, 128, 1}, 2400, 19, sm90);
         /* d 64, causal, Nq <= 1024: the two-consumer 128-row tile (fwd_sm90.h's FC90_NARROW_NQ), here also with
-         * fewer keys than queries (rows above the first key's diagonal see none) and with long rows; at Nq 1025 and
-         * without the causal mask the 192-row one */
+         * fewer keys than queries (rows above the first key's diagonal see none) and with long rows; so does any
+         * Nq that 192-row tiles would pad by half (FC90_NARROW_PAD: Nq <= 128, 193-256); at Nq 1025 causal and Nq
+         * 1000 without the causal mask the 192-row one */
         const char *narrow = hopper ? "sm90 (wgmma, TMA, warp-specialized), 128-row tile" : "sm80";
         long_shape(ctx, "narrow_d64_causal", (shape){16, 1000, 1000, 8, 8, 64, 1}, 1000, 20, narrow);
         long_shape(ctx, "narrow_d64_causal_nq_gt_nk", (shape){4, 1024, 700, 8, 2, 64, 1}, 1024, 21, narrow);
         long_shape(ctx, "narrow_d64_causal_long_rows", (shape){16, 256, 8192, 8, 8, 64, 1}, 256, 25, narrow);
+        long_shape(ctx, "narrow_d64_nq200", (shape){64, 200, 3000, 8, 8, 64, 0}, 200, 26, narrow);
+        long_shape(ctx, "narrow_d64_nq100_gqa", (shape){32, 100, 2000, 8, 2, 64, 0}, 100, 27, narrow);
         if (hopper) {
             const shape wide[2] = {{16, 1025, 1025, 8, 8, 64, 1}, {16, 1000, 1000, 8, 8, 64, 0}};
             const char *const wide_what[2] = {"causal_1025", "noncausal"};

@@ -358,8 +358,10 @@ static const char *const fwd_path_names[] = {
     "sm80 (mma.sync), 16-row decode tile", "sm80 (mma.sync) + split-KV combine, 16-row decode tile", "", "",
     "sm80 (mma.sync), GQA heads as rows, 16-row decode tile",
     "sm80 (mma.sync) + split-KV combine, GQA heads as rows, 16-row decode tile", "", ""};
-/* FWD_SM90 on the narrow d 64 tile without a block mask (flashc_fwd_sm90_narrow) */
-static const char fwd_sm90_narrow_name[] = "sm90 (wgmma, TMA, warp-specialized), 128-row tile";
+/* FWD_SM90 (and with FWD_ROWS_GQA) on the narrow d 64 tile without a block mask (flashc_fwd_sm90_narrow) */
+static const char *const fwd_sm90_narrow_names[] = {
+    "sm90 (wgmma, TMA, warp-specialized), 128-row tile",
+    "sm90 (wgmma, TMA, warp-specialized), GQA heads as rows, 128-row tile"};
 
 /*
  * Decode with grouped heads (Nq 1, H = G Hkv, G > 1): the G query heads that share a kv head become G query rows
@@ -423,7 +425,7 @@ static flashc_status fwd_plan(struct flashc_context *ctx, const flashc_problem *
             /* the partials, or a block mask's per-tile bitmaps */
             plan->workspace = a.nsplit > 1 ? fwd_workspace(p, a.nsplit) : flashc_fwd_sm90_workspace(&a);
             plan->path = (a.nsplit > 1 ? FWD_SM90_SPLIT : FWD_SM90) + (gqa ? FWD_ROWS_GQA : 0);
-            plan->kernel = flashc_fwd_sm90_narrow(&a) ? fwd_sm90_narrow_name : fwd_path_names[plan->path];
+            plan->kernel = flashc_fwd_sm90_narrow(&a) ? fwd_sm90_narrow_names[gqa] : fwd_path_names[plan->path];
             return FLASHC_STATUS_OK;
         }
     }

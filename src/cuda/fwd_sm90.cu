@@ -12,7 +12,7 @@
  *
  * Block: 1 + br / 64 warpgroups working on tiles (query tile of br rows, head, sequence), one after another on
  * the persistent grid (see fc90_fwd_kernel's grid comment): 384 threads at br 128, 512 at br 192 (d 64, but
- * on the narrow tile of block masks and short causal problems: fc90_tile_for).
+ * on the narrow tile of block masks, short causal problems and short Nq: fc90_tile_for).
  * Warpgroup 0 is the producer: it gives registers back (setmaxnreg.dec, fc90_producer_regs) and one thread takes
  * the tiles and issues the TMA loads: per tile Q once, then K and V tiles of bc keys into a ring of 2 stages
  * that runs on across tiles. The others are consumers (setmaxnreg.inc, fc90_consumer_regs), each owning 64 query
@@ -892,14 +892,19 @@ static cudaError_t fc90_launch_as(const flashc_fwd_args *k, const CUtensorMap *t
  * paged K/V (fc90_tile_pages).
  * Block masks take VARLEN kernels of their own (BMASK: the key tiles from the bitmaps, the element test on the
  * tiles the mask cuts). NARROW: the narrow d 64 tile (fwd_sm90.h), which the BMASK kernels take and, of the others,
- * the fixed-length kernels of short causal problems (flashc_fwd_sm90_narrow). */
+ * the fixed-length kernels of short causal problems and of Nq that 192-row tiles would pad by half
+ * (flashc_fwd_sm90_narrow). */
 static bool fc90_varlen_kernel(const flashc_fwd_args *a) {
     return a->varlen || a->seqused_k || a->sinks || a->nsplit > 1 || a->block_table;
 }
 
 int flashc_fwd_sm90_narrow(const flashc_fwd_args *a) {
-    return fc90_kernel_d(a->D) == 64 && !a->bm && !a->dropout && !fc90_varlen_kernel(a) && a->win_left < 0 &&
-           a->win_right == 0 && a->Nq <= FC90_NARROW_NQ;
+    if (fc90_kernel_d(a->D) != 64 || a->bm || a->dropout || fc90_varlen_kernel(a)) return 0;
+    if (a->win_left < 0 && a->win_right == 0 && a->Nq <= FC90_NARROW_NQ) return 1; /* short causal */
+    /* any mask: where the wide tiles compute FC90_NARROW_PAD times the narrow ones' rows or more */
+    const int64_t wide = fc90_tile_for(64).br, narrow = fc90_tile_for(64, true).br;
+    const int64_t wide_rows = (a->Nq + wide - 1) / wide * wide, narrow_rows = (a->Nq + narrow - 1) / narrow * narrow;
+    return (double)wide_rows >= FC90_NARROW_PAD * (double)narrow_rows;
 }
 
 /* The tile of the kernel that fc90_launch picks for a. */
@@ -919,7 +924,7 @@ static cudaError_t fc90_launch(const flashc_fwd_args *k, const CUtensorMap *tq, 
     if (fc90_varlen_kernel(k))
         return generic ? fc90_launch_as<D, BF, true, true>(k, tq, tk, tv, blocks, ctr, ng, stream)
                        : fc90_launch_as<D, BF, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);
-    if constexpr (D == 64) /* short causal problems on the narrow tile */
+    if constexpr (D == 64) /* short causal problems and short Nq on the narrow tile */
         if (flashc_fwd_sm90_narrow(k)) {
             if (generic)
                 return fc90_launch_as<D, BF, true, false, false, false, true>(k, tq, tk, tv, blocks, ctr, ng, stream);

@@ -53,6 +53,11 @@ typedef struct fc90_tile {
 #define FC90_TILE_64_NARROW fc90_tile{64, 128, 128, 2}
 #endif
 #define FC90_NARROW_NQ 1024
+/* - and whatever the mask, Nq whose 192-row tiles pad to this many times the rows of 128-row ones or more (Nq <= 128
+ *   and 193-256: a third of the wide tiles' rows are padding): non-causal d 64 at Nk 8192 ran 1.24-1.33x on the
+ *   narrow tile at Nq 64, 128 and 256; at Nq 640 (1.2 times the rows) 0.90-1.00x, as two consumers run long rows
+ *   0.84-0.89x as fast as three. */
+#define FC90_NARROW_PAD 1.5
 
 __host__ __device__ constexpr fc90_tile fc90_tile_for(int d, bool narrow = false) {
     return d <= 64 ? (narrow ? FC90_TILE_64_NARROW : FC90_TILE_64) : d <= 128 ? FC90_TILE_128 : FC90_TILE_256;
@@ -106,9 +111,9 @@ typedef struct fc90_grid {
  * the schedules it beat are in lab/fwd90/. Launches sharing a grid->ctr must not run concurrently. */
 cudaError_t flashc_fwd_sm90_launch(const flashc_fwd_args *a, const fc90_grid *grid, cudaStream_t stream);
 
-/* 1 when a runs on the narrow d 64 tile though it has no block mask (fwd_sm90.h's FC90_TILE_64_NARROW): causal
- * problems of Nq <= FC90_NARROW_NQ on the fixed-length kernels (no varlen, seqused_k, sinks, split-KV, paged K/V
- * or dropout). */
+/* 1 when a runs on the narrow d 64 tile though it has no block mask (fwd_sm90.h's FC90_TILE_64_NARROW): on the
+ * fixed-length kernels (no varlen, seqused_k, sinks, split-KV, paged K/V or dropout), causal problems of
+ * Nq <= FC90_NARROW_NQ and any whose wide tiles would pad Nq by FC90_NARROW_PAD. */
 int flashc_fwd_sm90_narrow(const flashc_fwd_args *a);
 
 /* "persistent grid" or "a block per tile": the grid that launch takes for a on grid (for the forward log). */
