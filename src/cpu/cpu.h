@@ -203,6 +203,9 @@ typedef void (*flashc_cpu_pairs_bf16_fn)(int rows, int n, const uint16_t *src, i
                                          int64_t ldd);
 /* dst[i] = bf16(src[i]) for n values, rounded to nearest even (the backward's P and dS, kept key-major). */
 typedef void (*flashc_cpu_to_bf16_fn)(int n, const float *src, uint16_t *dst);
+/* dst[i] = bf16(src[i] * scale) for n values, rounded as flashc_f32_to_bf16 rounds (nearest even, NaN quieted,
+ * subnormals kept, where vcvtneps2bf16 flushes them): the forward's output rows, the same bits as the scalar store. */
+typedef void (*flashc_cpu_out_bf16_fn)(int n, const float *src, float scale, uint16_t *dst);
 /*
  * The backward's elementwise step of a key-major tile (cols keys x rows queries, rows a multiple of 16) in one pass,
  * for the bf16 products: from the masked scores st (log2 units) and dP^T (dpt), P = 2^(st - lse2[r]) to bf16's need
@@ -257,6 +260,7 @@ typedef struct flashc_cpu_bf16_kernels {
      * P(r, c), rows of key pairs (ldp >= 2 * ((cols + lead + 1) / 2)), which O += P V then reads in place (rs_a ldp,
      * cs_a 2); the same values. NULL: the forward uses softmax_pairs. */
     flashc_cpu_softmax_pairs_fn softmax_prows;
+    flashc_cpu_out_bf16_fn out_bf16;
 } flashc_cpu_bf16_kernels;
 
 typedef struct flashc_cpu_kernels {
@@ -502,9 +506,11 @@ void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern
 
 /*
  * Normalizes the unnormalized O rows (leading dim dp) by l and the sink, and writes out and lse of query rows
- * [i0, i0 + rows) of sequence b, head h; rows that saw no key get 0 and +inf (the sink).
+ * [i0, i0 + rows) of sequence b, head h; rows that saw no key get 0 and +inf (the sink). kern (NULL: none) with a
+ * bf16 out_bf16 writes a bf16 output with unit stride along D in one pass, normalizing as it rounds (the same bits);
+ * o is left unnormalized then.
  */
-void flashc_cpu_forward_store(const flashc_problem *p, int dp, float *o, const float *m, const float *l, int64_t b,
+void flashc_cpu_forward_store(const flashc_problem *p, const flashc_cpu_kernels *kern, int dp, float *o, const float *m, const float *l, int64_t b,
                               int64_t h, int64_t i0, int rows);
 /*
  * Split-KV: merges n pieces of the same rows by log-sum-exp in piece order, into o (rows x dp), m, l. Piece s lies

@@ -429,7 +429,7 @@ static void store_block(const flashc_problem *p, const dec_layout *L, float *st,
     for (int r = 0; r < n;) {
         const int64_t g = (r0 + r) / nq, i = (r0 + r) % nq;
         const int count = (int)(nq - i < n - r ? nq - i : n - r);
-        flashc_cpu_forward_store(p, L->dp, o + (size_t)r * L->dp, m + r, l + r, b, hk * L->G + g, i, count);
+        flashc_cpu_forward_store(p, NULL, L->dp, o + (size_t)r * L->dp, m + r, l + r, b, hk * L->G + g, i, count);
         r += count;
     }
 }

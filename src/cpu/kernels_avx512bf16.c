@@ -162,6 +162,21 @@ static void pairs_bf16_avx512(int rows, int n, const uint16_t *src, int64_t lds,
     }
 }
 
+/* flashc_f32_to_bf16 on sixteen lanes in integer arithmetic: u + 0x7fff + (bit 16 of u), NaN quieted instead. */
+static void out_bf16_avx512(int n, const float *src, float scale, uint16_t *dst) {
+    const __m512 s = _mm512_set1_ps(scale);
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), abs = _mm512_set1_epi32(0x7fffffff);
+    const __m512i inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 m = first(n - i);
+        const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), s));
+        const __m512i hi = _mm512_srli_epi32(u, 16);
+        const __m512i near = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+        _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, _mm512_mask_mov_epi32(near, nan, _mm512_or_si512(hi, quiet)));
+    }
+}
+
 static void to_bf16_avx512(int n, const float *src, uint16_t *dst) {
     int i = 0;
     for (; i + 16 <= n; i += 16)
@@ -654,5 +669,6 @@ const flashc_cpu_bf16_kernels flashc_cpu_bf16_kernels_avx512 = {
     .pairs_t = pairs_t_avx512,
     .softmax_pairs = softmax_pairs_avx512,
     .keep = keep_avx512,
+    .out_bf16 = out_bf16_avx512,
 };
 #endif

@@ -382,6 +382,10 @@ void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, in
      * column loop below vectorizes. */
     int lo[FLASHC_CPU_MAX_BR], hi[FLASHC_CPU_MAX_BR];
     flashc_cpu_row_ranges(p, nq, nk, i0, rows, j0, cols, lo, hi);
+    /* lo and hi grow with the row, so column c's masked rows are a prefix (hi <= c, rows before ra) and a suffix
+     * (lo > c, rows from rb on), and both bounds grow with c: only those rows are written, where a select over every
+     * row of every column cost the causal bf16 forward about 5% of its time at N 512 */
+    int ra = 0, rb = 0;
     for (int c = 0; c < cols; c++) {
         const int64_t j = j0 + c;
         float *col = st + (size_t)c * ld;
@@ -395,7 +399,10 @@ void flashc_cpu_score_epilogue(const flashc_problem *p, int64_t b, int64_t h, in
         }
         if (slope2 != 0.0f)
             for (int r = 0; r < rows; r++) col[r] -= slope2 * (float)llabs(i0 + r + diag - j);
-        for (int r = 0; r < rows; r++) col[r] = c < lo[r] || c >= hi[r] ? neg_inf : col[r];
+        while (ra < rows && hi[ra] <= c) ra++;
+        while (rb < rows && lo[rb] <= c) rb++;
+        for (int r = 0; r < ra; r++) col[r] = neg_inf;
+        for (int r = rb; r < rows; r++) col[r] = neg_inf;
         if (mbase)
             for (int r = 0; r < rows; r++)
                 if (!mbase[((i0 + r) / p->bm_q) * p->bm_nkb + j / p->bm_k]) col[r] = neg_inf;
