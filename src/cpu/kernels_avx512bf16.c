@@ -93,25 +93,32 @@ AI void ukr_bf16_12x32(const int MR, int nr, int k, const uint16_t *a, int64_t r
     }
 }
 
+/*
+ * Row blocks of 12, except that a remainder of 13 to 17 rows is cut in two halves: a 4-row tail (64 = 5 x 12 + 4, the
+ * forward's P V; 16-row edge strips) keeps only 8 accumulators in flight, too few to cover vdpbf16ps's latency, where
+ * two blocks of 8 keep 16. Each element's sum runs over k in the same order whatever block holds its row: the same
+ * bits.
+ */
 static void gemm_bf16_avx512(int m, int n, int k, const uint16_t *a, int64_t rs_a, int64_t cs_a, const uint16_t *b,
                              int64_t ldb, float *c, int64_t ldc, float alpha, int accumulate) {
     for (int j0 = 0; j0 < n; j0 += 32) {
         const int nr = n - j0 < 32 ? n - j0 : 32;
         const uint16_t *bj = b + 2 * (int64_t)j0;
         float *cj = c + j0;
-        int i0 = 0;
-        for (; i0 + 12 <= m; i0 += 12)
-            ukr_bf16_12x32(12, nr, k, a + (int64_t)i0 * rs_a, rs_a, cs_a, bj, ldb, cj + (size_t)i0 * ldc, ldc, alpha,
-                           accumulate);
-        const uint16_t *ai = a + (int64_t)i0 * rs_a;
-        float *ci = cj + (size_t)i0 * ldc;
-#define TAIL(r)                                                                                                       \
+        for (int i0 = 0; i0 < m;) {
+            const int rem = m - i0, mr = rem >= 18 || rem == 12 ? 12 : rem > 12 ? (rem + 1) / 2 : rem;
+            const uint16_t *ai = a + (int64_t)i0 * rs_a;
+            float *ci = cj + (size_t)i0 * ldc;
+#define BLOCK(r)                                                                                                      \
     case r: ukr_bf16_12x32(r, nr, k, ai, rs_a, cs_a, bj, ldb, ci, ldc, alpha, accumulate); break;
-        switch (m - i0) {
-            TAIL(11) TAIL(10) TAIL(9) TAIL(8) TAIL(7) TAIL(6) TAIL(5) TAIL(4) TAIL(3) TAIL(2) TAIL(1)
-        default: break;
+            switch (mr) {
+                BLOCK(12) BLOCK(11) BLOCK(10) BLOCK(9) BLOCK(8) BLOCK(7) BLOCK(6) BLOCK(5) BLOCK(4) BLOCK(3) BLOCK(2)
+                BLOCK(1)
+            default: break;
+            }
+#undef BLOCK
+            i0 += mr;
         }
-#undef TAIL
     }
 }
 
