@@ -9,9 +9,10 @@ u * (the sum of the absolute terms), u the dtype's unit roundoff: for out_i, sum
 scale * sum_j |dS_ij| |k_j|; for dk_j, scale * sum_i |dS_ij| |q_i|; for dv_j, sum_i P_ij |dO_i| (since the calls
 split those sums into disjoint parts, the parts' absolute values add up to at most that), as test_merge adds one
 rounding per part. In 16-bit the gradients are held against the fp64 backward of the operands the backward is
-given, the returned out among them (its D_i = rowsum(dO o out) reads it; see run_case), and the naive algorithm's
-against the exact gradients. Writes what it found as JSON; asserts nothing itself, so that every rank makes the same
-collective calls whatever a check says (a rank that stopped early would leave the others waiting on the ring).
+given, the returned out among them (its D_i = rowsum(dO o out) reads it; test_torch.add_given_out_grads), and the
+naive algorithm's against the exact gradients. Writes what it found as JSON; asserts nothing itself, so that every
+rank makes the same collective calls whatever a check says (a rank that stopped early would leave the others waiting
+on the ring).
 
     python ring_worker.py RANK WORLD STORE_FILE SEED OUT_JSON [--backend gloo|nccl] [--device cpu|cuda]
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import flashc  # noqa: E402
 import flashc.distributed as fcd  # noqa: E402
-from test_torch import attn_ref, check_close, keep_mask, rule_dtype  # noqa: E402
+from test_torch import add_given_out_grads, attn_ref, check_close, keep_mask, rule_dtype  # noqa: E402
 
 # name, B, N (whole sequence), H, Hkv, D, causal, window, softcap, layout, cu_seqlens (varlen: B is 1, the packed
 # sequences' offsets; every length a multiple of 8 = 2W at 4 ranks), ALiBi slopes ("h": (H,), "bh": one row per
@@ -180,17 +181,10 @@ def run_case(case, dtype, device, seed, group, record):
     ref.backward(do.to(rd).double(), retain_graph=True)
     exact = [ref, ref_lse] + [t.grad.clone() for t in (qr, kr, vr)]  # the naive algorithm's oracle
     if rd != torch.float32:
-        # 16-bit: the backward's operands are q, k, v, dO and the out it is given (as flash-attn's backward takes
-        # them), in the dtype, and its D_i = rowsum(dO o out) reads that out, while the naive algorithm's softmax
-        # backward forms D_i = sum_j P_ij dP_ij and reads none. The fp64 oracle of the backward's operands has
-        # dS_ij = P_ij (dP_ij - D_i) with D_i from the out returned: the exact gradients plus the gradients of
-        # -(D_i(out) - D_i(exact out)) lse_i, as d lse_i / d s_ij = P_ij (every row here sees a key, so lse is
-        # finite). Against the exact gradients a row with large logits (|q_i| up to ~17) turns out's rounding to the
-        # dtype into a dk error several times the naive one's, which is the forward's error, not the backward's;
-        # out itself is held to the rule against the exact oracle below.
+        # 16-bit: the fp64 backward given the out returned, gathered (test_torch.add_given_out_grads: its
+        # D_i = rowsum(dO o out) reads that out); out itself is held to the rule against the exact oracle below
         got_out = fcd.unshard(out.detach(), group, dim=1 if cu is None else 0, **sh).to(ref.device, torch.float64)
-        d_out = (do.to(rd).double() * (got_out - ref.detach())).sum(-1)
-        ref_lse.backward(-(d_out.transpose(1, 2) if cu is None else d_out.t()))  # lse's (B, H, N) or (H, total)
+        add_given_out_grads(ref, ref_lse, do.to(rd), got_out)
     naive = [None] * 5
     if rd != torch.float32:
         ql, kl, vl = (t.detach().to(rd).requires_grad_() for t in (q, k, v))
