@@ -510,8 +510,8 @@ void flashc_cpu_backward(const flashc_problem *p, const flashc_cpu_kernels *kern
  * bf16 out_bf16 writes a bf16 output with unit stride along D in one pass, normalizing as it rounds (the same bits);
  * o is left unnormalized then.
  */
-void flashc_cpu_forward_store(const flashc_problem *p, const flashc_cpu_kernels *kern, int dp, float *o, const float *m, const float *l, int64_t b,
-                              int64_t h, int64_t i0, int rows);
+void flashc_cpu_forward_store(const flashc_problem *p, const flashc_cpu_kernels *kern, int dp, float *o,
+                              const float *m, const float *l, int64_t b, int64_t h, int64_t i0, int rows);
 /*
  * Split-KV: merges n pieces of the same rows by log-sum-exp in piece order, into o (rows x dp), m, l. Piece s lies
  * at parts + s * stride: O (cap x dp), then m (cap), then l (cap). A piece that saw no key (l = 0) is skipped.

@@ -178,7 +178,8 @@ static void out_bf16_avx512(int n, const float *src, float scale, uint16_t *dst)
         const __mmask16 m = first(n - i);
         const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, src + i), s));
         const __m512i hi = _mm512_srli_epi32(u, 16);
-        const __m512i near = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
+        const __m512i near =
+            _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
         const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
         _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, _mm512_mask_mov_epi32(near, nan, _mm512_or_si512(hi, quiet)));
     }

@@ -156,8 +156,9 @@ static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[N / 2], con
  * by key tile, the group's pairs fastest: with causal masks the first key tiles see the most query rows, so the
  * longest blocks start first within the group, and the group's blocks share its Q and dO in L2. (Before: key tile
  * fastest within each pair, so the last pair's longest block started when nearly all work was out and ran alone
- * at the end: a 6% tail at N 1k-4k causal in a simulation of the hardware's in-order block dispatch.) Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over
- * (d, Nk, Hkv, B) with boxes of 64 x bn. DQ: the dQ product and its reductions are on (a.dq_acc is set).
+ * at the end: a 6% tail at N 1k-4k causal in a simulation of the hardware's in-order block dispatch.)
+ * Tensor maps: q, dout over (d, Nq, H, B) with boxes of 64 columns x bm rows; k, v over (d, Nk, Hkv, B) with boxes
+ * of 64 x bn. DQ: the dQ product and its reductions are on (a.dq_acc is set).
  */
 /*
  * Step it of a block (key tile kt of sequence b, kv head hk): head gi of the group and query tile mt. Without a

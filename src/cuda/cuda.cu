@@ -502,7 +502,8 @@ static flashc_status cuda_backward(struct flashc_context *ctx, const flashc_prob
     if (state_of(ctx)->log_fwd)
         fprintf(stderr, "flashc: CUDA backward B %lld Nq %lld Nk %lld H %lld Hkv %lld D %lld on %s\n", (long long)p->B,
                 (long long)p->Nq, (long long)p->Nk, (long long)p->H, (long long)p->Hkv, (long long)p->D, plan->kernel);
-    const cudaError_t err = flashc_cuda_bwd_launch(p, plan, workspace, state_of(ctx)->l2_bytes, (cudaStream_t)ctx->stream);
+    const cudaError_t err =
+        flashc_cuda_bwd_launch(p, plan, workspace, state_of(ctx)->l2_bytes, (cudaStream_t)ctx->stream);
     if (err != cudaSuccess) return cuda_fail(ctx, err, __FILE__, __LINE__, "backward kernel launch");
     return FLASHC_STATUS_OK;
 }

@@ -48,15 +48,15 @@ typedef struct fc90_tile {
  *   long rows (Nk >> Nq) the 192-row tiles' padding (Nq 256: a second tile of 64 rows) costs about what two
  *   consumers lose on long rows. Causal d 64 on an H200 ran 1.13x at N 512 and 1024 on this tile, 1.01x at 768,
  *   0.96x at 1152 and 0.89-0.95x from N 1536; at Nq 256 / Nk 8192 about 1.2x, at Nq 512 and 1024 / Nk 4096 level;
- *   non-causal 0.84-0.95x at Nq = Nk (bench/RESULTS.md). */
+ *   non-causal 0.84-0.95x at Nq = Nk (bench/RESULTS.md);
+ * - whatever the mask, Nq whose 192-row tiles pad to FC90_NARROW_PAD times the rows of 128-row ones or more (Nq <=
+ *   128 and 193-256: a third of the wide tiles' rows are padding): non-causal d 64 at Nk 8192 ran 1.24-1.33x on the
+ *   narrow tile at Nq 64, 128 and 256; at Nq 640 (1.2 times the rows) 0.90-1.00x, as two consumers run long rows
+ *   0.84-0.89x as fast as three. */
 #ifndef FC90_TILE_64_NARROW
 #define FC90_TILE_64_NARROW fc90_tile{64, 128, 128, 2}
 #endif
 #define FC90_NARROW_NQ 1024
-/* - and whatever the mask, Nq whose 192-row tiles pad to this many times the rows of 128-row ones or more (Nq <= 128
- *   and 193-256: a third of the wide tiles' rows are padding): non-causal d 64 at Nk 8192 ran 1.24-1.33x on the
- *   narrow tile at Nq 64, 128 and 256; at Nq 640 (1.2 times the rows) 0.90-1.00x, as two consumers run long rows
- *   0.84-0.89x as fast as three. */
 #define FC90_NARROW_PAD 1.5
 
 __host__ __device__ constexpr fc90_tile fc90_tile_for(int d, bool narrow = false) {
