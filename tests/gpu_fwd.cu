@@ -579,11 +579,11 @@ int main(int argc, char **argv) {
         determinism(ctx, "determinism_causal", (shape){2, 1000, 1000, 4, 4, 128, 1}, 100); /* split-KV or not */
         determinism(ctx, "determinism_splitkv", (shape){1, 3, 9000, 8, 1, 64, 0}, 100, split);
         /* d 256 on Hopper: a key tile (80) that does not divide the lengths, many turns of the ring, and the
-         * output staged over Q and K once both consumers are done (enough blocks for a wave: no split-KV) */
+         * output stored unstaged from the accumulators, on the persistent grid (more tiles than SMs: no split-KV) */
         long_shape(ctx, "d256_long_causal_gqa", (shape){2, 1500, 1700, 8, 2, 256, 1}, 128, 15, sm90);
         determinism(ctx, "determinism_d256", (shape){2, 1000, 1000, 8, 8, 256, 0}, 100, sm90);
         /* Hopper: d 96 and 192 on the d 128 / d 256 kernels (TMA's zero fill past d); more tiles than SMs (and
-         * enough blocks that the keys are not split), so the persistent grid takes d 64, 96 and 128
+         * enough blocks that the keys are not split), so the persistent grid takes d 64, 96, 128 and 192
          * (FLASHC_CUDA_LOG=1 names the grid), with tiles that see no key (Nq > Nk, causal: rows above the first
          * key's diagonal) among them */
         long_shape(ctx, "d96_causal_gqa", (shape){4, 1500, 1700, 16, 4, 96, 1}, 128, 16, sm90);

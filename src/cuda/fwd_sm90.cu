@@ -86,7 +86,6 @@
 __host__ __device__ constexpr int fc90_consumers(fc90_tile t) { return t.br / 64; }
 __host__ __device__ constexpr int fc90_threads(fc90_tile t) { return FC90_WG_THREADS * (1 + fc90_consumers(t)); }
 #define FC90_BAR_TURN 1     /* named barriers 1 .. consumers: the consumers' turns (0 is __syncthreads') */
-#define FC90_BAR_EPILOGUE 4 /* every consumer past its last product, before an aliased output staging */
 #define FC90_BAR_VCLEAR 5   /* 5 .. 4 + consumers: one consumer's V tail cleared (varlen, fc90_clear_rows) */
 #define FC90_PAGED_BOXES 8  /* paged K/V: at most this many pages per key tile (128 keys at pages of 16) */
 
@@ -104,26 +103,24 @@ __host__ __device__ constexpr uint32_t fc90_o_bytes(fc90_tile t) { return t.br *
  * the producer posts the block's next tile; + 1024: the dynamic shared memory base is only guaranteed 16-byte
  * aligned, and the kernel rounds it up. */
 __host__ __device__ constexpr uint32_t fc90_tail_bytes(fc90_tile t) { return 8 * (2 + 4 * t.st) + 8 + 1024; }
-/* When a staging tile of its own does not fit, the output is staged from offset 0, over Q and the K ring, which
- * nothing reads or writes any more once both consumers have waited for their last product (every load the
- * producer issues is consumed before that). */
-__host__ __device__ constexpr bool fc90_o_aliased(fc90_tile t) {
-    return fc90_end_v(t) + fc90_o_bytes(t) + fc90_tail_bytes(t) > FC90_SMEM_MAX;
+/* The output staging has a place of its own after the V ring where it fits (d 64, 128); where it does not (d 256),
+ * each thread stores its output pairs straight from the accumulators (fc90_fwd_epilogue), so that Q and the rings
+ * stay free for the next tile's loads under the epilogue. Every tile runs on the persistent grid. */
+__host__ __device__ constexpr bool fc90_o_staged(fc90_tile t) {
+    return fc90_end_v(t) + fc90_o_bytes(t) + fc90_tail_bytes(t) <= FC90_SMEM_MAX;
 }
-/* A persistent grid (fc90_fwd_kernel) when the output staging has a place of its own; with the staging over Q and
- * K the block could only load the next tile's Q once its epilogue is done, so it takes one tile per block. */
-__host__ __device__ constexpr bool fc90_persistent(fc90_tile t) { return !fc90_o_aliased(t); }
 
 /* Registers per thread after setmaxnreg (multiples of 8). The block starts with 65536 / threads (launch bounds
  * with 1 block per SM): 168 with 2 consumers, 128 with 3; the consumers can only grow by what the producer gives
- * back. The persistent producer keeps its tile loop's state in 40 (less spills it); with 3 consumers it has 32,
- * as they need 160 (S 64 + O 32 + P 32 and addresses); the one-tile producer of d 256 keeps 24 for the
- * consumers' 240 (O 128, S 40, P 20 and the rest). */
+ * back. The producer keeps its tile loop's state in 40 (less spills it), with 3 consumers in 32, as they need 160
+ * (S 64 + O 32 + P 32 and addresses); at d 256 in 24, so that the consumers have 240 (O 128, S 40, P 20 and the
+ * rest; at 232 the plain kernel spilled, at 240 it does not, and the producers of the block-mask, dropout and
+ * generic kernels spill a few words). */
 __host__ __device__ constexpr int fc90_producer_regs(fc90_tile t) {
-    return fc90_consumers(t) == 3 ? 32 : fc90_persistent(t) ? 40 : 24;
+    return fc90_consumers(t) == 3 ? 32 : t.d > 128 ? 24 : 40;
 }
 __host__ __device__ constexpr int fc90_consumer_regs(fc90_tile t) {
-    return fc90_consumers(t) == 3 ? 160 : fc90_persistent(t) ? 232 : 240;
+    return fc90_consumers(t) == 3 ? 160 : t.d > 128 ? 240 : 232;
 }
 __host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
     /* setmaxnreg.inc only gets what setmaxnreg.dec gave back of the block's launch allocation (65536 / threads,
@@ -132,16 +129,15 @@ __host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
                FC90_WG_THREADS * fc90_consumers(t) * (fc90_consumer_regs(t) - (65536 / fc90_threads(t)) / 8 * 8) &&
            fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
 }
-__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_o_aliased(t) ? 0 : fc90_end_v(t); }
+__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_end_v(t); }
 __host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) {
-    return fc90_o_aliased(t) ? fc90_end_v(t) : fc90_end_v(t) + fc90_o_bytes(t);
+    return fc90_end_v(t) + (fc90_o_staged(t) ? fc90_o_bytes(t) : 0);
 }
 __host__ __device__ constexpr uint32_t fc90_smem_bytes(fc90_tile t) { return fc90_off_bar(t) + fc90_tail_bytes(t); }
 static_assert(fc90_smem_bytes(fc90_tile_for(64)) <= FC90_SMEM_MAX && fc90_smem_bytes(fc90_tile_for(128)) <= FC90_SMEM_MAX &&
                   fc90_smem_bytes(fc90_tile_for(256)) <= FC90_SMEM_MAX &&
                   fc90_smem_bytes(fc90_tile_for(64, true)) <= FC90_SMEM_MAX,
               "shared memory per block");
-static_assert(fc90_o_bytes(fc90_tile_for(256)) <= fc90_end_v(fc90_tile_for(256)), "aliased staging within Q, K, V");
 
 /* The kernels that take paged K/V (fc90_tile_pages): the VARLEN ones but for block masks and dropout, and not at d 64,
  * whose producer has 32 registers beside three consumers (the page loop made those kernels spill 60 bytes, not 12). */
@@ -417,7 +413,7 @@ struct fc90_fwd_smem {
  * boxes, which the lanes issue one box and 64-column chunk each (at pages of 16, 16 boxes of 2 KB per operand and
  * d 128 tile: from one thread they took 1.4x the contiguous time). Per tile Q once (q_full; a tile
  * without keys arrives without bytes, since its rows still get O = 0 and lse = +inf), then the K and V tiles of
- * its key range into the rings. PERSIST: the next tile comes from the counter while the current one loads, and
+ * its key range into the rings. The next tile comes from the counter once the current one's loads are out, and
  * is posted in the tile slot with the next Q, once the consumers have released the last one's (q_empty); -1 when
  * none is left. The last block to finish sets the counters back to zero for the next launch.
  */
@@ -430,7 +426,7 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
     constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int BR = TL.br, BC = TL.bc, NCH = D / FC90_SW_COLS;
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
-    constexpr bool PERSIST = fc90_persistent(TL), PAGED = fc90_paged_kernel<D, VARLEN, BMASK, DROP>();
+    constexpr bool PAGED = fc90_paged_kernel<D, VARLEN, BMASK, DROP>();
     static_assert(!PAGED || FC90_PAGED_BOXES * NCH <= 32, "a lane per paged box and chunk");
     const unsigned warp = PAGED ? 0xffffffffu : 1u; /* the lanes in the producer */
     const bool lead = lane == 0;
@@ -443,17 +439,15 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
     uint32_t kv_it = 0; /* K/V tiles loaded so far: the rings' use count */
     uint32_t tile = blockIdx.x;
     for (uint32_t nt = 0;; ++nt) {
-        if (PERSIST) {
-            sm.qr.wait_empty(nt); /* the consumers are done with the last tile's Q */
-            if (tile >= tiles) {
-                if (lead) {
-                    *sm.tile_slot = -1; /* no more tiles */
-                    sm.qr.arrive_full(nt);
-                }
-                break;
+        sm.qr.wait_empty(nt); /* the consumers are done with the last tile's Q */
+        if (tile >= tiles) {
+            if (lead) {
+                *sm.tile_slot = -1; /* no more tiles */
+                sm.qr.arrive_full(nt);
             }
-            if (lead) *sm.tile_slot = (int)tile;
+            break;
         }
+        if (lead) *sm.tile_slot = (int)tile;
         int mblk, h, b, split;
         fc90_tile_of(fc90_split_of<VARLEN>(a, tile, split), a.n_mblk, a.H, a.B, ng, mblk, h, b);
         const fc90_seq sq = fc90_seq_of<VARLEN>(a, b);
@@ -469,11 +463,6 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
                               sq.q0 + mblk * BR, h, sq.qb);
         } else if (lead) {
             sm.qr.arrive_full(nt);
-        }
-        uint32_t next = tiles;
-        if (PERSIST && ctr) {
-            if (lead) next = gridDim.x + atomicAdd(ctr, 1u);
-            next = __shfl_sync(warp, next, 0);
         }
         /* Paged: with kv_groups lane i loads box i, every chunk (fc90_map_pages: box i's 8-row groups follow box
          * i - 1's); else lane i NCH + c loads chunk c of box i. */
@@ -522,10 +511,18 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
             load(sm.kr, tm_k, sm.k + off);
             load(sm.vr, tm_v, sm.v + off);
         }
+        /* The next tile is claimed once the last loads of this one are out, about two key tiles before its end:
+         * the blocks then take the tiles in the order they come free, as the greedy longest-first schedule wants.
+         * (Claimed with the tile's Q load instead, every block took its second tile at the start: causal d 256 at
+         * N 16k ran 10% slower than a block per tile, long tiles paired with long ones.) */
+        uint32_t next = tiles;
+        if (ctr) {
+            if (lead) next = gridDim.x + atomicAdd(ctr, 1u);
+            next = __shfl_sync(warp, next, 0);
+        }
         tile = next;
-        if (!PERSIST) break;
     }
-    if (PERSIST && ctr && lead) {
+    if (ctr && lead) {
         /* Every block's last counter increment precedes its arrival here; the last one resets both. */
         __threadfence();
         if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
@@ -542,7 +539,7 @@ static __device__ __forceinline__ void fc90_fwd_producer(const flashc_fwd_args &
  * and O += P_(it-1) V_(it-1) together (O first rescaled by the alpha of softmax it - 1, whose P V is only now
  * added), then runs softmax it on S_it; the softmax starts once S_it is done, while P V still runs (so it must
  * leave O and the P fragments alone). Registers: S (bc / 2 floats) and the packed P of the tile before (bc / 4)
- * live together. Q is released (PERSIST) after the tile's last S.
+ * live together. Q is released after the tile's last S.
  */
 template <int D, int BF, bool GENERIC, bool VARLEN, bool BMASK, bool DROP, bool NARROW, int LAYOUT>
 static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &a, const fc_drop_stream &drop,
@@ -556,7 +553,6 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int BC = TL.bc, NC = fc90_consumers(TL);
     constexpr uint32_t KV_BYTES = fc90_kv_bytes(TL);
-    constexpr bool PERSIST = fc90_persistent(TL);
     const int diag = fc_diag(a, nq, nk), w0 = m0 + 64 * cw; /* w0: this warpgroup's first row */
     const int t = threadIdx.x % FC90_WG_THREADS;
     /* The slots' layout (LAYOUT, fc90_kv_groups): K's column-chunk step and V's 16-key step, in 16-byte units;
@@ -595,7 +591,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     fc90_wgmma_wait<0>();
     fc90_pin(s);
     sm.kr.release(kv_it);
-    if (PERSIST && ntiles == 1) sm.qr.release(nt);
+    if (ntiles == 1) sm.qr.release(nt);
     {
         const float sm = fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC, slope2,
                                                 part_of(ktile), bmbase, smul, shift);
@@ -624,7 +620,7 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
         fc90_wgmma_wait<1>();
         fc90_pin(s);
         sm.kr.release(kt);
-        if (PERSIST && it == ntiles - 1) sm.qr.release(nt);
+        if (it == ntiles - 1) sm.qr.release(nt);
         {
             const float sm = fc90_scores<BC, BMASK>(a, s, w0, m0 + row0, ktile * BC, nq, nk, diag, tig, GENERIC,
                                                     slope2, part_of(ktile), bmbase, smul, shift);
@@ -657,11 +653,31 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
 
 /*
  * One consumer warpgroup's epilogue of a query tile: O / l and lse = ln 2 * m + ln l (a row that saw no key gets
- * O = 0 and lse = +inf), written in the output type. With 16-byte aligned rows each warp stages its own 16 rows
- * (no other warp touches them) and stores 16 bytes per lane; over Q and K (ALIASED) only after every consumer is
- * past its last product. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
+ * O = 0 and lse = +inf), written in the output type. With 16-byte aligned rows and a staging tile (fc90_o_staged)
+ * each warp stages its own 16 rows (no other warp touches them) and stores 16 bytes per lane; without one (d 256)
+ * each lane stores its 4-byte pairs (a quad's 16 bytes of a row at a time); with rows not so aligned, 2 bytes at a
+ * time. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
  * bad (paged, fc90_bad_pages): the rows come out NaN, out and lse.
  */
+/* A quad's 4 x 4 transpose: lane tig of the quad holds v[k] = the k-th of 4 consecutive 8-column chunks' pair tig
+ * (the accumulator layout) and gets chunk tig's 4 pairs (16 contiguous bytes of the row): two rounds of exchanges,
+ * across lanes 2 apart (the chunks' high bit), then 1 apart. */
+static __device__ __forceinline__ void fc_quad_transpose(uint32_t (&v)[4], int tig) {
+    const bool hi = tig & 2, lo = tig & 1;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? v[s] : v[2 + s], 2);
+        if (hi) v[s] = got;
+        else v[2 + s] = got;
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, lo ? v[2 * m] : v[2 * m + 1], 1);
+        if (lo) v[2 * m] = got;
+        else v[2 * m + 1] = got;
+    }
+}
+
 template <int D, int BF, bool VARLEN, bool BMASK, bool DROP, bool NARROW>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D, NARROW).st> &sm,
@@ -670,8 +686,8 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
                                                          const fc90_seq &sq, int m0, int h, int b, int cw, int warp,
                                                          int lane, bool bad) {
     constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
-    constexpr int OROW = fc90_o_row(TL), NC = fc90_consumers(TL);
-    constexpr bool ALIASED = fc90_o_aliased(TL);
+    constexpr int OROW = fc90_o_row(TL);
+    constexpr bool STAGED = fc90_o_staged(TL);
     const int nq = sq.nq, g = lane / 4, tig = lane % 4, row0 = 64 * cw + 16 * warp + g;
     /* The sequence's rows in the output and the lse: (B, Nq, H, D) and (B, H, Nq), or with varlen the packed
      * (total_q, H, D) from row q0 and (H, total_q). */
@@ -699,8 +715,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
     }
 
     const int wrow = 64 * cw + 16 * warp; /* this warp's first tile row */
-    if (a.out_vec) {
-        if (ALIASED) fc90_nbar_sync(FC90_BAR_EPILOGUE, FC90_WG_THREADS * NC);
+    if (STAGED && a.out_vec) {
         uint16_t *sO = sm.o + wrow * OROW;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
@@ -717,6 +732,20 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
                 *(uint4 *)(go + (r * a.o_sn + ch * 8) * 2) = *(const uint4 *)(sO + r * OROW + ch * 8);
         }
         __syncwarp(); /* the staging rows are rewritten by the next tile's epilogue */
+    } else if (a.out_vec) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + row0 + 8 * hf;
+            uint16_t *orow = (uint16_t *)a.out + ob + (int64_t)(sq.q0 + i) * a.o_sn + (int64_t)h * a.o_sh;
+#pragma unroll
+            for (int j0 = 0; j0 < D / 8; j0 += 4) {
+                uint32_t v[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) v[k] = fc_pack2<BF>(o[4 * (j0 + k) + 2 * hf], o[4 * (j0 + k) + 2 * hf + 1]);
+                fc_quad_transpose(v, tig);
+                if (i < nq && 8 * (j0 + tig) < a.D) *(uint4 *)(orow + 8 * (j0 + tig)) = make_uint4(v[0], v[1], v[2], v[3]);
+            }
+        }
     } else {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
@@ -725,7 +754,9 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
             uint16_t *orow = (uint16_t *)a.out + ob + (int64_t)(sq.q0 + i) * a.o_sn + (int64_t)h * a.o_sh;
 #pragma unroll
             for (int j = 0; j < D / 8; ++j)
-                if (8 * j < a.D) {
+                if (8 * j < a.D && a.out_vec) { /* a.D % 8 == 0 (TMA rows): the pair is whole */
+                    *(uint32_t *)(orow + 8 * j + 2 * tig) = fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
+                } else if (8 * j < a.D) {
                     orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
                     orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
                 }
@@ -771,8 +802,7 @@ static __device__ __forceinline__ void fc90_fwd_partials(const flashc_fwd_args &
  * counters in device memory, zero at launch): block x takes tile x first, then tile gridDim.x + the counter's
  * next value until none is left (fc90_fwd_producer). The consumers release Q and the tile slot (q_empty) after
  * their last S = Q K^T of a tile, so the next tile's Q and first K/V tiles load under the last P V and the
- * epilogue. (When the output staging overlays Q and K, fc90_o_aliased, the release waits until after the
- * epilogue.)
+ * epilogue.
  * Tensor maps: q over (d, Nq, H, B), k and v over (d, Nk, Hkv, B) with d the caller's head dim (a kernel of a
  * larger D reads the columns past it as TMA's zero fill), boxes of 64 columns x (br or bc) rows.
  */
@@ -784,7 +814,6 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, NARROW)), 1)
 #if FC90_DEVICE
     constexpr fc90_tile TL = fc90_tile_for(D, NARROW);
     constexpr int BR = TL.br, BC = TL.bc, ST = TL.st, NC = fc90_consumers(TL);
-    constexpr bool PERSIST = fc90_persistent(TL);
     static_assert(TL.d == D && D % 64 == 0 && fc90_regs_fit(TL) && BC % 16 == 0 && BC <= 256 && ST >= 2, "tile table");
 
     extern __shared__ uint8_t fc90_smem[];
@@ -830,7 +859,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, NARROW)), 1)
 
     for (uint32_t nt = 0;; ++nt) {
         sm.qr.wait_full(nt);
-        const int tile = PERSIST ? *sm.tile_slot : (int)blockIdx.x;
+        const int tile = *sm.tile_slot;
         if (tile < 0) break;
         int mblk, h, b, split;
         fc90_tile_of(fc90_split_of<VARLEN>(a, (uint32_t)tile, split), a.n_mblk, a.H, a.B, ng, mblk, h, b);
@@ -846,7 +875,7 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, NARROW)), 1)
 #pragma unroll
         for (int i = 0; i < BC / 2; ++i) s[i] = 0.f;
         float row_m[2] = {-INFINITY, -INFINITY}, row_l[2] = {0.f, 0.f};
-        if (PERSIST && ntiles == 0) sm.qr.release(nt);
+        if (ntiles == 0) sm.qr.release(nt);
         /* the main loop for the slots' layout (fc90_layout) */
         auto mainloop = [&](auto layout) {
             fc90_fwd_mainloop<D, BF, GENERIC, VARLEN, BMASK, DROP, NARROW, decltype(layout)::value>(
@@ -870,7 +899,6 @@ __global__ void __launch_bounds__(fc90_threads(fc90_tile_for(D, NARROW)), 1)
         else
             fc90_fwd_epilogue<D, BF, VARLEN, BMASK, DROP, NARROW>(a, sm, o, row_m, row_l, sq, m0, h, b, cw, warp, lane,
                                                                   bad);
-        if (!PERSIST) break;
     }
 #endif /* FC90_DEVICE */
 }
@@ -940,14 +968,14 @@ static int fc90_head_groups(const flashc_fwd_args *a, long long l2_bytes) {
     return fc90_group_count((int64_t)a->H * a->B, 4.0 * a->Nk * a->D / (a->H / a->Hkv), l2_bytes);
 }
 
-/* Tiles of the launch, and whether its grid is persistent: only for the tiles that allow it, with counters,
- * and when there are more tiles than SMs. */
+/* Tiles of the launch, and whether its grid is persistent: with counters, and when there are more tiles than
+ * SMs. */
 static int64_t fc90_tiles(const flashc_fwd_args *a, fc90_tile tl) {
     return (int64_t)((a->Nq + tl.br - 1) / tl.br) * a->H * a->B * (a->nsplit > 1 ? a->nsplit : 1);
 }
 static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid) {
     const fc90_tile tl = fc90_tile_of_launch(a);
-    return fc90_persistent(tl) && grid->ctr && grid->sms > 0 && fc90_tiles(a, tl) > grid->sms;
+    return grid->ctr && grid->sms > 0 && fc90_tiles(a, tl) > grid->sms;
 }
 
 /* The block mask by this kernel's tiles (bm_tiles.h), over the max lengths. */

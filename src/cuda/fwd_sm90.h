@@ -15,14 +15,14 @@
  * Tile sizes per head dim, the one table. br: query rows per block, split between br / 64 consumer warpgroups
  * (2, or 3 at d 64) of 64 rows each (the M of wgmma); bc: keys per K/V tile (the N of the S = Q K^T wgmma, the K of O += P V);
  * st: stages of the K/V ring. A consumer thread holds bc / 2 S accumulators, d / 2 O accumulators and bc / 4
- * packed P registers: at d 128, bc 128 that is 160 of its 240 registers; at d 256, bc 80 it is 188, which is
+ * packed P registers: at d 128, bc 128 that is 160 of its 232 registers; at d 256, bc 80 it is 188, which is
  * why d 256 takes a narrower key tile (bc 128 would need 224 before any address or softmax register). At d 64
  * the products are short next to the softmax of a 128-key tile, so a third consumer (192 rows, 512 threads)
  * puts two softmaxes under each one's products; it has 160 registers (of which 128 for those arrays), as
  * 3 x 128 threads must share the register file with the producer.
  * Shared memory: Q br x d, st stages of K and V bc x d, an output staging tile br x (d + 8), all 16-bit:
- * 115 KB at d 64, 195 KB at d 128 (of 227). At d 256 Q and the ring alone take 224 KB, so the output is staged
- * over Q and K once both consumers are past their last product (fc90_o_aliased).
+ * 115 KB at d 64, 195 KB at d 128 (of 227). At d 256 Q and the ring alone take 224 KB, so the output goes from
+ * the accumulators to memory unstaged (fc90_o_staged).
  */
 typedef struct fc90_tile {
     int d, br, bc, st;
