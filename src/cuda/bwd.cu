@@ -166,10 +166,28 @@ static __device__ __forceinline__ float bwd_load(const void *p, int64_t i, int d
     return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
 }
 
+/* x / d and x % d for x >= 0, d > 0: in 32 bits when SMALL (the caller knows x < 2^31), where a 64-bit division
+ * is a long instruction sequence per call. */
+template <bool SMALL>
+static __device__ __forceinline__ int64_t bwd_div(int64_t x, int d, int64_t &rem) {
+    if (SMALL) {
+        const uint32_t q = (uint32_t)x / (uint32_t)d;
+        rem = (int64_t)((uint32_t)x - q * (uint32_t)d);
+        return q;
+    }
+    const int64_t q = x / d;
+    rem = x - q * d;
+    return q;
+}
+
 /* Element (row r of the packed rows, head h) of a view: varlen rows are the tensor's N index, otherwise
  * r = b Nq + n. */
+template <bool SMALL = false>
 static __device__ __forceinline__ int64_t bwd_at(const bwd_view &v, const bwd_pre_args &a, int64_t r, int h) {
-    return a.varlen ? r * v.sn + (int64_t)h * v.sh : (r / a.Nq) * v.sb + (r % a.Nq) * v.sn + (int64_t)h * v.sh;
+    if (a.varlen) return r * v.sn + (int64_t)h * v.sh;
+    int64_t n;
+    const int64_t b = bwd_div<SMALL>(r, a.Nq, n);
+    return b * v.sb + n * v.sn + (int64_t)h * v.sh;
 }
 
 /* One warp per (row, head), x = row H + h: D_i = sum_d dO o O in fp32 (lanes over d, then a fixed-order shuffle
@@ -202,7 +220,8 @@ __global__ void __launch_bounds__(256) fc_bwd_pre(const __grid_constant__ bwd_pr
 /* The fast forms of both, for the usual layout (fast_pre / fast_convert below): 16-bit O and dO (or dq, 16-bit
  * or fp32) with the head dim contiguous, rows 16-byte aligned, D a power of two from 8 to 256. A row-head's D
  * elements are D / 8 lanes of 8 (one 16-byte access each), a warp holds 256 / D row-heads, and each thread does
- * its index arithmetic once per 8 elements (64-bit divisions cost more than the memory traffic). */
+ * its index arithmetic once per 8 elements. SMALL: rows x H x D below 2^31, so that every index divided fits in
+ * 32 bits (64-bit divisions cost more than the memory traffic: the preprocess at 2.5 TB/s with them). */
 template <int BF>
 static __device__ __forceinline__ float2 bwd_unpack2(uint32_t w) {
     if (BF) return __bfloat1622float2(*(const __nv_bfloat162 *)&w);
@@ -216,18 +235,18 @@ static __device__ __forceinline__ uint32_t bwd_pack2(float lo, float hi) {
     return w;
 }
 
-template <int BF>
+template <int BF, bool SMALL>
 __global__ void __launch_bounds__(256) fc_bwd_pre16(const __grid_constant__ bwd_pre_args a) {
     const int seg = a.D / 8, lane = threadIdx.x % 32, sub = lane % seg;
     const int64_t x = ((int64_t)blockIdx.x * 8 + threadIdx.x / 32) * (32 / seg) + lane / seg; /* row H + h */
     const bool valid = x < a.rows * a.H;
     float acc = 0.f;
-    int64_t r = 0;
-    int h = 0;
+    int64_t r = 0, hh = 0;
     if (valid) {
-        r = x / a.H, h = (int)(x % a.H);
-        const uint4 o = *(const uint4 *)((const uint16_t *)a.o.data + bwd_at(a.o, a, r, h) + 8 * sub);
-        const uint4 g = *(const uint4 *)((const uint16_t *)a.g.data + bwd_at(a.g, a, r, h) + 8 * sub);
+        r = bwd_div<SMALL>(x, a.H, hh);
+        const int h = (int)hh;
+        const uint4 o = *(const uint4 *)((const uint16_t *)a.o.data + bwd_at<SMALL>(a.o, a, r, h) + 8 * sub);
+        const uint4 g = *(const uint4 *)((const uint16_t *)a.g.data + bwd_at<SMALL>(a.g, a, r, h) + 8 * sub);
         const uint32_t ow[4] = {o.x, o.y, o.z, o.w}, gw[4] = {g.x, g.y, g.z, g.w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -238,21 +257,23 @@ __global__ void __launch_bounds__(256) fc_bwd_pre16(const __grid_constant__ bwd_
     }
     for (int m = seg / 2; m > 0; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
     if (valid && sub == 0) {
-        const int64_t idx = a.varlen ? (int64_t)h * a.total_q + r : ((r / a.Nq) * a.H + h) * a.Nq + r % a.Nq;
-        a.dvec[idx] = acc;
+        int64_t n = 0;
+        const int64_t b = a.varlen ? 0 : bwd_div<SMALL>(r, a.Nq, n);
+        a.dvec[a.varlen ? hh * a.total_q + r : (b * a.H + hh) * a.Nq + n] = acc;
     }
 }
 
-template <int OUT>
+template <int OUT, bool SMALL>
 __global__ void __launch_bounds__(256) fc_bwd_dq_convert8(const __grid_constant__ bwd_pre_args a) {
     const int seg = a.D / 8;
     const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
     if (c >= a.rows * a.H * seg) return;
-    const int64_t rh = c / seg;
-    const int d0 = (int)(c % seg) * 8;
+    int64_t piece, h;
+    const int64_t rh = bwd_div<SMALL>(c, seg, piece), r = bwd_div<SMALL>(rh, a.H, h);
+    const int d0 = (int)piece * 8;
     const float4 lo = *(const float4 *)(a.dq_acc + rh * a.D + d0), hi = *(const float4 *)(a.dq_acc + rh * a.D + d0 + 4);
     const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    const int64_t off = bwd_at(a.dq, a, rh / a.H, (int)(rh % a.H)) + d0;
+    const int64_t off = bwd_at<SMALL>(a.dq, a, r, (int)h) + d0;
     if (OUT == FLASHC_DTYPE_F32) {
         float *d = (float *)a.dq.data + off;
         *(float4 *)d = make_float4(a.scale * v[0], a.scale * v[1], a.scale * v[2], a.scale * v[3]);
@@ -362,13 +383,16 @@ static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_
     const int fast_pre = pow2 && p->dtype != FLASHC_DTYPE_F32 && p->out.stride[3] == 1 && p->dout.stride[3] == 1 &&
                          fc_rows_aligned16(&p->out, p->varlen) && fc_rows_aligned16(&p->dout, p->varlen);
     const int64_t rh = pa.rows * pa.H;
+    const bool small = rh * p->D < ((int64_t)1 << 31); /* every index the fast kernels divide fits in 32 bits */
     if (rh > 0 && fast_pre) {
         /* The dQ sums are cleared by a memset (at the copy engine's rate) instead of by the kernel: clearing them in
          * this kernel instead measured no faster (bench/RESULTS.md, 2026-11-24). */
         pa.dq_acc = NULL;
         const int64_t blocks = (rh + 256 / p->D * 8 - 1) / (256 / p->D * 8);
-        if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_pre16<1><<<(unsigned)blocks, 256, 0, stream>>>(pa);
-        else fc_bwd_pre16<0><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        if (p->dtype == FLASHC_DTYPE_BF16 && small) fc_bwd_pre16<1, true><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        else if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_pre16<1, false><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        else if (small) fc_bwd_pre16<0, true><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        else fc_bwd_pre16<0, false><<<(unsigned)blocks, 256, 0, stream>>>(pa);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
         if (dq_acc && (err = cudaMemsetAsync(dq_acc, 0, (size_t)rh * p->D * sizeof(float), stream)) != cudaSuccess)
             return err;
@@ -395,9 +419,18 @@ static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_
         const int fast = pow2 && p->dq.stride[3] == 1 && fc_rows_aligned16(&p->dq, p->varlen);
         if (n > 0 && fast) {
             const unsigned blocks = (unsigned)((n / 8 + 255) / 256);
-            if (p->dtype == FLASHC_DTYPE_F32) fc_bwd_dq_convert8<FLASHC_DTYPE_F32><<<blocks, 256, 0, stream>>>(pa);
-            else if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_dq_convert8<FLASHC_DTYPE_BF16><<<blocks, 256, 0, stream>>>(pa);
-            else fc_bwd_dq_convert8<FLASHC_DTYPE_F16><<<blocks, 256, 0, stream>>>(pa);
+            if (p->dtype == FLASHC_DTYPE_F32 && small)
+                fc_bwd_dq_convert8<FLASHC_DTYPE_F32, true><<<blocks, 256, 0, stream>>>(pa);
+            else if (p->dtype == FLASHC_DTYPE_F32)
+                fc_bwd_dq_convert8<FLASHC_DTYPE_F32, false><<<blocks, 256, 0, stream>>>(pa);
+            else if (p->dtype == FLASHC_DTYPE_BF16 && small)
+                fc_bwd_dq_convert8<FLASHC_DTYPE_BF16, true><<<blocks, 256, 0, stream>>>(pa);
+            else if (p->dtype == FLASHC_DTYPE_BF16)
+                fc_bwd_dq_convert8<FLASHC_DTYPE_BF16, false><<<blocks, 256, 0, stream>>>(pa);
+            else if (small)
+                fc_bwd_dq_convert8<FLASHC_DTYPE_F16, true><<<blocks, 256, 0, stream>>>(pa);
+            else
+                fc_bwd_dq_convert8<FLASHC_DTYPE_F16, false><<<blocks, 256, 0, stream>>>(pa);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         } else if (n > 0) {
             fc_bwd_dq_convert<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(pa);
