@@ -107,7 +107,11 @@ __host__ __device__ constexpr uint32_t fc90_tail_bytes(fc90_tile t) { return 8 *
  * each thread stores its output pairs straight from the accumulators (fc90_fwd_epilogue), so that Q and the rings
  * stay free for the next tile's loads under the epilogue. Every tile runs on the persistent grid. */
 __host__ __device__ constexpr bool fc90_o_staged(fc90_tile t) {
+#ifdef FC90_O_UNSTAGED /* a lab build (FLASHC_CUDA_TILES_FILE) may store every tile's output unstaged */
+    return false;
+#else
     return fc90_end_v(t) + fc90_o_bytes(t) + fc90_tail_bytes(t) <= FC90_SMEM_MAX;
+#endif
 }
 
 /* Registers per thread after setmaxnreg (multiples of 8). The block starts with 65536 / threads (launch bounds
