@@ -133,7 +133,7 @@ __host__ __device__ constexpr bool fc90_regs_fit(fc90_tile t) {
                FC90_WG_THREADS * fc90_consumers(t) * (fc90_consumer_regs(t) - (65536 / fc90_threads(t)) / 8 * 8) &&
            fc90_consumers(t) >= 2 && fc90_consumers(t) <= 3 && t.br % 64 == 0;
 }
-__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_end_v(t); }
+__host__ __device__ constexpr uint32_t fc90_off_o(fc90_tile t) { return fc90_end_v(t); } /* where fc90_o_staged */
 __host__ __device__ constexpr uint32_t fc90_off_bar(fc90_tile t) {
     return fc90_end_v(t) + (fc90_o_staged(t) ? fc90_o_bytes(t) : 0);
 }
@@ -747,7 +747,8 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
 #pragma unroll
                 for (int k = 0; k < 4; ++k) v[k] = fc_pack2<BF>(o[4 * (j0 + k) + 2 * hf], o[4 * (j0 + k) + 2 * hf + 1]);
                 fc_quad_transpose(v, tig);
-                if (i < nq && 8 * (j0 + tig) < a.D) *(uint4 *)(orow + 8 * (j0 + tig)) = make_uint4(v[0], v[1], v[2], v[3]);
+                if (i < nq && 8 * (j0 + tig) < a.D)
+                    *(uint4 *)(orow + 8 * (j0 + tig)) = make_uint4(v[0], v[1], v[2], v[3]);
             }
         }
     } else {
