@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(256) fc_bwd_pre(const __grid_constant__ bwd_pr
  * or fp32) with the head dim contiguous, rows 16-byte aligned, D a power of two from 8 to 256. A row-head's D
  * elements are D / 8 lanes of 8 (one 16-byte access each), a warp holds 256 / D row-heads, and each thread does
  * its index arithmetic once per 8 elements. SMALL: rows x H x D below 2^31, so that every index divided fits in
- * 32 bits (64-bit divisions cost more than the memory traffic: the preprocess at 2.5 TB/s with them). */
+ * 32 bits (in 64 bits the divisions took 7% of the preprocess: 53 against 49 us for 134 MB on an H200). */
 template <int BF>
 static __device__ __forceinline__ float2 bwd_unpack2(uint32_t w) {
     if (BF) return __bfloat1622float2(*(const __nv_bfloat162 *)&w);
