@@ -289,6 +289,18 @@ __global__ void __launch_bounds__(256) fc_bwd_dq_convert8(const __grid_constant_
     }
 }
 
+/* The fast kernels' launches with SMALL chosen at run time. */
+template <int BF>
+static void bwd_pre16_launch(bool small, unsigned blocks, const bwd_pre_args &pa, cudaStream_t stream) {
+    if (small) fc_bwd_pre16<BF, true><<<blocks, 256, 0, stream>>>(pa);
+    else fc_bwd_pre16<BF, false><<<blocks, 256, 0, stream>>>(pa);
+}
+template <int OUT>
+static void bwd_convert8_launch(bool small, unsigned blocks, const bwd_pre_args &pa, cudaStream_t stream) {
+    if (small) fc_bwd_dq_convert8<OUT, true><<<blocks, 256, 0, stream>>>(pa);
+    else fc_bwd_dq_convert8<OUT, false><<<blocks, 256, 0, stream>>>(pa);
+}
+
 /* dq = scale x the fp32 sums, in dq's dtype and strides; one thread per element. */
 __global__ void __launch_bounds__(256) fc_bwd_dq_convert(const __grid_constant__ bwd_pre_args a) {
     const int64_t x = (int64_t)blockIdx.x * 256 + threadIdx.x;
@@ -389,10 +401,8 @@ static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_
          * this kernel instead measured no faster (bench/RESULTS.md, 2026-11-24). */
         pa.dq_acc = NULL;
         const int64_t blocks = (rh + 256 / p->D * 8 - 1) / (256 / p->D * 8);
-        if (p->dtype == FLASHC_DTYPE_BF16 && small) fc_bwd_pre16<1, true><<<(unsigned)blocks, 256, 0, stream>>>(pa);
-        else if (p->dtype == FLASHC_DTYPE_BF16) fc_bwd_pre16<1, false><<<(unsigned)blocks, 256, 0, stream>>>(pa);
-        else if (small) fc_bwd_pre16<0, true><<<(unsigned)blocks, 256, 0, stream>>>(pa);
-        else fc_bwd_pre16<0, false><<<(unsigned)blocks, 256, 0, stream>>>(pa);
+        if (p->dtype == FLASHC_DTYPE_BF16) bwd_pre16_launch<1>(small, (unsigned)blocks, pa, stream);
+        else bwd_pre16_launch<0>(small, (unsigned)blocks, pa, stream);
         if ((err = cudaGetLastError()) != cudaSuccess) return err;
         if (dq_acc && (err = cudaMemsetAsync(dq_acc, 0, (size_t)rh * p->D * sizeof(float), stream)) != cudaSuccess)
             return err;
@@ -419,18 +429,9 @@ static cudaError_t bwd_tensor_core_launch(const flashc_problem *p, const flashc_
         const int fast = pow2 && p->dq.stride[3] == 1 && fc_rows_aligned16(&p->dq, p->varlen);
         if (n > 0 && fast) {
             const unsigned blocks = (unsigned)((n / 8 + 255) / 256);
-            if (p->dtype == FLASHC_DTYPE_F32 && small)
-                fc_bwd_dq_convert8<FLASHC_DTYPE_F32, true><<<blocks, 256, 0, stream>>>(pa);
-            else if (p->dtype == FLASHC_DTYPE_F32)
-                fc_bwd_dq_convert8<FLASHC_DTYPE_F32, false><<<blocks, 256, 0, stream>>>(pa);
-            else if (p->dtype == FLASHC_DTYPE_BF16 && small)
-                fc_bwd_dq_convert8<FLASHC_DTYPE_BF16, true><<<blocks, 256, 0, stream>>>(pa);
-            else if (p->dtype == FLASHC_DTYPE_BF16)
-                fc_bwd_dq_convert8<FLASHC_DTYPE_BF16, false><<<blocks, 256, 0, stream>>>(pa);
-            else if (small)
-                fc_bwd_dq_convert8<FLASHC_DTYPE_F16, true><<<blocks, 256, 0, stream>>>(pa);
-            else
-                fc_bwd_dq_convert8<FLASHC_DTYPE_F16, false><<<blocks, 256, 0, stream>>>(pa);
+            if (p->dtype == FLASHC_DTYPE_F32) bwd_convert8_launch<FLASHC_DTYPE_F32>(small, blocks, pa, stream);
+            else if (p->dtype == FLASHC_DTYPE_BF16) bwd_convert8_launch<FLASHC_DTYPE_BF16>(small, blocks, pa, stream);
+            else bwd_convert8_launch<FLASHC_DTYPE_F16>(small, blocks, pa, stream);
             if ((err = cudaGetLastError()) != cudaSuccess) return err;
         } else if (n > 0) {
             fc_bwd_dq_convert<<<(unsigned)((n + 255) / 256), 256, 0, stream>>>(pa);

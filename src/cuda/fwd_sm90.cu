@@ -655,14 +655,6 @@ static __device__ __forceinline__ void fc90_fwd_mainloop(const flashc_fwd_args &
     sm.vr.release(kt);
 }
 
-/*
- * One consumer warpgroup's epilogue of a query tile: O / l and lse = ln 2 * m + ln l (a row that saw no key gets
- * O = 0 and lse = +inf), written in the output type. With 16-byte aligned rows and a staging tile (fc90_o_staged)
- * each warp stages its own 16 rows (no other warp touches them) and stores 16 bytes per lane; without one (d 256)
- * each lane stores its 4-byte pairs (a quad's 16 bytes of a row at a time); with rows not so aligned, 2 bytes at a
- * time. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never written.
- * bad (paged, fc90_bad_pages): the rows come out NaN, out and lse.
- */
 /* A quad's 4 x 4 transpose: lane tig of the quad holds v[k] = the k-th of 4 consecutive 8-column chunks' pair tig
  * (the accumulator layout) and gets chunk tig's 4 pairs (16 contiguous bytes of the row): two rounds of exchanges,
  * across lanes 2 apart (the chunks' high bit), then 1 apart. */
@@ -682,6 +674,15 @@ static __device__ __forceinline__ void fc_quad_transpose(uint32_t (&v)[4], int t
     }
 }
 
+/*
+ * One consumer warpgroup's epilogue of a query tile: O / l and lse = ln 2 * m + ln l (a row that saw no key gets
+ * O = 0 and lse = +inf), written in the output type. With 16-byte aligned rows and a staging tile (fc90_o_staged)
+ * each warp stages its own 16 rows (no other warp touches them) and stores 16 bytes per lane; without one (d 256)
+ * each lane stores 16 bytes of its row once the quad's pairs are transposed (fc_quad_transpose); with rows not
+ * so aligned, 2 bytes at a time. Columns from a.D on (a kernel of a larger head dim) are the zero fill's: never
+ * written.
+ * bad (paged, fc90_bad_pages): the rows come out NaN, out and lse.
+ */
 template <int D, int BF, bool VARLEN, bool BMASK, bool DROP, bool NARROW>
 static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &a,
                                                          const fc90_fwd_smem<fc90_tile_for(D, NARROW).st> &sm,
@@ -985,7 +986,7 @@ static int fc90_grid_persistent(const flashc_fwd_args *a, const fc90_grid *grid)
 
 /* The block mask by this kernel's tiles (bm_tiles.h), over the max lengths. */
 static fc_bm_tiles_args fc90_bm_tiles_args(const flashc_fwd_args *a) {
-    const fc90_tile tl = fc90_tile_for(fc90_kernel_d(a->D), a->bm != NULL);
+    const fc90_tile tl = fc90_tile_of_launch(a);
     return fc_bm_tiles_args{a->bm, a->bm_q, a->bm_k, a->bm_batch, a->bm_heads, a->bm_nqb, a->bm_nkb, a->Nq, a->Nk,
                             tl.br, tl.bc, 0};
 }
