@@ -19,7 +19,7 @@
  * need 256 registers), computing S^T and dP^T twice; bm: query rows per step (the N of
  * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q); st: stages of the (Q, dO) ring.
  * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, the rows'
- * lse and D_i, and two dQ staging tiles bm x 64 fp32: 130 KB at d 64, 194 KB at d 128; 210 KB at d 256 (no
+ * lse and D_i, and two dQ staging tiles bm x 64 fp32: 163 KB at d 64 (4 stages), 194 KB at d 128; 210 KB at d 256 (no
  * staging tiles: dQ is staged over the step's Q / dO ring slot).
  */
 typedef struct fc90_btile {
@@ -27,7 +27,7 @@ typedef struct fc90_btile {
 } fc90_btile;
 
 #ifndef FC90_BTILE_64
-#define FC90_BTILE_64 fc90_btile{64, 128, 64, 2}
+#define FC90_BTILE_64 fc90_btile{64, 128, 64, 4}
 #endif
 #ifndef FC90_BTILE_128
 #define FC90_BTILE_128 fc90_btile{128, 128, 64, 2}

@@ -760,9 +760,7 @@ static __device__ __forceinline__ void fc90_fwd_epilogue(const flashc_fwd_args &
             uint16_t *orow = (uint16_t *)a.out + ob + (int64_t)(sq.q0 + i) * a.o_sn + (int64_t)h * a.o_sh;
 #pragma unroll
             for (int j = 0; j < D / 8; ++j)
-                if (8 * j < a.D && a.out_vec) { /* a.D % 8 == 0 (TMA rows): the pair is whole */
-                    *(uint32_t *)(orow + 8 * j + 2 * tig) = fc_pack2<BF>(o[4 * j + 2 * hf], o[4 * j + 2 * hf + 1]);
-                } else if (8 * j < a.D) {
+                if (8 * j < a.D) { /* rows not 16-byte aligned: 2-byte stores */
                     orow[8 * j + 2 * tig] = fc_round16<BF>(o[4 * j + 2 * hf]);
                     orow[8 * j + 2 * tig + 1] = fc_round16<BF>(o[4 * j + 2 * hf + 1]);
                 }
