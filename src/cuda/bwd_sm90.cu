@@ -6,10 +6,10 @@
  *
  * Algorithm: FlashAttention-2's backward (Dao 2023, Algorithm 2) per key tile, with the Hopper structure of
  * FlashAttention-3 (Shah et al. 2024): a block owns bn = 128 keys, K and V stay in shared memory, and it walks the
- * query tiles (bm = 64 rows) of every query head that shares its K/V head. Consumer warpgroup c owns keys
+ * query tiles (bm = 128 rows at d 64, 64 at d 128 / 256) of every query head that shares its K/V head. Consumer warpgroup c owns keys
  * [64 c, 64 c + 64) of the tile and, per query tile, computes in the transposed orientation, so that the M of
  * every wgmma is its 64 keys and P^T, dS^T leave the accumulators as the A operands of the next products:
- *   S^T = K_c Q^T, dP^T = V_c dO^T           (wgmma m64n64k16, both operands in shared memory, K-major)
+ *   S^T = K_c Q^T, dP^T = V_c dO^T           (wgmma m64n{bm}k16, both operands in shared memory, K-major)
  *   P^T = 2^(S^T score_mul - lse2), dS^T = P^T o (dP^T - D)    (lse2, D of the tile's rows from shared memory)
  *   dV_c += P^T dO, dK_c += dS^T Q            (wgmma m64n{d}k16, A from registers, dO and Q read MN-major)
  * and, unless the dQ kernel does it (deterministic mode), dS^T goes to shared memory (keys x queries), the two
@@ -17,7 +17,9 @@
  * MN-major, B = K read MN-major) whose fp32 result is staged in shared memory and added to the dQ sums in
  * global memory by a TMA reduction (cp.reduce.async.bulk.tensor .add, issued by one thread per warpgroup, so the
  * consumers only wait for it to have read the staging a step later): at d 128 each warpgroup computes 64 of the
- * columns; at d 64 the warpgroups take the query tiles in turn. dK is scaled by the softmax scale at the end; dQ's scale is applied by the conversion kernel.
+ * columns; at d 64 each warpgroup computes all columns for its half of the step's 128 rows (the tile table's
+ * 64-row steps at d 64, a lab option, take the steps in turn). dK is scaled by the softmax scale at the end; dQ's
+ * scale is applied by the conversion kernel.
  *
  * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
  * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by query-tile parity), st stages of the rows'
@@ -94,8 +96,10 @@ __host__ __device__ constexpr int fc90b_sn(int d) {
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
     return fc90b_off_ds(t) + (fc90b_split(t) ? 4 : 2) * fc90b_ds_bytes(t);
 }
-/* dQ staging for the TMA reduction: per consumer bm rows x 64 fp32 columns, as boxes of 32 columns (128 bytes). */
-__host__ __device__ constexpr uint32_t fc90b_dq_bytes(fc90_btile t) { return (uint32_t)t.bm * 64 * 4; }
+/* dQ staging for the TMA reduction: per consumer FC90B_DQ_ROWS rows (the M of its dQ product: the step's rows, or
+ * its half of a 128-row step) x 64 fp32 columns, as boxes of 32 columns (128 bytes). */
+#define FC90B_DQ_ROWS 64
+__host__ __device__ constexpr uint32_t fc90b_dq_bytes(fc90_btile) { return (uint32_t)FC90B_DQ_ROWS * 64 * 4; }
 __host__ __device__ constexpr uint32_t fc90b_off_dq(fc90_btile t) {
     return (fc90b_off_ld(t) + t.st * 2 * t.bm * 4 + 1023u) & ~1023u;
 }
@@ -352,7 +356,8 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     c.dQk = fc90_desc(sQ, 16, 1024), c.dGk = fc90_desc(sG, 16, 1024);
     const uint32_t gcol = (uint32_t)(c.col0 / 64) * BM * FC90_SW_ROW; /* this warpgroup's first column chunk of Q, dO */
     c.dQn = fc90_desc(sQ + gcol, BM * FC90_SW_ROW, 1024), c.dGn = fc90_desc(sG + gcol, BM * FC90_SW_ROW, 1024);
-    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them, every other step; at
+    /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them (its half of the rows, or
+     * every other step with 64-row steps); at
      * d 256 its DW columns (two chunks, LBO apart), every step. */
     c.dq_chunk = SPLIT ? c.col0 / 64 : NCH > 1 ? c.cw : 0;
     c.dKn = fc90_desc(sK + c.dq_chunk * BN * FC90_SW_ROW, BN * FC90_SW_ROW, 1024);
@@ -581,12 +586,14 @@ static __device__ __forceinline__ void fc90b_grads_split(const flashc_bwd_args &
 
 /* d 64 / 128: dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands; with DQ, dS^T also goes to the
  * step's buffer (keys x queries) for dQ = dS K over the tile's 128 keys (at d 128 each warpgroup its 64-column
- * chunk, at d 64 the warpgroups in turn by step), staged in this warpgroup's dQ boxes and added by the TMA. */
+ * chunk, at d 64 each its half of a 128-row step, or in turn by 64-row step), staged in this warpgroup's dQ boxes
+ * and added by the TMA. */
 template <int D, int BF, int DQ, bool VARLEN, typename Ring>
 static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, const fc90b_block &blk,
                                                    const fc90b_consumer &c, const Ring &ring, const CUtensorMap &tm_dq,
-                                                   int it, int slot, int h, int m0, uint32_t qoff, float (&s)[32],
-                                                   float (&dp)[32], float (&dk)[D / 2], float (&dv)[D / 2]) {
+                                                   int it, int slot, int h, int m0, uint32_t qoff,
+                                                   float (&s)[fc90b_sn(D) / 2], float (&dp)[fc90b_sn(D) / 2],
+                                                   float (&dk)[D / 2], float (&dv)[D / 2]) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64, DQN = 64;
     constexpr uint32_t DSB = fc90b_ds_bytes(TL);
@@ -606,7 +613,8 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int row = key0 - blk.n0 + 8 * (r & 1), j = 2 * cc + (r >> 1); /* row in the tile */
-                *(uint32_t *)(ds + row * 128 + ((j ^ (row & 7)) * 16) + 4 * tig) = da[cc][r];
+                *(uint32_t *)(ds + (j / 8) * (BN * 128) + row * 128 + (((j % 8) ^ (row & 7)) * 16) + 4 * tig) =
+                    da[cc][r];
             }
     }
 
@@ -622,7 +630,10 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
     if (DQ) {
         fc90_fence_proxy_async();
         fc90_nbar_sync(FC90B_BAR_DS, 256);
-        const bool mine = NCH > 1 || (it & 1) == cw;
+        /* d 128: each warpgroup its column chunk of every step; d 64: all 64 columns, every other step with 64-row
+         * steps, or the warpgroup's half of the rows (qh) of every 128-row step */
+        const bool mine = NCH > 1 || BM == 128 || (it & 1) == cw;
+        const int qh = BM == 128 ? cw : 0;
         float dq[DQN / 2];
         if (mine) {
 #pragma unroll
@@ -631,7 +642,8 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
             fc90_wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk)
-                fc90_mma_ss<DQN, BF, 1>(dq, c.dSn + ((buf * DSB + kk * 2048) >> 4), c.dKn + ((kk * 2048) >> 4), kk > 0);
+                fc90_mma_ss<DQN, BF, 1>(dq, c.dSn + ((buf * DSB + qh * BN * 128 + kk * 2048) >> 4),
+                                        c.dKn + ((kk * 2048) >> 4), kk > 0);
             fc90_wgmma_commit();
         }
         fc90_wgmma_wait<0>();
@@ -654,7 +666,7 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
-                    *(float2 *)(c.sdq + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                    *(float2 *)(c.sdq + (j / 4) * (FC90B_DQ_ROWS * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
                         make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
                 }
             }
@@ -663,12 +675,14 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
             if (t == 0) {
                 const uint32_t src = c.base + fc90b_off_dq(TL) + cw * fc90b_dq_bytes(TL);
                 static_assert(DQN == 64, "two staging boxes of 32 columns");
+                constexpr uint32_t BOX = FC90B_DQ_ROWS * FC90_SW_ROW;
+                const int r0 = m0 + FC90B_DQ_ROWS * qh;
                 if constexpr (VARLEN) {
-                    fc90_tma_reduce_add(&tm_dq, src, c.dq_chunk * 64, h, blk.sq0 + m0, blk.qb);
-                    fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, c.dq_chunk * 64 + 32, h, blk.sq0 + m0, blk.qb);
+                    fc90_tma_reduce_add(&tm_dq, src, c.dq_chunk * 64, h, blk.sq0 + r0, blk.qb);
+                    fc90_tma_reduce_add(&tm_dq, src + BOX, c.dq_chunk * 64 + 32, h, blk.sq0 + r0, blk.qb);
                 } else {
-                    fc90_tma_reduce_add(&tm_dq, src, c.dq_chunk * 64, h, m0, blk.b);
-                    fc90_tma_reduce_add(&tm_dq, src + BM * FC90_SW_ROW, c.dq_chunk * 64 + 32, h, m0, blk.b);
+                    fc90_tma_reduce_add(&tm_dq, src, c.dq_chunk * 64, h, r0, blk.b);
+                    fc90_tma_reduce_add(&tm_dq, src + BOX, c.dq_chunk * 64 + 32, h, r0, blk.b);
                 }
                 fc90_bulk_commit();
             }
@@ -699,7 +713,9 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     constexpr bool SPLIT = fc90b_split(TL);
     constexpr int DW = fc90b_dw(D), SN = SPLIT ? BM / 2 : BM;
     constexpr uint32_t QB = fc90b_q_bytes(TL);
-    static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && BM == 64 && ST >= 2, "tile table");
+    static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && (BM == 64 || (BM == 128 && D == 64)) &&
+                      ST >= 2,
+                  "tile table");
     static_assert(FC90_WG_THREADS * (168 - 32) >= 2 * FC90_WG_THREADS * (FC90B_CONS_REGS - 168),
                   "the consumers grow by what the producer frees");
 
@@ -755,11 +771,11 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
     fc90_regs_inc<FC90B_CONS_REGS>();
     const fc90b_consumer c = fc90b_consumer_at<D>(wg, n0, base, gbase, sK, sV, sQ, sG, sDS, sLD);
-    float dk[DW / 2], dv[DW / 2], s[SN / 2], dp[SN / 2];
+    float dk[DW / 2], dv[DW / 2], s_keep[SN / 2], dp_keep[SN / 2];
 #pragma unroll
     for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < SN / 2; ++i) s[i] = dp[i] = 0.f;
+    for (int i = 0; i < SN / 2; ++i) s_keep[i] = dp_keep[i] = 0.f;
     /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
     const bool generic = !fc_score_plain(a);
 
@@ -775,6 +791,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     int step_gi = 0, step_mt = mb_lo - 1;
     for (int it = 0; it < items; ++it) {
         fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, step_gi, step_mt);
+        /* S^T and dP^T: with 128-row steps fresh registers each step (the first product of each overwrites them),
+         * so that their 128 registers are not live across the step's gradient products as a loop-carried value
+         * would be; 64-row steps keep the arrays above (their machine code as it was). */
+        float s_step[SN / 2], dp_step[SN / 2];
+        float(&s)[SN / 2] = BM == 128 ? s_step : s_keep;
+        float(&dp)[SN / 2] = BM == 128 ? dp_step : dp_keep;
         const int slot = ring.slot(it), h = hk * group + step_gi, m0 = step_mt * BM;
         const uint32_t qoff = (slot * QB) >> 4;
         ring.wait_full(it);
@@ -866,7 +888,7 @@ static cudaError_t fc90b_run(const flashc_bwd_args *a, long long l2_bytes, cudaS
     if (e == cudaSuccess) e = fc90_map(&tm[1], a->k, BF, D, kr, a->Hkv, nb, a->k_sn, a->k_sh, a->k_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[2], a->v, BF, D, kr, a->Hkv, nb, a->v_sn, a->v_sh, a->v_sb, TL.bn);
     if (e == cudaSuccess) e = fc90_map(&tm[3], a->dout, BF, D, qr, a->H, nb, a->g_sn, a->g_sh, a->g_sb, TL.bm);
-    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, (int)qr, (int)nb, TL.bm);
+    if (e == cudaSuccess && a->dq_acc) e = fc90b_dq_map(&tm[4], a->dq_acc, D, a->H, (int)qr, (int)nb, FC90B_DQ_ROWS);
     else tm[4] = tm[0]; /* unused without dQ */
     if (e != cudaSuccess) return e;
     if (a->bm) { /* the bitmaps first, into the workspace (flashc_bwd_sm90_workspace) */

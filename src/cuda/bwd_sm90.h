@@ -17,17 +17,19 @@
  * (the M of wgmma), each holding its keys' dK and dV accumulators (d / 2 + d / 2 floats per thread: 128 of 232
  * registers at d 128); at d 256 both consumers take the same bn = 64 keys and split d instead (whole rows would
  * need 256 registers), computing S^T and dP^T twice; bm: query rows per step (the N of
- * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q); st: stages of the (Q, dO) ring.
+ * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q; 128 only at d 64, where S^T and dP^T of
+ * 128 rows take 128 registers beside dK and dV's 64); st: stages of the (Q, dO) ring.
  * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, the rows'
- * lse and D_i, and two dQ staging tiles bm x 64 fp32: 163 KB at d 64 (4 stages), 194 KB at d 128; 210 KB at d 256 (no
- * staging tiles: dQ is staged over the step's Q / dO ring slot).
+ * lse and D_i, and two dQ staging tiles 64 x 64 fp32: 195 KB at d 64, 194 KB at d 128; 210 KB at d 256 (no staging
+ * tiles: dQ is staged over the step's Q / dO ring slot). d 64 with 64-row steps had 4 stages (163 KB); 128-row
+ * steps took 7-19% off its main kernel on the H200 (lab/LOG.md, twenty-first session).
  */
 typedef struct fc90_btile {
     int d, bn, bm, st;
 } fc90_btile;
 
 #ifndef FC90_BTILE_64
-#define FC90_BTILE_64 fc90_btile{64, 128, 64, 4}
+#define FC90_BTILE_64 fc90_btile{64, 128, 128, 2}
 #endif
 #ifndef FC90_BTILE_128
 #define FC90_BTILE_128 fc90_btile{128, 128, 64, 2}
