@@ -22,9 +22,9 @@
  * scale is applied by the conversion kernel.
  *
  * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
- * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by query-tile parity), st stages of the rows'
- * lse2 and D (2 x bm floats), each consumer's dQ staging (bm x 64 fp32, two 128-byte-swizzled boxes of 32
- * columns), then the mbarriers.
+ * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by step parity; 128 query columns as two chunks
+ * of 64), st stages of the rows' lse2 and D (2 x bm floats), each consumer's dQ staging (64 x 64 fp32,
+ * FC90B_DQ_ROWS, two 128-byte-swizzled boxes of 32 columns), then the mbarriers.
  *
  * Code: the kernel computes the block's work (fc90b_block: its query tiles from score.h's fc_query_tiles) and the
  * shared-memory addresses, then the producer warpgroup runs fc90b_produce, and each consumer warpgroup takes its
@@ -844,7 +844,7 @@ static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm,
 }
 
 /* The fp32 dQ sums (rows, H, D) as a (D, H, Nq, B) tensor for the TMA reduction: boxes of 32 columns x 1 head x
- * bm rows, 128-byte swizzle; the Nq dimension clips a tile's rows past the end of its sequence. */
+ * box_rows (FC90B_DQ_ROWS) rows, 128-byte swizzle; the Nq dimension clips a tile's rows past the end of its sequence. */
 static cudaError_t fc90b_dq_map(CUtensorMap *map, float *dq_acc, int D, int H, int Nq, int B, int box_rows) {
     const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
     if (!enc) return cudaErrorNotSupported;
