@@ -6,9 +6,10 @@
  *
  * Algorithm: FlashAttention-2's backward (Dao 2023, Algorithm 2) per key tile, with the Hopper structure of
  * FlashAttention-3 (Shah et al. 2024): a block owns bn = 128 keys, K and V stay in shared memory, and it walks the
- * query tiles (bm = 128 rows at d 64, 64 at d 128 / 256) of every query head that shares its K/V head. Consumer warpgroup c owns keys
- * [64 c, 64 c + 64) of the tile and, per query tile, computes in the transposed orientation, so that the M of
- * every wgmma is its 64 keys and P^T, dS^T leave the accumulators as the A operands of the next products:
+ * query tiles (bm = 128 rows at d 64, 64 at d 128 / 256) of every query head that shares its K/V head. Consumer
+ * warpgroup c owns keys [64 c, 64 c + 64) of the tile and, per query tile, computes in the transposed
+ * orientation, so that the M of every wgmma is its 64 keys and P^T, dS^T leave the accumulators as the A operands
+ * of the next products:
  *   S^T = K_c Q^T, dP^T = V_c dO^T           (wgmma m64n{bm}k16, both operands in shared memory, K-major)
  *   P^T = 2^(S^T score_mul - lse2), dS^T = P^T o (dP^T - D)    (lse2, D of the tile's rows from shared memory)
  *   dV_c += P^T dO, dK_c += dS^T Q            (wgmma m64n{d}k16, A from registers, dO and Q read MN-major)
@@ -844,7 +845,8 @@ static cudaError_t fc90b_launch(const flashc_bwd_args *a, const CUtensorMap *tm,
 }
 
 /* The fp32 dQ sums (rows, H, D) as a (D, H, Nq, B) tensor for the TMA reduction: boxes of 32 columns x 1 head x
- * box_rows (FC90B_DQ_ROWS) rows, 128-byte swizzle; the Nq dimension clips a tile's rows past the end of its sequence. */
+ * box_rows (FC90B_DQ_ROWS) rows, 128-byte swizzle; the Nq dimension clips a tile's rows past the end of its
+ * sequence. */
 static cudaError_t fc90b_dq_map(CUtensorMap *map, float *dq_acc, int D, int H, int Nq, int B, int box_rows) {
     const PFN_cuTensorMapEncodeTiled_v12000 enc = fc90_encoder();
     if (!enc) return cudaErrorNotSupported;
