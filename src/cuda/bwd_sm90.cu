@@ -76,6 +76,12 @@
  * it), or staged in shared memory and added by the TMA (at d 256 the staging is the step's Q / dO ring slot). The
  * vector reductions from registers it replaced, at d 64 / 128 and then at d 256, are in lab/bwd90/. */
 enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
+/* d 128 with the dQ product: 1 issues dV, then (after the dS^T barrier) dQ, then dK, so that dQ's staging and
+ * reduction run under dK's product; 0 issues dV and dK before the barrier and dQ after them, as d 64 does (H100,
+ * lab/LOG.md v9: d 128's main kernel 2-6% faster, d 64's 0-2% slower). Lab builds compare the two. */
+#ifndef FC90B_DQ_FIRST
+#define FC90B_DQ_FIRST 1
+#endif
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -623,9 +629,10 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
     fc90_pin(dk);
     fc90_pin(pa);
     fc90_pin(da);
+    constexpr bool DQ_FIRST = DQ && FC90B_DQ_FIRST && D == 128; /* dK after dQ */
     fc90_wgmma_fence();
     fc90b_grad_issue<D, BM, BF>(dv, pa, c.dGn + qoff);
-    fc90b_grad_issue<D, BM, BF>(dk, da, c.dQn + qoff);
+    if (!DQ_FIRST) fc90b_grad_issue<D, BM, BF>(dk, da, c.dQn + qoff);
     fc90_wgmma_commit();
 
     if (DQ) {
@@ -647,12 +654,21 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
                                         c.dKn + ((kk * 2048) >> 4), kk > 0);
             fc90_wgmma_commit();
         }
-        fc90_wgmma_wait<0>();
-        fc90_pin(dv);
-        fc90_pin(dk);
-        fc90_pin(pa);
-        fc90_pin(da);
-        ring.release_slot(slot);
+        if (DQ_FIRST) { /* dV and dQ done, dK under dQ's staging */
+            fc90_wgmma_fence();
+            fc90b_grad_issue<D, BM, BF>(dk, da, c.dQn + qoff);
+            fc90_wgmma_commit();
+            fc90_wgmma_wait<1>();
+            fc90_pin(dv);
+            fc90_pin(pa);
+        } else {
+            fc90_wgmma_wait<0>();
+            fc90_pin(dv);
+            fc90_pin(dk);
+            fc90_pin(pa);
+            fc90_pin(da);
+            ring.release_slot(slot);
+        }
         if (mine) {
             /* Stage in two swizzled boxes of 32 columns (fragment j of the accumulator is box j / 4), then one
              * thread adds them to the fp32 sums with the TMA. The staging is free again once the previous step's
@@ -687,6 +703,12 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
                 }
                 fc90_bulk_commit();
             }
+        }
+        if (DQ_FIRST) {
+            fc90_wgmma_wait<0>();
+            fc90_pin(dk);
+            fc90_pin(da);
+            ring.release_slot(slot);
         }
     } else {
         fc90_wgmma_wait<0>();
