@@ -82,6 +82,13 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 #ifndef FC90B_DQ_FIRST
 #define FC90B_DQ_FIRST 1
 #endif
+/* Lab (lab/LOG.md, twenty-second session): 1 issues dV's product as soon as P^T is packed, before dS^T's elements,
+ * which then read P^T back from the packed operand (its bf16 / fp16 rounding, the naive algorithm's), so that the
+ * fp32 P^T is not live beside the product in flight (d 64 / 128 without dropout; the generic element step keeps
+ * fp32 P^T and issues dV after it). 1: d 128; 2: d 64 and d 128; 0 (default): dV after dS^T. */
+#ifndef FC90B_EARLY_DV
+#define FC90B_EARLY_DV 0
+#endif
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -94,6 +101,10 @@ __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b
  * dS^T in shared memory (two of each, by step parity), and dQ is staged over the step's Q / dO ring slot: a
  * staging of its own would not fit. */
 __host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
+/* dV early (FC90B_EARLY_DV) in this kernel */
+template <int D, bool DROP> __host__ __device__ constexpr bool fc90b_early_dv() {
+    return (FC90B_EARLY_DV == 2 ? D <= 128 : FC90B_EARLY_DV == 1 && D == 128) && !DROP;
+}
 /* The columns of dK, dV a consumer keeps: all d, or half at d 256 (fc90b_split). */
 __host__ __device__ constexpr int fc90b_dw(int d) { return fc90b_split(fc90_btile_for(d)) ? d / 2 : d; }
 /* the step's queries a consumer scores (the N of S^T): all bm, or half of them when SPLIT */
@@ -157,6 +168,28 @@ static __device__ __forceinline__ void fc90b_grad_issue(float (&acc)[N / 2], con
                                                         uint64_t db) {
 #pragma unroll
     for (int c = 0; c < BM / 16; ++c) fc90_mma_rs<N, BF>(acc, pa[c], db + ((uint32_t)(c * 2048) >> 4));
+}
+
+/* dV early (fc90b_early_dv): P^T packed into pa, then dV += P^T dO issued (dgn: dO's MN-major descriptor). One
+ * commit group; pa stays live until it completes. */
+template <int D, int BF>
+static __device__ __forceinline__ void fc90b_dv_issue(float (&dv)[D / 2], uint32_t (&pa)[fc90_btile_for(D).bm / 16][4],
+                                                      const float (&s)[fc90_btile_for(D).bm / 2], uint64_t dgn) {
+    constexpr int BM = fc90_btile_for(D).bm;
+    fc90_pack_p<BM, BF>(pa, s);
+    fc90_pin(dv);
+    fc90_pin(pa);
+    fc90_wgmma_fence();
+    fc90b_grad_issue<D, BM, BF>(dv, pa, dgn);
+    fc90_wgmma_commit();
+}
+
+/* The two values of a packed operand pair (fc_pack2) as floats. */
+template <int BF>
+static __device__ __forceinline__ float2 fc90_unpack2(uint32_t u) {
+    if (BF) return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+    const __half2 h = *(const __half2 *)&u;
+    return __half22float2(h);
 }
 
 #endif /* FC90_DEVICE */
@@ -409,11 +442,12 @@ template <int D, int BF, int DQ, bool BMASK, bool DROP, typename Ring>
 static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, const fc90b_block &blk,
                                                    const fc90b_consumer &c, const Ring &ring, int slot, int h, int mt,
                                                    int m0, uint32_t qoff, bool generic, int &staged_slot,
-                                                   float (&s)[fc90b_sn(D) / 2],
-                                                   float (&dp)[fc90b_sn(D) / 2]) {
+                                                   float (&s)[fc90b_sn(D) / 2], float (&dp)[fc90b_sn(D) / 2],
+                                                   float (&dv)[fc90b_dw(D) / 2],
+                                                   uint32_t (&pa)[fc90_btile_for(D).bm / 16][4]) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BM = TL.bm;
-    constexpr bool SPLIT = fc90b_split(TL);
+    constexpr bool SPLIT = fc90b_split(TL), EARLY = fc90b_early_dv<D, DROP>();
     constexpr int SN = SPLIT ? BM / 2 : BM;
     const int b = blk.b, kt = blk.kt, nq = blk.nq, nk = blk.nk, diag = blk.diag, wl = a.win_left, wr = a.win_right;
     const int warp = c.warp, lane = c.t % 32, tig = c.tig, key0 = c.key0;
@@ -455,6 +489,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
                 s[4 * j + 2 * hf + 1] = fc_exp2(fmaf(s[4 * j + 2 * hf + 1], a.score_mul, -l.y));
             }
         }
+        if constexpr (!EARLY) { /* EARLY: dS^T after dV's issue, below */
         fc90_wgmma_wait<0>();
         fc90_pin(dp);
         if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
@@ -466,6 +501,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
                 dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
                 dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
             }
+        }
         }
     } else {
         fc90_wgmma_wait<0>();
@@ -494,6 +530,25 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
                     fc_bwd_elem<fc_fast_math>(a, s[4 * j + 2 * hf + e], dp[4 * j + 2 * hf + e], l, dd, al, vis);
                 }
             }
+    }
+    if constexpr (EARLY) {
+        /* dV's product under dS^T's elements: issued where both paths meet (a wgmma in one branch only had ptxas
+         * serialize them all, C7512); on the fast path dS^T follows, reading P^T back from its packed pairs */
+        fc90b_dv_issue<D, BF>(dv, pa, s, c.dGn + qoff);
+        if (!generic && !cut && !part) {
+            fc90_wgmma_wait<1>();
+            fc90_pin(dp);
+#pragma unroll
+            for (int j = 0; j < SN / 8; ++j) {
+                const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) { /* element 4 j + 2 hf is pair 2 (j % 2) + hf of k16 step j / 2 */
+                    const float2 p = fc90_unpack2<BF>(pa[j / 2][2 * (j % 2) + hf]);
+                    dp[4 * j + 2 * hf] = p.x * (dp[4 * j + 2 * hf] - dd.x);
+                    dp[4 * j + 2 * hf + 1] = p.y * (dp[4 * j + 2 * hf + 1] - dd.y);
+                }
+            }
+        }
     }
     if (DROP) fc_drop_apply(s, keep, a.drop_scale);
 }
@@ -595,19 +650,21 @@ static __device__ __forceinline__ void fc90b_grads_split(const flashc_bwd_args &
  * step's buffer (keys x queries) for dQ = dS K over the tile's 128 keys (at d 128 each warpgroup its 64-column
  * chunk, at d 64 each its half of a 128-row step, or in turn by 64-row step), staged in this warpgroup's dQ boxes
  * and added by the TMA. */
-template <int D, int BF, int DQ, bool VARLEN, typename Ring>
+template <int D, int BF, int DQ, bool VARLEN, bool EARLY, typename Ring>
 static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, const fc90b_block &blk,
                                                    const fc90b_consumer &c, const Ring &ring, const CUtensorMap &tm_dq,
                                                    int it, int slot, int h, int m0, uint32_t qoff,
                                                    float (&s)[fc90b_sn(D) / 2], float (&dp)[fc90b_sn(D) / 2],
-                                                   float (&dk)[D / 2], float (&dv)[D / 2]) {
+                                                   float (&dk)[D / 2], float (&dv)[D / 2],
+                                                   uint32_t (&pa_early)[fc90_btile_for(D).bm / 16][4]) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64, DQN = 64;
     constexpr uint32_t DSB = fc90b_ds_bytes(TL);
     static_assert(!fc90b_split(TL), "the d 64 / 128 tiles");
     const int cw = c.cw, t = c.t, warp = c.warp, g = c.g, tig = c.tig, key0 = c.key0;
-    uint32_t pa[BM / 16][4], da[BM / 16][4];
-    fc90_pack_p<BM, BF>(pa, s);
+    uint32_t pa_here[BM / 16][4], da[BM / 16][4];
+    uint32_t(&pa)[BM / 16][4] = EARLY ? pa_early : pa_here; /* EARLY: packed, and dV issued, in fc90b_probs */
+    if (!EARLY) fc90_pack_p<BM, BF>(pa, s);
     fc90_pack_p<BM, BF>(da, dp);
 
     const int buf = it & 1;
@@ -631,9 +688,9 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
     fc90_pin(da);
     constexpr bool DQ_FIRST = DQ && FC90B_DQ_FIRST && D == 128; /* dK after dQ */
     fc90_wgmma_fence();
-    fc90b_grad_issue<D, BM, BF>(dv, pa, c.dGn + qoff);
+    if (!EARLY) fc90b_grad_issue<D, BM, BF>(dv, pa, c.dGn + qoff);
     if (!DQ_FIRST) fc90b_grad_issue<D, BM, BF>(dk, da, c.dQn + qoff);
-    fc90_wgmma_commit();
+    if (!EARLY || !DQ_FIRST) fc90_wgmma_commit();
 
     if (DQ) {
         fc90_fence_proxy_async();
@@ -818,8 +875,10 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
          * so that their 128 registers are not live across the step's gradient products as a loop-carried value
          * would be; 64-row steps keep the arrays above (their machine code as it was). */
         float s_step[SN / 2], dp_step[SN / 2];
-        float(&s)[SN / 2] = BM == 128 ? s_step : s_keep;
-        float(&dp)[SN / 2] = BM == 128 ? dp_step : dp_keep;
+        constexpr bool EARLY = fc90b_early_dv<D, DROP>();
+        float(&s)[SN / 2] = BM == 128 || EARLY ? s_step : s_keep;
+        float(&dp)[SN / 2] = BM == 128 || EARLY ? dp_step : dp_keep;
+        uint32_t pa[BM / 16][4]; /* P^T packed: dV's A operand (d 64 / 128) */
         const int slot = ring.slot(it), h = hk * group + step_gi, m0 = step_mt * BM;
         const uint32_t qoff = (slot * QB) >> 4;
         ring.wait_full(it);
@@ -829,11 +888,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
                 fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
             }
         }
-        fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, staged_slot, s, dp);
+        fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, staged_slot, s, dp,
+                                            dv, pa);
         if constexpr (SPLIT)
             fc90b_grads_split<D, BF, DQ>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, staged_slot, s, dp, dk, dv);
         else
-            fc90b_grads<D, BF, DQ, VARLEN>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv);
+            fc90b_grads<D, BF, DQ, VARLEN, EARLY>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv, pa);
     }
 
     /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared memory
