@@ -19,8 +19,10 @@
  * global memory by a TMA reduction (cp.reduce.async.bulk.tensor .add, issued by one thread per warpgroup, so the
  * consumers only wait for it to have read the staging a step later): at d 128 each warpgroup computes 64 of the
  * columns; at d 64 each warpgroup computes all columns for its half of the step's 128 rows (the tile table's
- * 64-row steps at d 64, a lab option, take the steps in turn). dK is scaled by the softmax scale at the end; dQ's
- * scale is applied by the conversion kernel.
+ * 64-row steps at d 64, a lab option, take the steps in turn). The products' order: dV and dK are issued once dS^T
+ * is packed, then come the barrier and dQ; at d 128 dQ is issued before dK (FC90B_DQ_FIRST), so that dQ's staging
+ * and reduction run under dK's product. dK is scaled by the softmax scale at the end; dQ's scale is applied by the
+ * conversion kernel.
  *
  * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
  * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by step parity; 128 query columns as two chunks
@@ -490,18 +492,18 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
             }
         }
         if constexpr (!EARLY) { /* EARLY: dS^T after dV's issue, below */
-        fc90_wgmma_wait<0>();
-        fc90_pin(dp);
-        if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
+            fc90_wgmma_wait<0>();
+            fc90_pin(dp);
+            if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
 #pragma unroll
-        for (int j = 0; j < SN / 8; ++j) {
-            const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
+            for (int j = 0; j < SN / 8; ++j) {
+                const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
 #pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
-                dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
+                for (int hf = 0; hf < 2; ++hf) {
+                    dp[4 * j + 2 * hf] = s[4 * j + 2 * hf] * (dp[4 * j + 2 * hf] - dd.x);
+                    dp[4 * j + 2 * hf + 1] = s[4 * j + 2 * hf + 1] * (dp[4 * j + 2 * hf + 1] - dd.y);
+                }
             }
-        }
         }
     } else {
         fc90_wgmma_wait<0>();
