@@ -186,14 +186,6 @@ static __device__ __forceinline__ void fc90b_dv_issue(float (&dv)[D / 2], uint32
     fc90_wgmma_commit();
 }
 
-/* The two values of a packed operand pair (fc_pack2) as floats. */
-template <int BF>
-static __device__ __forceinline__ float2 fc90_unpack2(uint32_t u) {
-    if (BF) return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-    const __half2 h = *(const __half2 *)&u;
-    return __half22float2(h);
-}
-
 #endif /* FC90_DEVICE */
 
 /*
@@ -545,7 +537,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
                 const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) { /* element 4 j + 2 hf is pair 2 (j % 2) + hf of k16 step j / 2 */
-                    const float2 p = fc90_unpack2<BF>(pa[j / 2][2 * (j % 2) + hf]);
+                    const float2 p = fc_unpack2<BF>(pa[j / 2][2 * (j % 2) + hf]);
                     dp[4 * j + 2 * hf] = p.x * (dp[4 * j + 2 * hf] - dd.x);
                     dp[4 * j + 2 * hf + 1] = p.y * (dp[4 * j + 2 * hf + 1] - dd.y);
                 }

@@ -64,6 +64,12 @@ static __device__ __forceinline__ uint32_t fc_pack2(float lo, float hi) {
     }
     return u;
 }
+/* fc_pack2's inverse: the two values of a packed pair as floats (lo in .x). */
+template <int BF>
+static __device__ __forceinline__ float2 fc_unpack2(uint32_t u) {
+    if (BF) return __bfloat1622float2(*(const __nv_bfloat162 *)&u);
+    return __half22float2(*(const __half2 *)&u);
+}
 template <int BF>
 static __device__ __forceinline__ uint16_t fc_round16(float x) {
     return BF ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
