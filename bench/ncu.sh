@@ -2,12 +2,13 @@
 # bench/ncu.sh - Nsight Compute on flashc's CUDA kernels at one sweep shape (after a build into build-gpu): speed
 # of light, occupancy, issue statistics and the warp stall reasons (cycles per issued instruction, by reason).
 # NCU_KERNELS: a regex of kernel names (default: the backward's main kernels; "fc90" for the Hopper forward,
-# "fc_fwd_kernel" for the mma.sync forward). Args go to bench/run_once.py (--d, --n, --causal, --deterministic).
+# "fc_fwd_kernel" for the mma.sync forward; with --peer cudnn, "cudnn.*bprop" for cuDNN's backward). Args go to
+# bench/run_once.py (--d, --n, --causal, --deterministic, --peer). FLASHC_LIBRARY: the library (build-gpu's).
 cd "$(dirname "$0")/.."
 LOG=${OUT:-$PWD/build-gpu/logs}
 mkdir -p "$LOG"
-out="$LOG/ncu_$(echo "${NCU_KERNELS:-bwd}" | tr -c 'a-zA-Z0-9_\n' _).txt"
-FLASHC_LIBRARY=build-gpu/libflashc.so ncu --clock-control none -k regex:"${NCU_KERNELS:-fc_bwd_(kv|q)_kernel}" \
+out="$LOG/ncu_$(echo "${NCU_KERNELS:-bwd}$*" | tr -c 'a-zA-Z0-9_\n' _).txt"
+FLASHC_LIBRARY=${FLASHC_LIBRARY:-build-gpu/libflashc.so} ncu --clock-control none -k regex:"${NCU_KERNELS:-fc_bwd_(kv|q)_kernel}" \
   --launch-count "${NCU_COUNT:-1}" --section SpeedOfLight --section Occupancy --section WarpStateStats \
   --section LaunchStats --section ComputeWorkloadAnalysis \
   --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \

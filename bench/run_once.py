@@ -42,9 +42,14 @@ def main():
     ap.add_argument("--hkv", type=int, default=8, help="kv heads of --decode")
     ap.add_argument("--pages", type=int, default=0, help="--decode from a paged cache of this page size (pages "
                                                          "shuffled in the pool)")
+    ap.add_argument("--peer", choices=("cudnn", "flash"), help="torch SDPA's backend of that name instead of flashc "
+                    "(forward + autograd backward on the (B, H, N, D) views; plain and causal only), for a profile "
+                    "beside flashc's")
     args = ap.parse_args()
     if args.decode:
         return decode(args)
+    if args.peer:
+        return peer(args)
     H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
     q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     kw = dict(causal=args.causal, window_size=tuple(int(x) for x in args.window.split(",")), softcap=args.softcap)
@@ -83,6 +88,23 @@ def main():
             flashc.attention_backward(g, q, k, v, out, lse, deterministic=args.deterministic, **kw)
     torch.cuda.synchronize()
     print("ran B %d N %d H %d D %d %s" % (B, args.n, H, args.d, {x: y for x, y in kw.items() if x not in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks", "block_mask")}))
+
+
+def peer(args):
+    """--repeat forward + backward calls of F.scaled_dot_product_attention under the --peer backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[args.peer]
+    H, B = args.h or 2048 // args.d, args.b or max(1, 16384 // args.n)
+    q, k, v, g = (torch.randn(B, args.n, H, args.d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                  for _ in range(4))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(backend):
+        for _ in range(args.repeat):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+            if not args.no_bwd:
+                torch.autograd.grad(o, (q, k, v), g)
+    torch.cuda.synchronize()
+    print("ran %s: B %d N %d H %d D %d causal %d" % (args.peer, B, args.n, H, args.d, args.causal))
 
 
 def decode(args):

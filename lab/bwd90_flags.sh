@@ -4,7 +4,8 @@
 # sm_90a), the variant named by TEST with its tests too; times lab/bwd_split.py's main kernel (flashc's and cuDNN's,
 # us per call) for every variant in turns, ROUNDS rounds; then runs gpu_bwd, gpu_dropout, racecheck and memcheck of
 # d 64 and d 128 causal forward + backward, and (PYTEST=1, the default) the Python CUDA tests on TEST. Three
-# variants with TEST and PYTEST take about 550 s of a 600 s call: PYTEST=0 leaves room. Summary (printed last, also
+# variants with TEST and PYTEST take about 550 s of a 600 s call: PYTEST=0 leaves room. SAN_DIMS: the head dims of
+# the sanitizer runs (default "64 128"). Summary (printed last, also
 # $OUT/summary.txt) keeps every number; logs in $OUT (or build-flags/logs).
 #   VARIANTS="base: e1:-DFC90B_EARLY_DV=1 e2:-DFC90B_EARLY_DV=2" TEST=e2 bash lab/bwd90_flags.sh
 # A variant is name:flags, flags comma-separated (no spaces). SPLIT_ARGS: lab/bwd_split.py's arguments.
@@ -60,7 +61,7 @@ if [ -n "$TEST" ]; then
     note "$TEST $t rc $? at $((SECONDS - t0)) s: $(grep -cE '^ok' "$LOG/$t.log") ok, $(grep -c '^FAIL' "$LOG/$t.log") FAIL"
     grep '^FAIL' "$LOG/$t.log" | cut -c1-160 | head -5 >>"$S"
   done
-  for d in 64 128; do
+  for d in ${SAN_DIMS:-64 128}; do
     for tool in racecheck memcheck; do
       FLASHC_LIBRARY=$L timeout 90 compute-sanitizer --tool $tool --error-exitcode 3 python3 bench/run_once.py --d $d \
         --n 700 --b 2 --h 8 --causal --repeat 1 >"$LOG/san_${tool}_$d.log" 2>&1

@@ -91,6 +91,12 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 #ifndef FC90B_EARLY_DV
 #define FC90B_EARLY_DV 0
 #endif
+/* How dS^T (and at d 256 P^T) go to shared memory: by stmatrix, four 8 x 8 matrices per instruction, or by 4-byte
+ * stores, one pair per instruction. 1 (default): stmatrix at d 128 and 256; 2: at every head dim; 0: nowhere (before).
+ * H200, lab/LOG.md v11: the main kernel 2-3% faster at d 128, 0-2% at d 256, 2-4% slower at d 64. */
+#ifndef FC90B_STSM
+#define FC90B_STSM 1
+#endif
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -107,6 +113,8 @@ __host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128;
 template <int D, bool DROP> __host__ __device__ constexpr bool fc90b_early_dv() {
     return (FC90B_EARLY_DV == 2 ? D <= 128 : FC90B_EARLY_DV == 1 && D == 128) && !DROP;
 }
+/* dS^T (and P^T) stored by stmatrix (FC90B_STSM) in this kernel */
+template <int D> __host__ __device__ constexpr bool fc90b_stsm() { return FC90B_STSM == 2 || (FC90B_STSM == 1 && D > 64); }
 /* The columns of dK, dV a consumer keeps: all d, or half at d 256 (fc90b_split). */
 __host__ __device__ constexpr int fc90b_dw(int d) { return fc90b_split(fc90_btile_for(d)) ? d / 2 : d; }
 /* the step's queries a consumer scores (the N of S^T): all bm, or half of them when SPLIT */
@@ -566,15 +574,33 @@ static __device__ __forceinline__ void fc90b_grads_split(const flashc_bwd_args &
     /* n8 block j of the accumulator is query piece 4 cw + j of the step's buffers (keys x 64 queries, swizzled) */
     const int buf = it & 1;
     uint8_t *const sds = c.gbase + fc90b_off_ds(TL) + buf * DSB, *const sp = sds + 2 * DSB;
+    if (fc90b_stsm<D>()) {
+        /* n8 blocks (j, j + 1) x rows (+0, +8) as four 8 x 8 matrices (register 2 (j % 2) + hf); lane l gives row
+         * l % 8 of matrix l / 8 */
+        const int mi = (t % 32) / 8, row = 16 * warp + 8 * (mi & 1) + (t % 8);
+        const uint32_t sds_a = c.sDS + buf * DSB;
 #pragma unroll
-    for (int j = 0; j < SN / 8; ++j)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
-            const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16) + 4 * tig;
-            *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
-            *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
+        for (int j = 0; j < SN / 8; j += 2) {
+            const int piece = 4 * cw + j + (mi >> 1);
+            const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16);
+            fc90_stmatrix_x4(sds_a + 2 * DSB + off, fc_pack2<BF>(s[4 * j], s[4 * j + 1]),
+                             fc_pack2<BF>(s[4 * j + 2], s[4 * j + 3]), fc_pack2<BF>(s[4 * j + 4], s[4 * j + 5]),
+                             fc_pack2<BF>(s[4 * j + 6], s[4 * j + 7]));
+            fc90_stmatrix_x4(sds_a + off, fc_pack2<BF>(dp[4 * j], dp[4 * j + 1]),
+                             fc_pack2<BF>(dp[4 * j + 2], dp[4 * j + 3]), fc_pack2<BF>(dp[4 * j + 4], dp[4 * j + 5]),
+                             fc_pack2<BF>(dp[4 * j + 6], dp[4 * j + 7]));
         }
+    } else {
+#pragma unroll
+        for (int j = 0; j < SN / 8; ++j)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
+                const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16) + 4 * tig;
+                *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
+                *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
+            }
+    }
     fc90_fence_proxy_async();
     fc90_nbar_sync(FC90B_BAR_DS, 256);
 
@@ -666,14 +692,26 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
         /* dS^T into buffer buf, keys x queries, swizzled: fragment (cc, r) holds n8 blocks 2 cc + r / 2 (query
          * columns) of key row key0 - n0 + 8 (r % 2). */
         uint8_t *ds = c.gbase + fc90b_off_ds(TL) + buf * DSB;
+        if (fc90b_stsm<D>()) {
+            /* fragment cc as four 8 x 8 matrices (register r: rows + 8 (r % 2), n8 block 2 cc + r / 2); lane l gives
+             * row l % 8 of matrix l / 8 */
+            const int mi = (t % 32) / 8, row = key0 - g - blk.n0 + 8 * (mi & 1) + (t % 8);
 #pragma unroll
-        for (int cc = 0; cc < BM / 16; ++cc)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int row = key0 - blk.n0 + 8 * (r & 1), j = 2 * cc + (r >> 1); /* row in the tile */
-                *(uint32_t *)(ds + (j / 8) * (BN * 128) + row * 128 + (((j % 8) ^ (row & 7)) * 16) + 4 * tig) =
-                    da[cc][r];
+            for (int cc = 0; cc < BM / 16; ++cc) {
+                const int j = 2 * cc + (mi >> 1);
+                fc90_stmatrix_x4(c.sDS + buf * DSB + (j / 8) * (BN * 128) + row * 128 + (((j % 8) ^ (row & 7)) * 16),
+                                 da[cc][0], da[cc][1], da[cc][2], da[cc][3]);
             }
+        } else {
+#pragma unroll
+            for (int cc = 0; cc < BM / 16; ++cc)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int row = key0 - blk.n0 + 8 * (r & 1), j = 2 * cc + (r >> 1); /* row in the tile */
+                    *(uint32_t *)(ds + (j / 8) * (BN * 128) + row * 128 + (((j % 8) ^ (row & 7)) * 16) + 4 * tig) =
+                        da[cc][r];
+                }
+        }
     }
 
     fc90_pin(dv);

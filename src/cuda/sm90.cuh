@@ -124,6 +124,16 @@ static __device__ __forceinline__ void fc90_fence_proxy_async(void) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/* stmatrix.m8n8.x4.b16: lanes 8j..8j+7 give the shared addresses of matrix j's 8 rows (16 bytes each); register j
+ * of each lane holds matrix j's pair in row lane / 4, columns 2 (lane % 4), +1: the layout of an mma accumulator's
+ * packed pairs. One instruction for what takes four 4-byte stores per lane. */
+static __device__ __forceinline__ void fc90_stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                        uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 /*
  * Varlen: rows [valid, rows) of a swizzled tile of `rows` rows and D columns (D / 64 chunks) at shared address
  * tile hold the next sequence's values (TMA zero-fills only past the packed tensor). Their P (and dS) are 0, but
