@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashc  # noqa: E402
-from compare_torch_bwd import interleaved_medians  # noqa: E402
+from compare_torch_bwd import interleaved_medians, sweep_shapes  # noqa: E402
 
 BACKENDS = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
 
@@ -92,30 +92,26 @@ def main(argv=None):
           "matmul 8192^3: %.1f TFLOP/s" % (dev.name, torch.__version__, torch.backends.cudnn.version(), args.runs,
                                           args.ahead, cpp_autograd.status(), mm), flush=True)
     rows = []
-    for dname in args.dtypes.split(","):
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
-        for d in (int(x) for x in args.dims.split(",")):
-            for n in (int(x) for x in args.lens.split(",")):
-                H, B = 2048 // d, max(1, 16384 // n)
-                q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(4))
-                for causal in (bool(int(c)) for c in args.causal.split(",")):
-                    calls = {"flashc": lambda q, k, v, c=causal: flashc.flash_attn_func(q, k, v, causal=c)}
-                    for name, backend in BACKENDS:
-                        try:
-                            torch_call(backend, causal)(q, k, v)
-                            calls[name] = torch_call(backend, causal)
-                        except RuntimeError as e:  # a backend that refuses the shape
-                            print("  %s: %s" % (name, str(e).splitlines()[0][:100]), file=sys.stderr)
-                    t = row_times(calls, q, k, v, g, args.runs, args.ahead)
-                    f1 = 4.0 * B * H * n * n * d * (0.5 if causal else 1.0)
-                    tf = {kind: {nm: f1 * m / (ms * 1e-3) * 1e-12 for nm, ms in t[kind].items()}
-                          for kind, m in (("fwd", 1.0), ("bwd", 2.5), ("f+b", 3.5))}
-                    rows.append((dname, d, n, int(causal), tf))
-                    print("  %s D=%d N=%d causal=%d " % (dname, d, n, causal) + " | ".join(
-                        "%s %s" % (kind, " ".join("%s %.1f" % kv for kv in tf[kind].items())) for kind in tf) +
-                        " TFLOP/s", flush=True)
-                del q, k, v, g
-                torch.cuda.empty_cache()
+    for dname, dt, d, n, H, B in sweep_shapes(args):
+        q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(4))
+        for causal in (bool(int(c)) for c in args.causal.split(",")):
+            calls = {"flashc": lambda q, k, v, c=causal: flashc.flash_attn_func(q, k, v, causal=c)}
+            for name, backend in BACKENDS:
+                try:
+                    torch_call(backend, causal)(q, k, v)
+                    calls[name] = torch_call(backend, causal)
+                except RuntimeError as e:  # a backend that refuses the shape
+                    print("  %s: %s" % (name, str(e).splitlines()[0][:100]), file=sys.stderr)
+            t = row_times(calls, q, k, v, g, args.runs, args.ahead)
+            f1 = 4.0 * B * H * n * n * d * (0.5 if causal else 1.0)
+            tf = {kind: {nm: f1 * m / (ms * 1e-3) * 1e-12 for nm, ms in t[kind].items()}
+                  for kind, m in (("fwd", 1.0), ("bwd", 2.5), ("f+b", 3.5))}
+            rows.append((dname, d, n, int(causal), tf))
+            print("  %s D=%d N=%d causal=%d " % (dname, d, n, causal) + " | ".join(
+                "%s %s" % (kind, " ".join("%s %.1f" % kv for kv in tf[kind].items())) for kind in tf) +
+                " TFLOP/s", flush=True)
+        del q, k, v, g
+        torch.cuda.empty_cache()
 
     print("\nTFLOP/s, flashc / cuDNN (ratio); last columns: flashc / torch's flash backend")
     print("\n| dtype | D | N | causal | forward | backward | forward + backward | fwd / flash | bwd / flash "

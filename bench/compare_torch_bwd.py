@@ -47,6 +47,16 @@ def interleaved_medians(fns, runs, warmup=3, ahead=0):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def sweep_shapes(args):
+    """(dtype name, torch dtype, D, N, H, B) of the CONVENTIONS.md sweep (hidden 2048: H = 2048 / D, B = 16384 / N)
+    that args.dtypes, args.dims and args.lens select."""
+    for dname in args.dtypes.split(","):
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+        for d in (int(x) for x in args.dims.split(",")):
+            for n in (int(x) for x in args.lens.split(",")):
+                yield dname, dt, d, n, 2048 // d, max(1, 16384 // n)
+
+
 def cuda_median_ms(fn, runs, warmup=3):
     """Median ms of fn alone."""
     return interleaved_medians({"fn": fn}, runs, warmup)["fn"]
@@ -65,59 +75,55 @@ def main(argv=None):
     print("device: %s; torch %s; cudnn %s; median of %d runs" % (dev.name, torch.__version__,
                                                                  torch.backends.cudnn.version(), args.runs))
     rows = []
-    for dname in args.dtypes.split(","):
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
-        for d in (int(x) for x in args.dims.split(",")):
-            for n in (int(x) for x in args.lens.split(",")):
-                H, B = 2048 // d, max(1, 16384 // n)
-                q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(4))
-                for causal in (bool(int(c)) for c in args.causal.split(",")):
-                    out, lse = flashc.attention(q, k, v, causal=causal)
-                    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-                    gt = g.transpose(1, 2)
-                    # Backward alone: flashc (and its deterministic mode) and each torch backend's backward through
-                    # a graph its forward recorded, timed in turns.
-                    bwd = {"bwd": lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal)}
-                    if not args.no_det:
-                        bwd["det"] = lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal,
-                                                                       deterministic=True)
-                    graphs = {}
-                    for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                        try:
-                            with sdpa_kernel(backend):
-                                graphs[name] = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
-                                                                                                is_causal=causal)
-                            bwd[name] = (lambda o: lambda: torch.autograd.grad(o, (qt, kt, vt), gt,
-                                                                               retain_graph=True))(graphs[name])
-                        except RuntimeError as e:  # a backend that refuses the shape
-                            print("  %s: %s" % (backend, str(e).splitlines()[0][:100]), file=sys.stderr)
-                    t = {"det": None, "fa": None, "cudnn": None, "fa_fb": None, "cudnn_fb": None}
-                    t.update(interleaved_medians(bwd, args.runs))
-                    graphs.clear()
+    for dname, dt, d, n, H, B in sweep_shapes(args):
+        q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=dt) for _ in range(4))
+        for causal in (bool(int(c)) for c in args.causal.split(",")):
+            out, lse = flashc.attention(q, k, v, causal=causal)
+            qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+            gt = g.transpose(1, 2)
+            # Backward alone: flashc (and its deterministic mode) and each torch backend's backward through
+            # a graph its forward recorded, timed in turns.
+            bwd = {"bwd": lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal)}
+            if not args.no_det:
+                bwd["det"] = lambda: flashc.attention_backward(g, q, k, v, out, lse, causal=causal,
+                                                               deterministic=True)
+            graphs = {}
+            for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        graphs[name] = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt,
+                                                                                        is_causal=causal)
+                    bwd[name] = (lambda o: lambda: torch.autograd.grad(o, (qt, kt, vt), gt,
+                                                                       retain_graph=True))(graphs[name])
+                except RuntimeError as e:  # a backend that refuses the shape
+                    print("  %s: %s" % (backend, str(e).splitlines()[0][:100]), file=sys.stderr)
+            t = {"det": None, "fa": None, "cudnn": None, "fa_fb": None, "cudnn_fb": None}
+            t.update(interleaved_medians(bwd, args.runs))
+            graphs.clear()
 
-                    # Forward + backward: each under its own backend choice, one after the other.
-                    def fb():
-                        o, l = flashc.attention(q, k, v, causal=causal)
-                        flashc.attention_backward(g, q, k, v, o, l, causal=causal)
-                    t["fb"] = cuda_median_ms(fb, args.runs)
-                    for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                        if t[name] is None:
-                            continue
-                        with sdpa_kernel(backend):
-                            def tfb():
-                                oo = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                                torch.autograd.grad(oo, (qt, kt, vt), gt)
-                            t[name + "_fb"] = cuda_median_ms(tfb, args.runs)
-                    f1 = 4.0 * B * H * n * n * d * (0.5 if causal else 1.0)
-                    tf = lambda ms, m: f1 * m / (ms * 1e-3) * 1e-12 if ms else float("nan")  # noqa: E731
-                    r = (dname, d, n, int(causal), tf(t["bwd"], 2.5), tf(t["det"], 2.5), tf(t["fa"], 2.5),
-                         tf(t["cudnn"], 2.5), tf(t["fb"], 3.5), tf(t["fa_fb"], 3.5), tf(t["cudnn_fb"], 3.5))
-                    rows.append(r)
-                    print("  %s D=%d N=%d causal=%d bwd flashc %.1f det %.1f fa %.1f cudnn %.1f | f+b flashc %.1f "
-                          "fa %.1f cudnn %.1f TFLOP/s" % r, flush=True)
-                    del qt, kt, vt, out, lse
-                del q, k, v, g
-                torch.cuda.empty_cache()
+            # Forward + backward: each under its own backend choice, one after the other.
+            def fb():
+                o, l = flashc.attention(q, k, v, causal=causal)
+                flashc.attention_backward(g, q, k, v, o, l, causal=causal)
+            t["fb"] = cuda_median_ms(fb, args.runs)
+            for name, backend in (("fa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                if t[name] is None:
+                    continue
+                with sdpa_kernel(backend):
+                    def tfb():
+                        oo = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                        torch.autograd.grad(oo, (qt, kt, vt), gt)
+                    t[name + "_fb"] = cuda_median_ms(tfb, args.runs)
+            f1 = 4.0 * B * H * n * n * d * (0.5 if causal else 1.0)
+            tf = lambda ms, m: f1 * m / (ms * 1e-3) * 1e-12 if ms else float("nan")  # noqa: E731
+            r = (dname, d, n, int(causal), tf(t["bwd"], 2.5), tf(t["det"], 2.5), tf(t["fa"], 2.5),
+                 tf(t["cudnn"], 2.5), tf(t["fb"], 3.5), tf(t["fa_fb"], 3.5), tf(t["cudnn_fb"], 3.5))
+            rows.append(r)
+            print("  %s D=%d N=%d causal=%d bwd flashc %.1f det %.1f fa %.1f cudnn %.1f | f+b flashc %.1f "
+                  "fa %.1f cudnn %.1f TFLOP/s" % r, flush=True)
+            del qt, kt, vt, out, lse
+        del q, k, v, g
+        torch.cuda.empty_cache()
 
     print("\n| dtype | D | N | causal | bwd flashc | bwd det | bwd torch-flash | bwd cuDNN | /flash | /cuDNN "
           "| f+b flashc | f+b torch-flash | f+b cuDNN | /flash | /cuDNN |")
