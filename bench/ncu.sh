@@ -2,7 +2,7 @@
 # bench/ncu.sh - Nsight Compute on flashc's CUDA kernels at one sweep shape (after a build into build-gpu): speed
 # of light, occupancy, issue statistics and the warp stall reasons (cycles per issued instruction, by reason).
 # NCU_KERNELS: a regex of kernel names (default: the backward's main kernels; "fc90" for the Hopper forward,
-# "fc_fwd_kernel" for the mma.sync forward; with --peer cudnn, "cudnn.*bprop" for cuDNN's backward). Args go to
+# "fc_fwd_kernel" for the mma.sync forward; with --peer cudnn, "sdpa_sm90_flash_bprop" for cuDNN's backward). Args go to
 # bench/run_once.py (--d, --n, --causal, --deterministic, --peer). FLASHC_LIBRARY: the library (build-gpu's).
 cd "$(dirname "$0")/.."
 LOG=${OUT:-$PWD/build-gpu/logs}
