@@ -24,6 +24,11 @@
  * and reduction run under dK's product. dK is scaled by the softmax scale at the end; dQ's scale is applied by the
  * conversion kernel.
  *
+ * d 256 (bn = 64: dK and dV of 64 keys x 256 columns take 128 registers each) gives the consumers roles instead
+ * (fc90b_roles_run): consumer 0 computes S^T, P^T and dV += P^T dO over all d, consumer 1 dP^T, dS^T (reading P^T
+ * from shared memory) and dK += dS^T Q, and each computes half of dQ's columns. Every product then has N = 64 or
+ * N = d; halves of the keys or of the queries would take N = 32 and read K and V twice.
+ *
  * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
  * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by step parity; 128 query columns as two chunks
  * of 64), st stages of the rows' lse2 and D (2 x bm floats), each consumer's dQ staging (64 x 64 fp32,
@@ -33,7 +38,8 @@
  * shared-memory addresses, then the producer warpgroup runs fc90b_produce, and each consumer warpgroup takes its
  * fixed part (fc90b_consumer_at) and runs the step loop: per step fc90b_probs (S^T, dP^T, then P^T and dS^T; the
  * band through fc_band_cuts_in / fc_keeps_in) and fc90b_grads (d 64 / 128) or fc90b_grads_split (d 256), then the
- * epilogue fc90b_store_dkdv.
+ * epilogue fc90b_store_acc. At d 256 (with FC90B_ROLES, the default) fc90b_roles_run takes the loop and the
+ * epilogue instead: the consumers have roles there rather than halves of the keys (below).
  *
  * Barrier protocol (phases as in fwd_sm90.cu):
  *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
@@ -98,6 +104,14 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 #define FC90B_STSM 1
 #endif
 
+/* d 256: 1 (default) gives the two consumers roles (fc90b_roles) in place of halves of the step's queries and of d:
+ * one computes S^T, P^T and dV for the tile's 64 keys, the other dP^T, dS^T and dK, P^T passing between them
+ * through shared memory; 0 keeps the halves (fc90b_grads_split), for lab builds that compare the two. H200,
+ * lab/LOG.md (twenty-fourth session): the main kernel 12-27% faster. */
+#ifndef FC90B_ROLES
+#define FC90B_ROLES 1
+#endif
+
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_ds_bytes(fc90_btile t) { return (uint32_t)t.bn * t.bm * 2; }
@@ -109,6 +123,11 @@ __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b
  * dS^T in shared memory (two of each, by step parity), and dQ is staged over the step's Q / dO ring slot: a
  * staging of its own would not fit. */
 __host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
+/* The roles of the d 256 tile (FC90B_ROLES): consumer 0 takes S^T = K Q^T, P^T (into shared memory, as fp16
+ * pairs with the softcap's derivative folded in) and dV += P^T dO for all d, then dQ's first d / 2 columns;
+ * consumer 1 takes dP^T = V dO^T, dS^T from P^T, dK += dS^T Q for all d, then dQ's other half. Each product has
+ * N = 64 (S^T, dP^T) or N = d (dV, dK, A from registers), where the halves take N = 32 and read K and V twice. */
+__host__ __device__ constexpr bool fc90b_roles(fc90_btile t) { return FC90B_ROLES && fc90b_split(t); }
 /* dV early (FC90B_EARLY_DV) in this kernel */
 template <int D, bool DROP> __host__ __device__ constexpr bool fc90b_early_dv() {
     return (FC90B_EARLY_DV == 2 ? D <= 128 : FC90B_EARLY_DV == 1 && D == 128) && !DROP;
@@ -302,18 +321,21 @@ static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, c
     }
 }
 
-/* The epilogue of a consumer warpgroup: dK = scale dS^T Q and dV of this thread's two key rows (key0, key0 + 8),
- * its DW columns from col0, into global memory; over the ring's shared memory when rows allow 16-byte stores. */
-template <int D, int BF>
-static __device__ __forceinline__ void fc90b_store_dkdv(const flashc_bwd_args &a, const float (&dk)[fc90b_dw(D) / 2],
-                                                        const float (&dv)[fc90b_dw(D) / 2], const fc90b_block &blk,
-                                                        uint8_t *gbase, int cw, int t, int warp, int g, int tig,
-                                                        int krow, int key0, int col0) {
+/* The epilogue of a consumer warpgroup: its accumulators of this thread's two key rows (key0, key0 + 8), DW
+ * columns from col0, into global memory (dK scaled by the softmax scale), over the ring's shared memory when rows
+ * allow 16-byte stores. TWO: acc0 is dK and acc1 dV; otherwise acc0 alone is dK (which0 0) or dV (which0 1). */
+template <int D, int BF, int DW, bool TWO>
+static __device__ __forceinline__ void fc90b_store_acc(const flashc_bwd_args &a, const float (&acc0)[DW / 2],
+                                                       const float (&acc1)[DW / 2], int which0, const fc90b_block &blk,
+                                                       uint8_t *gbase, int cw, int t, int warp, int g, int tig,
+                                                       int krow, int key0, int col0) {
     const int n0 = blk.n0, nk = blk.nk, sk0 = blk.sk0, qb = blk.qb, hk = blk.hk;
     constexpr fc90_btile TL = fc90_btile_for(D);
-    constexpr int ST = TL.st, DW = fc90b_dw(D);
+    constexpr int ST = TL.st, NP = TWO ? 2 : 1;
     constexpr uint32_t QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
-    /* dK = scale dS^T Q, dV: this thread's two key rows, columns col0 + 8 j + 2 tig + {0, 1}. */
+    /* part p: its tensor (0 dK, 1 dV) and factor */
+    auto tensor = [&](int p) { return TWO ? p : which0; };
+    auto mul = [&](int p) { return tensor(p) ? 1.f : a.scale; };
     const bool vec_out = a.out_dtype != FLASHC_DTYPE_F32 && a.dk_sd == 1 && a.dv_sd == 1 &&
                          (((uintptr_t)a.dk | (uintptr_t)a.dv) & 15) == 0 &&
                          ((a.dk_sb | a.dk_sn | a.dk_sh | a.dv_sb | a.dv_sn | a.dv_sh) & 7) == 0;
@@ -322,23 +344,25 @@ static __device__ __forceinline__ void fc90b_store_dkdv(const flashc_bwd_args &a
          * consumers are past their last step; rows padded by 16 bytes against bank conflicts), then written as
          * 16-byte pieces, consecutive threads on consecutive pieces of a row. */
         constexpr int OROW = DW + 8;
-        static_assert(2 * 2 * 64 * OROW * 2 <= 2 * ST * QB + 2 * DSB, "epilogue staging within the ring and dS^T");
+        static_assert(2 * NP * 64 * OROW * 2 <= 2 * ST * QB + 2 * DSB, "epilogue staging within the ring and dS^T");
         fc90_nbar_sync(FC90B_BAR_DS, 256);
-        uint16_t *st = (uint16_t *)(gbase + fc90b_off_q(TL)) + cw * 2 * 64 * OROW;
+        uint16_t *st = (uint16_t *)(gbase + fc90b_off_q(TL)) + cw * NP * 64 * OROW;
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int r = 16 * warp + g + 8 * hf;
 #pragma unroll
-            for (int j = 0; j < DW / 8; ++j) {
-                *(uint32_t *)(st + r * OROW + 8 * j + 2 * tig) =
-                    fc_pack2<BF>(a.scale * dk[4 * j + 2 * hf], a.scale * dk[4 * j + 2 * hf + 1]);
-                *(uint32_t *)(st + (64 + r) * OROW + 8 * j + 2 * tig) =
-                    fc_pack2<BF>(dv[4 * j + 2 * hf], dv[4 * j + 2 * hf + 1]);
+            for (int p = 0; p < NP; ++p) {
+                const float(&acc)[DW / 2] = p ? acc1 : acc0;
+                const float m = mul(p);
+#pragma unroll
+                for (int j = 0; j < DW / 8; ++j)
+                    *(uint32_t *)(st + (64 * p + r) * OROW + 8 * j + 2 * tig) =
+                        fc_pack2<BF>(m * acc[4 * j + 2 * hf], m * acc[4 * j + 2 * hf + 1]);
             }
         }
         fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
-        for (int c = t; c < 2 * 64 * (DW / 8); c += FC90_WG_THREADS) {
-            const int r = c / (DW / 8), piece = c % (DW / 8), which = r / 64, key = n0 + krow + r % 64;
+        for (int c = t; c < NP * 64 * (DW / 8); c += FC90_WG_THREADS) {
+            const int r = c / (DW / 8), piece = c % (DW / 8), which = tensor(r / 64), key = n0 + krow + r % 64;
             if (key >= nk) continue;
             const int64_t off = which ? (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh
                                       : (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
@@ -350,15 +374,20 @@ static __device__ __forceinline__ void fc90b_store_dkdv(const flashc_bwd_args &a
         for (int hf = 0; hf < 2; ++hf) {
             const int key = key0 + 8 * hf;
             if (key >= nk) continue;
-            const int64_t ok = (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
-            const int64_t ov = (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh;
 #pragma unroll
-            for (int j = 0; j < DW / 8; ++j) {
-                const int col = col0 + 8 * j + 2 * tig;
-                fc_bwd_store2(a.dk, ok + col * a.dk_sd, a.dk_sd, a.out_dtype, a.scale * dk[4 * j + 2 * hf],
-                              a.scale * dk[4 * j + 2 * hf + 1], true);
-                fc_bwd_store2(a.dv, ov + col * a.dv_sd, a.dv_sd, a.out_dtype, dv[4 * j + 2 * hf],
-                              dv[4 * j + 2 * hf + 1], true);
+            for (int p = 0; p < NP; ++p) {
+                const float(&acc)[DW / 2] = p ? acc1 : acc0;
+                const float m = mul(p);
+                const bool dv = tensor(p);
+                const int64_t o = dv ? (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh
+                                     : (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
+                const int64_t sd = dv ? a.dv_sd : a.dk_sd;
+#pragma unroll
+                for (int j = 0; j < DW / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * tig;
+                    fc_bwd_store2(dv ? a.dv : a.dk, o + col * sd, sd, a.out_dtype, m * acc[4 * j + 2 * hf],
+                                  m * acc[4 * j + 2 * hf + 1], true);
+                }
             }
         }
     }
@@ -383,13 +412,13 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
                                                                    uint32_t sDS, const float *sLD) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64;
-    constexpr bool SPLIT = fc90b_split(TL);
+    constexpr bool SPLIT = fc90b_split(TL), ROLES = fc90b_roles(TL);
     constexpr int DW = fc90b_dw(D);
     fc90b_consumer c;
     c.cw = wg - 1, c.t = threadIdx.x % FC90_WG_THREADS, c.warp = c.t / 32, c.g = (c.t % 32) / 4, c.tig = c.t % 4;
     c.krow = SPLIT ? 0 : 64 * c.cw;
     c.key0 = n0 + c.krow + 16 * c.warp + c.g;
-    c.col0 = SPLIT ? c.cw * DW : 0;
+    c.col0 = SPLIT && !ROLES ? c.cw * DW : 0; /* ROLES: dV or dK of all d */
     c.base = base, c.sQ = sQ, c.sG = sG, c.sDS = sDS, c.gbase = gbase, c.sLD = sLD;
     /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
      * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
@@ -401,7 +430,7 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them (its half of the rows, or
      * every other step with 64-row steps); at
      * d 256 its DW columns (two chunks, LBO apart), every step. */
-    c.dq_chunk = SPLIT ? c.col0 / 64 : NCH > 1 ? c.cw : 0;
+    c.dq_chunk = ROLES ? c.cw * NCH / 2 : SPLIT ? c.col0 / 64 : NCH > 1 ? c.cw : 0;
     c.dKn = fc90_desc(sK + c.dq_chunk * BN * FC90_SW_ROW, BN * FC90_SW_ROW, 1024);
     c.dSn = fc90_desc(sDS, BM * FC90_SW_ROW, 1024);
     c.sdq = gbase + fc90b_off_dq(TL) + c.cw * fc90b_dq_bytes(TL);
@@ -809,6 +838,216 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
     }
 }
 
+
+/*
+ * d 256 with roles (fc90b_roles): consumer R's step loop and epilogue. Per step, both products of the first stage
+ * run at once (S^T on consumer 0, dP^T on 1), then:
+ *   R 0: P^T (the element step of score.h where a mask cuts the tile or a score modifier is on), stored as fp16
+ *        pairs of P^T dcap (the softcap's derivative; dropout's keep bits are applied to dP^T by consumer 1) into
+ *        the step's P^T buffer by stmatrix, named barrier FC90B_BAR_P arrived at; dV += P^T dO (Z P^T under
+ *        dropout) issued from registers.
+ *   R 1: waits at FC90B_BAR_P, reads P^T dcap back by ldmatrix (the same addresses and registers), dS^T =
+ *        P^T dcap o (Z dP^T - D), stored by stmatrix (with DQ) and fenced for the async proxy; dK += dS^T Q issued.
+ * Both meet at FC90B_BAR_DS (sync on both sides, so that neither runs a step ahead of the other: that also
+ * keeps the P^T and dS^T buffers and the two barriers' phases apart), then each computes dQ = dS K for its half
+ * of d, stages it over the step's dO (R 0, whose dV was its last reader) or Q (R 1, after its dK) ring slot and
+ * has the TMA add it to the sums; thread 0 gives the slot back once the reduction has read it (staged_slot, next
+ * step). Consumer 0's next S^T can start while consumer 1's dK runs.
+ */
+#define FC90B_BAR_P 6 /* named barrier: consumer 0's P^T stored (arrive), consumer 1 reads it (sync) */
+template <int R, int D, int BF, int DQ, bool VARLEN, bool BMASK, bool DROP, typename Ring>
+static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a, const fc90b_block &blk,
+                                                       const fc90b_consumer &c, const Ring &ring,
+                                                       const CUtensorMap &tm_dq, uint32_t bar_kv, uint32_t sK,
+                                                       uint32_t sV, bool generic) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BN = TL.bn, BM = TL.bm, DQN = D / 2;
+    constexpr uint32_t QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
+    static_assert(fc90b_roles(TL) && BN == 64 && BM == 64, "the d 256 tile");
+    const int b = blk.b, hk = blk.hk, kt = blk.kt, group = blk.group, mb_lo = blk.mb_lo, mb_hi = blk.mb_hi,
+              per_head = blk.per_head, items = blk.items, n0 = blk.n0, nq = blk.nq, nk = blk.nk, diag = blk.diag;
+    const int cw = c.cw, t = c.t, warp = c.warp, lane = t % 32, tig = c.tig, key0 = c.key0;
+    const int wl = a.win_left, wr = a.win_right;
+    float acc[D / 2]; /* R 0: dV, R 1: dK, all d */
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    int staged_slot = -1;
+    if (items > 0) fc90_bar_wait(bar_kv, 0);
+    if constexpr (VARLEN) {
+        if (items > 0 && n0 + BN > nk) {
+            fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+            fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
+        }
+    }
+    /* stmatrix / ldmatrix of the 64 x 64 P^T and dS^T tiles: n8 blocks (j, j + 1) x rows (+0, +8) as four 8 x 8
+     * matrices; lane l gives row l % 8 of matrix l / 8 (fc90b_grads_split's layout, 64 queries) */
+    const int mi = lane / 8, mrow = 16 * warp + 8 * (mi & 1) + (t % 8);
+    int step_gi = 0, step_mt = mb_lo - 1;
+    for (int it = 0; it < items; ++it) {
+        fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, step_gi, step_mt);
+        const int slot = ring.slot(it), h = hk * group + step_gi, mt = step_mt, m0 = mt * BM, buf = it & 1;
+        const uint32_t qoff = (slot * QB) >> 4, sPt = c.sDS + (2 + buf) * DSB, sDSt = c.sDS + buf * DSB;
+        ring.wait_full(it);
+        if constexpr (VARLEN) {
+            if (m0 + BM > nq) {
+                fc90_clear_rows<D>(c.sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+                fc90_clear_rows<D>(c.sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
+            }
+        }
+        float x[BM / 2]; /* R 0: S^T, then P^T; R 1: dP^T, then dS^T */
+        fc90_pin(x);
+        fc90_wgmma_fence();
+        if (R == 0) fc90b_scores_issue<D, BM, BF>(x, c.dKa, c.dQk + qoff);
+        else fc90b_scores_issue<D, BM, BF>(x, c.dVa, c.dGk + qoff);
+        uint32_t keep[1];
+        if (DROP) {
+            fc_drop_bits_cols<BM / 8>(fc_drop_begin(a, b, h), n0 + 16 * warp, m0, lane, keep);
+            fc90_block_end_bits(keep);
+        }
+        if (DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
+            fc90_bulk_wait_read();
+            ring.release_slot(staged_slot);
+            staged_slot = -1;
+        }
+        const float *lse2 = c.sLD + slot * 2 * BM, *dvec = lse2 + BM;
+        uint32_t op[BM / 16][4]; /* the A operand of dV (R 0) or dK (R 1) */
+        fc90_wgmma_wait<0>();
+        fc90_pin(x);
+        if (R == 0) {
+            const bool cut = fc_band_cuts_lr(a, wl, wr, m0, m0 + BM - 1, n0, n0 + BN - 1, diag, nk);
+            const bool part = BMASK && fc_bit(fc_bm_tile_bits(a, b, h, kt, a.n_kblk) + a.bm_tiles_w, mt);
+            uint32_t e[BM / 16][4]; /* P^T dcap as fp16 pairs, op's layout */
+            if (!generic && !cut && !part) {
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j) {
+                    const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        x[4 * j + 2 * hf] = fc_exp2(fmaf(x[4 * j + 2 * hf], a.score_mul, -l.x));
+                        x[4 * j + 2 * hf + 1] = fc_exp2(fmaf(x[4 * j + 2 * hf + 1], a.score_mul, -l.y));
+                    }
+                }
+                fc90_pack_p<BM, 0>(e, x);
+            } else {
+                const float slope2 = fc_alibi_slope2(a, b, h);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        float pd[2];
+#pragma unroll
+                        for (int ee = 0; ee < 2; ++ee) {
+                            const int i = m0 + 8 * j + 2 * tig + ee, key = key0 + 8 * hf;
+                            bool vis = fc_keeps_lr(a, wl, wr, i, key, diag, nk);
+                            if (BMASK && part)
+                                vis = vis && fc_bm_keeps(a, fc_bm_row(a, fc_bm_base(a, b, h), min(i, nq - 1)), key);
+                            const float al = a.alibi ? slope2 * fabsf((float)(i + diag - key)) : 0.f;
+                            float dcap;
+                            float &v = x[4 * j + 2 * hf + ee];
+                            v = fc_bwd_prob<fc_fast_math>(a, v, lse2[8 * j + 2 * tig + ee], al, vis, dcap);
+                            pd[ee] = v * dcap;
+                        }
+                        e[j / 2][2 * (j % 2) + hf] = fc_pack2<0>(pd[0], pd[1]);
+                    }
+            }
+#pragma unroll
+            for (int cc = 0; cc < BM / 16; ++cc) {
+                const int piece = 2 * cc + (mi >> 1);
+                fc90_stmatrix_x4(sPt + mrow * FC90_SW_ROW + ((piece ^ (mrow & 7)) * 16), e[cc][0], e[cc][1],
+                                 e[cc][2], e[cc][3]);
+            }
+            fc90_nbar_arrive(FC90B_BAR_P);
+            if (DROP) fc_drop_apply(x, keep, a.drop_scale);
+            fc90_pack_p<BM, BF>(op, x);
+        } else {
+            if (DROP) fc_drop_apply(x, keep, a.drop_scale);
+            fc90_nbar_sync(FC90B_BAR_P, 256);
+            uint32_t e[BM / 16][4];
+#pragma unroll
+            for (int cc = 0; cc < BM / 16; ++cc) {
+                const int piece = 2 * cc + (mi >> 1);
+                fc90_ldmatrix_x4(sPt + mrow * FC90_SW_ROW + ((piece ^ (mrow & 7)) * 16), e[cc]);
+            }
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j) {
+                const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    const float2 p = fc_unpack2<0>(e[j / 2][2 * (j % 2) + hf]);
+                    x[4 * j + 2 * hf] = p.x * (x[4 * j + 2 * hf] - dd.x);
+                    x[4 * j + 2 * hf + 1] = p.y * (x[4 * j + 2 * hf + 1] - dd.y);
+                }
+            }
+            fc90_pack_p<BM, BF>(op, x);
+            if (DQ) {
+#pragma unroll
+                for (int cc = 0; cc < BM / 16; ++cc) {
+                    const int piece = 2 * cc + (mi >> 1);
+                    fc90_stmatrix_x4(sDSt + mrow * FC90_SW_ROW + ((piece ^ (mrow & 7)) * 16), op[cc][0], op[cc][1],
+                                     op[cc][2], op[cc][3]);
+                }
+                fc90_fence_proxy_async();
+            }
+        }
+        fc90_pin(acc);
+        fc90_pin(op);
+        fc90_wgmma_fence();
+        fc90b_grad_issue<D, BM, BF>(acc, op, (R == 0 ? c.dGn : c.dQn) + qoff);
+        fc90_wgmma_commit();
+        fc90_nbar_sync(FC90B_BAR_DS, 256);
+        if (DQ == FC90B_DQ_TMA) {
+            /* dV or dK complete first: its accumulator, operand and dQ's would not fit in registers together
+             * (ptxas serializes every wgmma, C7512) */
+            fc90_wgmma_wait<0>();
+            fc90_pin(acc);
+            fc90_pin(op);
+            float dq[DQN / 2];
+#pragma unroll
+            for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
+            fc90_pin(dq);
+            fc90_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                fc90_mma_ss<DQN, BF, 1>(dq, c.dSn + ((buf * DSB + kk * 2048) >> 4), c.dKn + ((kk * 2048) >> 4), kk > 0);
+            fc90_wgmma_commit();
+            fc90_wgmma_wait<0>();
+            fc90_pin(dq);
+            /* fp32, DQN / 32 swizzled boxes of 32 columns (fragment j in box j / 4), over dO (R 0) or Q (R 1) */
+            uint8_t *const stg = c.gbase + (R == 0 ? fc90b_off_g(TL) : fc90b_off_q(TL)) + slot * QB;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int row = 16 * warp + c.g + 8 * hf;
+#pragma unroll
+                for (int j = 0; j < DQN / 8; ++j) {
+                    const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
+                    *(float2 *)(stg + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
+                        make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
+                }
+            }
+            fc90_fence_proxy_async();
+            fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
+            if (t == 0) {
+                const uint32_t src = (R == 0 ? c.sG : c.sQ) + slot * QB;
+#pragma unroll
+                for (int bx = 0; bx < DQN / 32; ++bx)
+                    fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), cw * DQN + 32 * bx, h, blk.sq0 + m0,
+                                        blk.qb);
+                fc90_bulk_commit();
+                staged_slot = slot;
+            } else {
+                ring.release_slot(slot);
+            }
+        } else {
+            fc90_wgmma_wait<0>();
+            fc90_pin(acc);
+            fc90_pin(op);
+            ring.release_slot(slot);
+        }
+    }
+    if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
+    fc90b_store_acc<D, BF, D, false>(a, acc, acc, R == 0 /* dV */, blk, c.gbase, cw, t, warp, c.g, tig, 0, key0, 0);
+}
+
 #endif /* FC90_DEVICE */
 
 template <int D, int BF, int DQ, bool VARLEN, bool BMASK = false, bool DROP = false>
@@ -883,6 +1122,13 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
     fc90_regs_inc<FC90B_CONS_REGS>();
     const fc90b_consumer c = fc90b_consumer_at<D>(wg, n0, base, gbase, sK, sV, sQ, sG, sDS, sLD);
+    if constexpr (fc90b_roles(TL)) {
+        if (c.cw == 0)
+            fc90b_roles_run<0, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV, !fc_score_plain(a));
+        else
+            fc90b_roles_run<1, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV, !fc_score_plain(a));
+        return;
+    }
     float dk[DW / 2], dv[DW / 2], s_keep[SN / 2], dp_keep[SN / 2];
 #pragma unroll
     for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -932,7 +1178,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
      * goes away. */
     if (DQ == FC90B_DQ_TMA && c.t == 0) fc90_bulk_wait_read();
 
-    fc90b_store_dkdv<D, BF>(a, dk, dv, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0, c.col0);
+    fc90b_store_acc<D, BF, DW, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0, c.col0);
 #endif /* FC90_DEVICE */
 }
 

@@ -132,13 +132,20 @@ FC_HD float fc_alibi(float slope2, I dist) {
     return slope2 * fabsf((float)dist);
 }
 
-/* The backward's element (in place): s (raw q k) becomes P = 2^(x - alibi - lse2), x the forward's base-2 score
- * (fc_score), and dp becomes dS = P (dP - D_i) (times the softcap's derivative). vis false: P = dS = 0. */
+/* The backward's probability of the raw product s (q k): P = 2^(x - alibi - lse2), x the forward's base-2 score
+ * (fc_score), and dcap the softcap's derivative there. vis false: P = 0. */
+template <typename Math, typename Args>
+FC_HD float fc_bwd_prob(const Args &a, float s, float lse2, float alibi, bool vis, float &dcap) {
+    const float x = fc_score<Math>(a, s, dcap);
+    return vis ? Math::exp2(x - alibi - lse2) : 0.f;
+}
+
+/* The backward's element (in place): s (raw q k) becomes P (fc_bwd_prob), and dp becomes dS = P (dP - D_i) (times
+ * the softcap's derivative). vis false: P = dS = 0. */
 template <typename Math, typename Args>
 FC_HD void fc_bwd_elem(const Args &a, float &s, float &dp, float lse2, float dvec, float alibi, bool vis) {
     float dcap;
-    const float x = fc_score<Math>(a, s, dcap);
-    const float p = vis ? Math::exp2(x - alibi - lse2) : 0.f;
+    const float p = fc_bwd_prob<Math>(a, s, lse2, alibi, vis, dcap);
     s = p;
     dp = p * (dp - dvec) * dcap;
 }

@@ -134,6 +134,14 @@ static __device__ __forceinline__ void fc90_stmatrix_x4(uint32_t addr, uint32_t 
                  : "memory");
 }
 
+/* ldmatrix.m8n8.x4.b16: stmatrix's inverse, with the same addresses and registers. */
+static __device__ __forceinline__ void fc90_ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
 /*
  * Varlen: rows [valid, rows) of a swizzled tile of `rows` rows and D columns (D / 64 chunks) at shared address
  * tile hold the next sequence's values (TMA zero-fills only past the packed tensor). Their P (and dS) are 0, but
