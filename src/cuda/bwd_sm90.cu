@@ -107,7 +107,7 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 /* d 256: 1 (default) gives the two consumers roles (fc90b_roles) in place of halves of the step's queries and of d:
  * one computes S^T, P^T and dV for the tile's 64 keys, the other dP^T, dS^T and dK, P^T passing between them
  * through shared memory; 0 keeps the halves (fc90b_grads_split), for lab builds that compare the two. H200,
- * lab/LOG.md (twenty-fourth session): the main kernel 12-27% faster. */
+ * lab/LOG.md (twenty-fourth session): the main kernel 12-30% faster. */
 #ifndef FC90B_ROLES
 #define FC90B_ROLES 1
 #endif
