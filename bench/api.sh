@@ -6,6 +6,7 @@
 #                      default the fp32 ones)
 #   PYTEST_ALL=1       python/tests -k cuda once, at a fresh seed (printed)
 #   SWEEP="--dtypes bf16 ..."   bench/api_sweep.py with these arguments ("-" skips it)
+#   SPLIT="--dims 128 ..."     lab/api_split.py with these arguments (a backward call's kernels as users call it)
 #   NCU="d n causal"   Nsight Compute on the Hopper backward's main kernel there (bench/ncu.sh's sections), and
 #                      on cuDNN's (bench/run_once.py --peer cudnn) when NCU_PEER=1
 # A build-api kept from the previous call of a warm machine is reused. Logs in $OUT (or build-api/logs); every
@@ -43,6 +44,12 @@ if [ "${SWEEP:--}" != "-" ]; then
   note "api_sweep rc $?"
   sed -n '/^device/p;/^TFLOP/,$p' "$LOG/api_sweep.log"
   grep -iE "error|refuse" "$LOG/api_sweep.log" | head -3
+fi
+if [ -n "${SPLIT:-}" ]; then
+  wait
+  FLASHC_CPP_AUTOGRAD=${FLASHC_CPP_AUTOGRAD:-1} timeout 300 python3 lab/api_split.py $SPLIT >"$LOG/api_split.log" 2>&1
+  note "api_split rc $?"
+  cat "$LOG/api_split.log"
 fi
 if [ -n "${NCU:-}" ]; then
   set -- $NCU

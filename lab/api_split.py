@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Where a backward call's time goes as users call it: torch.autograd.grad through flashc.flash_attn_func beside
+SDPA's cuDNN backend on the same (B, N, H, D) data (bench/api_sweep.py's bwd row), kernel by kernel.
+
+    FLASHC_LIBRARY=build-api/libflashc.so PYTHONPATH=python python3 lab/api_split.py [--dims 128] [--lens 4096]
+
+Per caller: the call's time (CUDA events around it, synchronized after, median of --runs, host time on the clock as
+in api_sweep.py), then torch.profiler's CUDA activities over --runs calls: each kernel's (memsets and copies
+included) device time per call in us and their sum. Call time minus the sum is what the GPU did not spend in
+kernels: launch gaps, host time the GPU waited for.
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import flashc  # noqa: E402
+
+
+def call_ms(fn, runs):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def kernels_us(fn, runs):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    t = collections.OrderedDict()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t[ev.name] = t.get(ev.name, 0.0) + ev.device_time / runs
+    return t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--lens", default="1024,4096")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--runs", type=int, default=10)
+    args = ap.parse_args()
+    from flashc import cpp_autograd
+    print("device: %s; torch %s; cudnn %s; flashc's C++ autograd function: %s" % (
+        torch.cuda.get_device_name(), torch.__version__, torch.backends.cudnn.version(), cpp_autograd.status()))
+    for d in (int(x) for x in args.dims.split(",")):
+        for n in (int(x) for x in args.lens.split(",")):
+            H, B = 2048 // d, max(1, 16384 // n)
+            q, k, v, g = (torch.randn(B, n, H, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            for causal in (bool(int(c)) for c in args.causal.split(",")):
+                outs = {"flashc": flashc.flash_attn_func(*leaves, causal=causal)}
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    outs["cuDNN"] = F.scaled_dot_product_attention(
+                        *(t.transpose(1, 2) for t in leaves), is_causal=causal).transpose(1, 2)
+                for who, o in outs.items():
+                    fn = lambda o=o, lv=leaves, gg=g: torch.autograd.grad(o, lv, gg, retain_graph=True)  # noqa: E731
+                    ms = call_ms(fn, args.runs)
+                    t = kernels_us(fn, args.runs)
+                    tot = sum(t.values())
+                    print("D %d N %d causal %d %s: call %.1f us, kernels %.1f us, outside %.1f us; %s" % (
+                        d, n, causal, who, ms * 1e3, tot, ms * 1e3 - tot,
+                        "; ".join("%s %.1f" % (k[:60], us) for k, us in t.items())), flush=True)
+            del q, k, v, g, leaves
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
