@@ -2,7 +2,7 @@
 # lab/features_ab.sh - one device call that compares two builds of the tree differing only in CUDA compile flags on
 # bench/features.py's cases (every mask and score option through flash_attn_func, flashc alone): builds both libraries
 # in parallel (sm_90a, HEAD_DIMS), then runs the cases with each in turns, ROUNDS rounds, printing the tables' rows.
-#   A="-DFC90B_ROLES=0" B="" FEATURES="--D 256 --H 8 --no-flex --runs 10" HEAD_DIMS=256 bash lab/features_ab.sh
+#   A="-DFC90B_STSM=0" B="" FEATURES="--D 128 --no-flex --runs 10" HEAD_DIMS=128 bash lab/features_ab.sh
 set -u
 cd "$(dirname "$0")/.."
 t0=$SECONDS

@@ -27,7 +27,8 @@
  * d 256 (bn = 64: dK and dV of 64 keys x 256 columns take 128 registers each) gives the consumers roles instead
  * (fc90b_roles_run): consumer 0 computes S^T, P^T and dV += P^T dO over all d, consumer 1 dP^T, dS^T (reading P^T
  * from shared memory) and dK += dS^T Q, and each computes half of dQ's columns. Every product then has N = 64 or
- * N = d; halves of the keys or of the queries would take N = 32 and read K and V twice.
+ * N = d; halves of the queries and of d (before v14, lab/LOG.md) took N = 32, read K and V twice, and were 12-30%
+ * slower.
  *
  * Shared memory (bytes from a 1024-aligned base; every tile in the 128-byte swizzle of sm90.cuh): K, V (bn x d),
  * st stages of Q and of dO (bm x d), two dS^T buffers (bn x bm, by step parity; 128 query columns as two chunks
@@ -37,9 +38,8 @@
  * Code: the kernel computes the block's work (fc90b_block: its query tiles from score.h's fc_query_tiles) and the
  * shared-memory addresses, then the producer warpgroup runs fc90b_produce, and each consumer warpgroup takes its
  * fixed part (fc90b_consumer_at) and runs the step loop: per step fc90b_probs (S^T, dP^T, then P^T and dS^T; the
- * band through fc_band_cuts_in / fc_keeps_in) and fc90b_grads (d 64 / 128) or fc90b_grads_split (d 256), then the
- * epilogue fc90b_store_acc. At d 256 (with FC90B_ROLES, the default) fc90b_roles_run takes the loop and the
- * epilogue instead: the consumers have roles there rather than halves of the keys (below).
+ * band through fc_band_cuts_in / fc_keeps_in) and fc90b_grads, then the epilogue fc90b_store_acc; at d 256 each
+ * consumer runs fc90b_roles_run (its role's loop and the same epilogue).
  *
  * Barrier protocol (phases as in fwd_sm90.cu):
  *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
@@ -104,14 +104,6 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 #define FC90B_STSM 1
 #endif
 
-/* d 256: 1 (default) gives the two consumers roles (fc90b_roles) in place of halves of the step's queries and of d:
- * one computes S^T, P^T and dV for the tile's 64 keys, the other dP^T, dS^T and dK, P^T passing between them
- * through shared memory; 0 keeps the halves (fc90b_grads_split), for lab builds that compare the two. H200,
- * lab/LOG.md (twenty-fourth session): the main kernel 12-30% faster. */
-#ifndef FC90B_ROLES
-#define FC90B_ROLES 1
-#endif
-
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_ds_bytes(fc90_btile t) { return (uint32_t)t.bn * t.bm * 2; }
@@ -119,29 +111,17 @@ __host__ __device__ constexpr uint32_t fc90b_off_v(fc90_btile t) { return fc90b_
 __host__ __device__ constexpr uint32_t fc90b_off_q(fc90_btile t) { return 2 * fc90b_kv_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_g(fc90_btile t) { return fc90b_off_q(t) + t.st * fc90b_q_bytes(t); }
 __host__ __device__ constexpr uint32_t fc90b_off_ds(fc90_btile t) { return fc90b_off_g(t) + t.st * fc90b_q_bytes(t); }
-/* At d 256 (fc90b_split) the consumers split the step's queries for S^T and dP^T and d for the rest, so P^T joins
- * dS^T in shared memory (two of each, by step parity), and dQ is staged over the step's Q / dO ring slot: a
- * staging of its own would not fit. */
-__host__ __device__ constexpr bool fc90b_split(fc90_btile t) { return t.d > 128; }
-/* The roles of the d 256 tile (FC90B_ROLES): consumer 0 takes S^T = K Q^T, P^T (into shared memory, as fp16
- * pairs with the softcap's derivative folded in) and dV += P^T dO for all d, then dQ's first d / 2 columns;
- * consumer 1 takes dP^T = V dO^T, dS^T from P^T, dK += dS^T Q for all d, then dQ's other half. Each product has
- * N = 64 (S^T, dP^T) or N = d (dV, dK, A from registers), where the halves take N = 32 and read K and V twice. */
-__host__ __device__ constexpr bool fc90b_roles(fc90_btile t) { return FC90B_ROLES && fc90b_split(t); }
+/* The d 256 tile, whose consumers have roles (fc90b_roles_run): P^T joins dS^T in shared memory (two of each, by
+ * step parity), and dQ is staged over the step's Q / dO ring slot: a staging of its own would not fit. */
+__host__ __device__ constexpr bool fc90b_roles(fc90_btile t) { return t.d > 128; }
 /* dV early (FC90B_EARLY_DV) in this kernel */
 template <int D, bool DROP> __host__ __device__ constexpr bool fc90b_early_dv() {
     return (FC90B_EARLY_DV == 2 ? D <= 128 : FC90B_EARLY_DV == 1 && D == 128) && !DROP;
 }
 /* dS^T (and P^T) stored by stmatrix (FC90B_STSM) in this kernel */
 template <int D> __host__ __device__ constexpr bool fc90b_stsm() { return FC90B_STSM == 2 || (FC90B_STSM == 1 && D > 64); }
-/* The columns of dK, dV a consumer keeps: all d, or half at d 256 (fc90b_split). */
-__host__ __device__ constexpr int fc90b_dw(int d) { return fc90b_split(fc90_btile_for(d)) ? d / 2 : d; }
-/* the step's queries a consumer scores (the N of S^T): all bm, or half of them when SPLIT */
-__host__ __device__ constexpr int fc90b_sn(int d) {
-    return fc90b_split(fc90_btile_for(d)) ? fc90_btile_for(d).bm / 2 : fc90_btile_for(d).bm;
-}
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
-    return fc90b_off_ds(t) + (fc90b_split(t) ? 4 : 2) * fc90b_ds_bytes(t);
+    return fc90b_off_ds(t) + (fc90b_roles(t) ? 4 : 2) * fc90b_ds_bytes(t);
 }
 /* dQ staging for the TMA reduction: per consumer FC90B_DQ_ROWS rows (the M of its dQ product: the step's rows, or
  * its half of a 128-row step) x 64 fp32 columns, as boxes of 32 columns (128 bytes). */
@@ -151,7 +131,7 @@ __host__ __device__ constexpr uint32_t fc90b_off_dq(fc90_btile t) {
     return (fc90b_off_ld(t) + t.st * 2 * t.bm * 4 + 1023u) & ~1023u;
 }
 __host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) {
-    return fc90b_off_dq(t) + (fc90b_split(t) ? 0 : 2 * fc90b_dq_bytes(t));
+    return fc90b_off_dq(t) + (fc90b_roles(t) ? 0 : 2 * fc90b_dq_bytes(t));
 }
 /* kv_full, full[st], empty[st]; + 1024 to round the dynamic shared memory base up. */
 __host__ __device__ constexpr uint32_t fc90b_smem_bytes(fc90_btile t) { return fc90b_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
@@ -412,13 +392,12 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
                                                                    uint32_t sDS, const float *sLD) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64;
-    constexpr bool SPLIT = fc90b_split(TL), ROLES = fc90b_roles(TL);
-    constexpr int DW = fc90b_dw(D);
+    constexpr bool ROLES = fc90b_roles(TL);
     fc90b_consumer c;
     c.cw = wg - 1, c.t = threadIdx.x % FC90_WG_THREADS, c.warp = c.t / 32, c.g = (c.t % 32) / 4, c.tig = c.t % 4;
-    c.krow = SPLIT ? 0 : 64 * c.cw;
+    c.krow = ROLES ? 0 : 64 * c.cw;
     c.key0 = n0 + c.krow + 16 * c.warp + c.g;
-    c.col0 = SPLIT && !ROLES ? c.cw * DW : 0; /* ROLES: dV or dK of all d */
+    c.col0 = 0; /* dK and dV of all d */
     c.base = base, c.sQ = sQ, c.sG = sG, c.sDS = sDS, c.gbase = gbase, c.sLD = sLD;
     /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
      * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
@@ -428,9 +407,8 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     const uint32_t gcol = (uint32_t)(c.col0 / 64) * BM * FC90_SW_ROW; /* this warpgroup's first column chunk of Q, dO */
     c.dQn = fc90_desc(sQ + gcol, BM * FC90_SW_ROW, 1024), c.dGn = fc90_desc(sG + gcol, BM * FC90_SW_ROW, 1024);
     /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them (its half of the rows, or
-     * every other step with 64-row steps); at
-     * d 256 its DW columns (two chunks, LBO apart), every step. */
-    c.dq_chunk = ROLES ? c.cw * NCH / 2 : SPLIT ? c.col0 / 64 : NCH > 1 ? c.cw : 0;
+     * every other step with 64-row steps); at d 256 its half, d / 2 columns (two chunks, LBO apart), every step. */
+    c.dq_chunk = ROLES ? c.cw * NCH / 2 : NCH > 1 ? c.cw : 0;
     c.dKn = fc90_desc(sK + c.dq_chunk * BN * FC90_SW_ROW, BN * FC90_SW_ROW, 1024);
     c.dSn = fc90_desc(sDS, BM * FC90_SW_ROW, 1024);
     c.sdq = gbase + fc90b_off_dq(TL) + c.cw * fc90b_dq_bytes(TL);
@@ -467,41 +445,34 @@ static __device__ __forceinline__ void fc90b_elems_open(const flashc_bwd_args &a
  * descriptor units), the part every consumer shares: S^T and dP^T issued, then P^T into s and dS^T into dp
  * (times the keep bits' 1 / (1 - p) under dropout). Tiles that the band, the end of the keys or the block mask
  * cut, and problems with a score modifier (generic), take the element step of score.h (fc_keeps_lr,
- * fc_bwd_elem); the others the raw exponent. SPLIT with TMA dQ: thread 0 gives back the slot whose staged dQ the
- * previous step's reduction has read (staged_slot) while the products run. */
+ * fc_bwd_elem); the others the raw exponent (d 64 and 128; d 256 has fc90b_roles_run). */
 template <int D, int BF, int DQ, bool BMASK, bool DROP, typename Ring>
 static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, const fc90b_block &blk,
                                                    const fc90b_consumer &c, const Ring &ring, int slot, int h, int mt,
-                                                   int m0, uint32_t qoff, bool generic, int &staged_slot,
-                                                   float (&s)[fc90b_sn(D) / 2], float (&dp)[fc90b_sn(D) / 2],
-                                                   float (&dv)[fc90b_dw(D) / 2],
+                                                   int m0, uint32_t qoff, bool generic,
+                                                   float (&s)[fc90_btile_for(D).bm / 2],
+                                                   float (&dp)[fc90_btile_for(D).bm / 2], float (&dv)[D / 2],
                                                    uint32_t (&pa)[fc90_btile_for(D).bm / 16][4]) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BM = TL.bm;
-    constexpr bool SPLIT = fc90b_split(TL), EARLY = fc90b_early_dv<D, DROP>();
-    constexpr int SN = SPLIT ? BM / 2 : BM;
+    constexpr bool EARLY = fc90b_early_dv<D, DROP>();
+    static_assert(!fc90b_roles(TL), "the d 64 / 128 tiles");
     const int b = blk.b, kt = blk.kt, nq = blk.nq, nk = blk.nk, diag = blk.diag, wl = a.win_left, wr = a.win_right;
     const int warp = c.warp, lane = c.t % 32, tig = c.tig, key0 = c.key0;
 
     fc90_pin(s);
     fc90_pin(dp);
     fc90_wgmma_fence();
-    const int q0 = SPLIT ? 32 * c.cw : 0; /* the step's first query this warpgroup scores */
-    fc90b_scores_issue<D, SN, BF>(s, c.dKa, c.dQk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
-    fc90b_scores_issue<D, SN, BF>(dp, c.dVa, c.dGk + qoff + ((uint32_t)(q0 * FC90_SW_ROW) >> 4));
+    fc90b_scores_issue<D, BM, BF>(s, c.dKa, c.dQk + qoff);
+    fc90b_scores_issue<D, BM, BF>(dp, c.dVa, c.dGk + qoff);
     /* Dropout (DROP): the step's keep bits (keys as rows: fc_drop_bits_cols) while both products run; Z =
      * keep / (1 - p) multiplies dP^T before dS^T = P^T o (dP^T - D), and P^T after, for dV. */
-    uint32_t keep[(SN / 8 + 7) / 8];
+    uint32_t keep[(BM / 8 + 7) / 8];
     if (DROP) {
-        fc_drop_bits_cols<SN / 8>(fc_drop_begin(a, b, h), blk.n0 + c.krow + 16 * warp, m0 + q0, lane, keep);
+        fc_drop_bits_cols<BM / 8>(fc_drop_begin(a, b, h), blk.n0 + c.krow + 16 * warp, m0, lane, keep);
         fc90_block_end_bits(keep); /* under the products, not after their wait */
     }
-    if (SPLIT && DQ == FC90B_DQ_TMA && staged_slot >= 0) { /* thread 0 only */
-        fc90_bulk_wait_read();
-        ring.release_slot(staged_slot);
-        staged_slot = -1;
-    }
-    const float *lse2 = c.sLD + slot * 2 * BM + q0, *dvec = lse2 + BM;
+    const float *lse2 = c.sLD + slot * 2 * BM, *dvec = lse2 + BM;
 
     /* P^T: columns are query rows m0 + 8 j + 2 tig + e, rows keys key0 + 8 hf. The band edges or the end of
      * the keys cut this warpgroup's part of the tile (keys [wg_last_key - 63, wg_last_key], rows [m0, m0 + bm)). */
@@ -512,7 +483,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
         fc90_wgmma_wait<1>();
         fc90_pin(s);
 #pragma unroll
-        for (int j = 0; j < SN / 8; ++j) {
+        for (int j = 0; j < BM / 8; ++j) {
             const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
@@ -525,7 +496,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
             fc90_pin(dp);
             if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
 #pragma unroll
-            for (int j = 0; j < SN / 8; ++j) {
+            for (int j = 0; j < BM / 8; ++j) {
                 const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -541,15 +512,15 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
         if (DROP) fc_drop_apply(dp, keep, a.drop_scale);
         const float slope2 = fc_alibi_slope2(a, b, h);
         if (!DROP && !cut && !part && a.softcap2 == 0.f) /* ALiBi alone on a tile no mask cuts */
-            fc90b_elems_open<0, true>(a, s, dp, lse2, dvec, slope2, (float)(m0 + q0 + 2 * tig + diag - key0), tig);
+            fc90b_elems_open<0, true>(a, s, dp, lse2, dvec, slope2, (float)(m0 + 2 * tig + diag - key0), tig);
         else if (!DROP && !cut && !part && !a.alibi) /* softcap alone */
             fc90b_elems_open<1, false>(a, s, dp, lse2, dvec, slope2, 0.f, tig);
         else
 #pragma unroll
-        for (int j = 0; j < SN / 8; ++j)
+        for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int i = m0 + q0 + 8 * j + 2 * tig + e;
+                const int i = m0 + 8 * j + 2 * tig + e;
                 const float l = lse2[8 * j + 2 * tig + e], dd = dvec[8 * j + 2 * tig + e];
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
@@ -570,7 +541,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
             fc90_wgmma_wait<1>();
             fc90_pin(dp);
 #pragma unroll
-            for (int j = 0; j < SN / 8; ++j) {
+            for (int j = 0; j < BM / 8; ++j) {
                 const float2 dd = *(const float2 *)(dvec + 8 * j + 2 * tig);
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) { /* element 4 j + 2 hf is pair 2 (j % 2) + hf of k16 step j / 2 */
@@ -584,117 +555,6 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
     if (DROP) fc_drop_apply(s, keep, a.drop_scale);
 }
 
-/* d 256 (SPLIT): this warpgroup's halves of P^T and dS^T (keys x its 32 queries) meet the other's in shared memory,
- * then dV += P^T dO and dK += dS^T Q over all 64 queries for its DW columns, and dQ = dS K for the same columns
- * (DQ), staged over the step's Q (warpgroup 0) or dO (1) ring slot and added by the TMA; thread 0 gives that slot
- * back once the reduction has read it (staged_slot, in the next step's fc90b_probs). */
-template <int D, int BF, int DQ, typename Ring>
-static __device__ __forceinline__ void fc90b_grads_split(const flashc_bwd_args &a, const fc90b_block &blk,
-                                                         const fc90b_consumer &c, const Ring &ring,
-                                                         const CUtensorMap &tm_dq, int it, int slot, int h, int m0,
-                                                         uint32_t qoff, int &staged_slot, float (&s)[16],
-                                                         float (&dp)[16], float (&dk)[fc90b_dw(D) / 2],
-                                                         float (&dv)[fc90b_dw(D) / 2]) {
-    constexpr fc90_btile TL = fc90_btile_for(D);
-    constexpr int BN = TL.bn, BM = TL.bm, DW = fc90b_dw(D), SN = BM / 2, DQN = DW;
-    constexpr uint32_t QB = fc90b_q_bytes(TL), DSB = fc90b_ds_bytes(TL);
-    static_assert(fc90b_split(TL), "the d 256 tile");
-    const int cw = c.cw, t = c.t, warp = c.warp, g = c.g, tig = c.tig;
-    /* n8 block j of the accumulator is query piece 4 cw + j of the step's buffers (keys x 64 queries, swizzled) */
-    const int buf = it & 1;
-    uint8_t *const sds = c.gbase + fc90b_off_ds(TL) + buf * DSB, *const sp = sds + 2 * DSB;
-    if (fc90b_stsm<D>()) {
-        /* n8 blocks (j, j + 1) x rows (+0, +8) as four 8 x 8 matrices (register 2 (j % 2) + hf); lane l gives row
-         * l % 8 of matrix l / 8 */
-        const int mi = (t % 32) / 8, row = 16 * warp + 8 * (mi & 1) + (t % 8);
-        const uint32_t sds_a = c.sDS + buf * DSB;
-#pragma unroll
-        for (int j = 0; j < SN / 8; j += 2) {
-            const int piece = 4 * cw + j + (mi >> 1);
-            const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16);
-            fc90_stmatrix_x4(sds_a + 2 * DSB + off, fc_pack2<BF>(s[4 * j], s[4 * j + 1]),
-                             fc_pack2<BF>(s[4 * j + 2], s[4 * j + 3]), fc_pack2<BF>(s[4 * j + 4], s[4 * j + 5]),
-                             fc_pack2<BF>(s[4 * j + 6], s[4 * j + 7]));
-            fc90_stmatrix_x4(sds_a + off, fc_pack2<BF>(dp[4 * j], dp[4 * j + 1]),
-                             fc_pack2<BF>(dp[4 * j + 2], dp[4 * j + 3]), fc_pack2<BF>(dp[4 * j + 4], dp[4 * j + 5]),
-                             fc_pack2<BF>(dp[4 * j + 6], dp[4 * j + 7]));
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < SN / 8; ++j)
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                const int row = 16 * warp + g + 8 * hf, piece = 4 * cw + j;
-                const uint32_t off = row * FC90_SW_ROW + ((piece ^ (row & 7)) * 16) + 4 * tig;
-                *(uint32_t *)(sp + off) = fc_pack2<BF>(s[4 * j + 2 * hf], s[4 * j + 2 * hf + 1]);
-                *(uint32_t *)(sds + off) = fc_pack2<BF>(dp[4 * j + 2 * hf], dp[4 * j + 2 * hf + 1]);
-            }
-    }
-    fc90_fence_proxy_async();
-    fc90_nbar_sync(FC90B_BAR_DS, 256);
-
-    /* A K-major from the buffers, B MN-major: this warpgroup's DW columns (dQ: both MN-major) */
-    const uint32_t pbase = c.sDS + buf * DSB;
-    const uint64_t dSa = fc90_desc(pbase, 16, 1024), dPa = fc90_desc(pbase + 2 * DSB, 16, 1024);
-    float dq[DQN / 2];
-    fc90_pin(dv);
-    fc90_pin(dk);
-    if (DQ) {
-#pragma unroll
-        for (int i = 0; i < DQN / 2; ++i) dq[i] = 0.f;
-        fc90_pin(dq);
-    }
-    fc90_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-        fc90_mma_ss<DW, BF, 2>(dv, dPa + ((uint32_t)(kk * 32) >> 4), c.dGn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-        fc90_mma_ss<DW, BF, 2>(dk, dSa + ((uint32_t)(kk * 32) >> 4), c.dQn + qoff + ((uint32_t)(kk * 2048) >> 4), 1);
-    if (DQ) {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            fc90_mma_ss<DQN, BF, 1>(dq, c.dSn + ((buf * DSB + kk * 2048) >> 4), c.dKn + ((kk * 2048) >> 4), kk > 0);
-    }
-    fc90_wgmma_commit();
-    fc90_wgmma_wait<0>();
-    fc90_pin(dv);
-    fc90_pin(dk);
-    if (DQ == FC90B_DQ_TMA) {
-        /* Once both warpgroups are done with this slot's Q and dO, dQ (fp32, this warpgroup's DW columns as DW / 32
-         * swizzled boxes of 32 columns, fragment j in box j / 4) is staged over them, warpgroup 0 over Q and 1 over
-         * dO, and one thread has the TMA add it to the sums. */
-        fc90_pin(dq);
-        fc90_nbar_sync(FC90B_BAR_DS, 256);
-        uint8_t *const stg = c.gbase + (cw ? fc90b_off_g(TL) : fc90b_off_q(TL)) + slot * QB;
-        const int r0 = 16 * warp + g;
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int row = r0 + 8 * hf;
-#pragma unroll
-            for (int j = 0; j < DQN / 8; ++j) {
-                const uint32_t chunk = (uint32_t)(2 * (j % 4) + tig / 2) ^ (uint32_t)(row & 7);
-                *(float2 *)(stg + (j / 4) * (BM * 128) + row * 128 + chunk * 16 + 8 * (tig & 1)) =
-                    make_float2(dq[4 * j + 2 * hf], dq[4 * j + 2 * hf + 1]);
-            }
-        }
-        fc90_fence_proxy_async();
-        fc90_nbar_sync(FC90B_BAR_DQ + cw, FC90_WG_THREADS);
-        if (t == 0) {
-            const uint32_t src = (cw ? c.sG : c.sQ) + slot * QB;
-#pragma unroll
-            for (int bx = 0; bx < DQN / 32; ++bx)
-                fc90_tma_reduce_add(&tm_dq, src + bx * (BM * FC90_SW_ROW), c.col0 + 32 * bx, h, blk.sq0 + m0, blk.qb);
-            fc90_bulk_commit();
-            staged_slot = slot;
-        } else {
-            ring.release_slot(slot);
-        }
-    } else {
-        ring.release_slot(slot);
-    }
-}
-
 /* d 64 / 128: dV += P^T dO and dK += dS^T Q with P^T, dS^T as register A operands; with DQ, dS^T also goes to the
  * step's buffer (keys x queries) for dQ = dS K over the tile's 128 keys (at d 128 each warpgroup its 64-column
  * chunk, at d 64 each its half of a 128-row step, or in turn by 64-row step), staged in this warpgroup's dQ boxes
@@ -703,13 +563,13 @@ template <int D, int BF, int DQ, bool VARLEN, bool EARLY, typename Ring>
 static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, const fc90b_block &blk,
                                                    const fc90b_consumer &c, const Ring &ring, const CUtensorMap &tm_dq,
                                                    int it, int slot, int h, int m0, uint32_t qoff,
-                                                   float (&s)[fc90b_sn(D) / 2], float (&dp)[fc90b_sn(D) / 2],
-                                                   float (&dk)[D / 2], float (&dv)[D / 2],
+                                                   float (&s)[fc90_btile_for(D).bm / 2],
+                                                   float (&dp)[fc90_btile_for(D).bm / 2], float (&dk)[D / 2], float (&dv)[D / 2],
                                                    uint32_t (&pa_early)[fc90_btile_for(D).bm / 16][4]) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64, DQN = 64;
     constexpr uint32_t DSB = fc90b_ds_bytes(TL);
-    static_assert(!fc90b_split(TL), "the d 64 / 128 tiles");
+    static_assert(!fc90b_roles(TL), "the d 64 / 128 tiles");
     const int cw = c.cw, t = c.t, warp = c.warp, g = c.g, tig = c.tig, key0 = c.key0;
     uint32_t pa_here[BM / 16][4], da[BM / 16][4];
     uint32_t(&pa)[BM / 16][4] = EARLY ? pa_early : pa_here; /* EARLY: packed, and dV issued, in fc90b_probs */
@@ -880,7 +740,7 @@ static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a,
         }
     }
     /* stmatrix / ldmatrix of the 64 x 64 P^T and dS^T tiles: n8 blocks (j, j + 1) x rows (+0, +8) as four 8 x 8
-     * matrices; lane l gives row l % 8 of matrix l / 8 (fc90b_grads_split's layout, 64 queries) */
+     * matrices; lane l gives row l % 8 of matrix l / 8 (the layout of fc90b_grads' dS^T: keys x queries, swizzled) */
     const int mi = lane / 8, mrow = 16 * warp + 8 * (mi & 1) + (t % 8);
     int step_gi = 0, step_mt = mb_lo - 1;
     for (int it = 0; it < items; ++it) {
@@ -1058,13 +918,11 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 #if FC90_DEVICE
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, ST = TL.st;
-    /* SPLIT (d 256): both consumers take all bn = 64 keys of the tile; each scores half of the step's queries
-     * (S^T, dP^T of 64 keys x 32 queries), the halves of P^T and dS^T meet in shared memory, and each keeps dK, dV
-     * and dQ for its DW = d / 2 columns (dK and dV of whole rows would need 256 registers). SN: the N of S^T. */
-    constexpr bool SPLIT = fc90b_split(TL);
-    constexpr int DW = fc90b_dw(D), SN = SPLIT ? BM / 2 : BM;
+    /* ROLES (d 256): both consumers take all bn = 64 keys of the tile, one S^T, P^T and dV, the other dP^T, dS^T
+     * and dK (fc90b_roles_run; dK and dV of 64 keys x 256 columns are 128 registers each). */
+    constexpr bool ROLES = fc90b_roles(TL);
     constexpr uint32_t QB = fc90b_q_bytes(TL);
-    static_assert(TL.d == D && D % 64 == 0 && BN == (SPLIT ? 64 : 128) && (BM == 64 || (BM == 128 && D == 64)) &&
+    static_assert(TL.d == D && D % 64 == 0 && BN == (ROLES ? 64 : 128) && (BM == 64 || (BM == 128 && D == 64)) &&
                       ST >= 2,
                   "tile table");
     static_assert(FC90_WG_THREADS * (168 - 32) >= 2 * FC90_WG_THREADS * (FC90B_CONS_REGS - 168),
@@ -1122,63 +980,57 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
     fc90_regs_inc<FC90B_CONS_REGS>();
     const fc90b_consumer c = fc90b_consumer_at<D>(wg, n0, base, gbase, sK, sV, sQ, sG, sDS, sLD);
-    if constexpr (fc90b_roles(TL)) {
+    if constexpr (ROLES) {
         if (c.cw == 0)
             fc90b_roles_run<0, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV, !fc_score_plain(a));
         else
             fc90b_roles_run<1, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV, !fc_score_plain(a));
-        return;
-    }
-    float dk[DW / 2], dv[DW / 2], s_keep[SN / 2], dp_keep[SN / 2];
-#pragma unroll
-    for (int i = 0; i < DW / 2; ++i) dk[i] = dv[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < SN / 2; ++i) s_keep[i] = dp_keep[i] = 0.f;
-    /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
-    const bool generic = !fc_score_plain(a);
+    } else {
+        float dk[D / 2], dv[D / 2], s_keep[BM / 2], dp_keep[BM / 2];
+    #pragma unroll
+        for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    #pragma unroll
+        for (int i = 0; i < BM / 2; ++i) s_keep[i] = dp_keep[i] = 0.f;
+        /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
+        const bool generic = !fc_score_plain(a);
 
-    /* SPLIT with TMA dQ: the ring slot whose staged dQ thread 0 still has to see read before giving it back. */
-    int staged_slot = -1;
-    if (items > 0) fc90_bar_wait(bar_kv, 0);
-    if constexpr (VARLEN) {
-        if (items > 0 && n0 + BN > nk) {
-            fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
-            fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
-        }
-    }
-    int step_gi = 0, step_mt = mb_lo - 1;
-    for (int it = 0; it < items; ++it) {
-        fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, step_gi, step_mt);
-        /* S^T and dP^T: with 128-row steps fresh registers each step (the first product of each overwrites them),
-         * so that their 128 registers are not live across the step's gradient products as a loop-carried value
-         * would be; 64-row steps keep the arrays above (their machine code as it was). */
-        float s_step[SN / 2], dp_step[SN / 2];
-        constexpr bool EARLY = fc90b_early_dv<D, DROP>();
-        float(&s)[SN / 2] = BM == 128 || EARLY ? s_step : s_keep;
-        float(&dp)[SN / 2] = BM == 128 || EARLY ? dp_step : dp_keep;
-        uint32_t pa[BM / 16][4]; /* P^T packed: dV's A operand (d 64 / 128) */
-        const int slot = ring.slot(it), h = hk * group + step_gi, m0 = step_mt * BM;
-        const uint32_t qoff = (slot * QB) >> 4;
-        ring.wait_full(it);
+        if (items > 0) fc90_bar_wait(bar_kv, 0);
         if constexpr (VARLEN) {
-            if (m0 + BM > nq) {
-                fc90_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
-                fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
+            if (items > 0 && n0 + BN > nk) {
+                fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
+                fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
             }
         }
-        fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, staged_slot, s, dp,
-                                            dv, pa);
-        if constexpr (SPLIT)
-            fc90b_grads_split<D, BF, DQ>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, staged_slot, s, dp, dk, dv);
-        else
+        int step_gi = 0, step_mt = mb_lo - 1;
+        for (int it = 0; it < items; ++it) {
+            fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, step_gi, step_mt);
+            /* S^T and dP^T: with 128-row steps fresh registers each step (the first product of each overwrites them),
+             * so that their 128 registers are not live across the step's gradient products as a loop-carried value
+             * would be; 64-row steps keep the arrays above (their machine code as it was). */
+            float s_step[BM / 2], dp_step[BM / 2];
+            constexpr bool EARLY = fc90b_early_dv<D, DROP>();
+            float(&s)[BM / 2] = BM == 128 || EARLY ? s_step : s_keep;
+            float(&dp)[BM / 2] = BM == 128 || EARLY ? dp_step : dp_keep;
+            uint32_t pa[BM / 16][4]; /* P^T packed: dV's A operand (d 64 / 128) */
+            const int slot = ring.slot(it), h = hk * group + step_gi, m0 = step_mt * BM;
+            const uint32_t qoff = (slot * QB) >> 4;
+            ring.wait_full(it);
+            if constexpr (VARLEN) {
+                if (m0 + BM > nq) {
+                    fc90_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
+                    fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
+                }
+            }
+            fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, s, dp, dv, pa);
             fc90b_grads<D, BF, DQ, VARLEN, EARLY>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv, pa);
+        }
+
+        /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared memory
+         * goes away. */
+        if (DQ == FC90B_DQ_TMA && c.t == 0) fc90_bulk_wait_read();
+
+        fc90b_store_acc<D, BF, D, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0, c.col0);
     }
-
-    /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared memory
-     * goes away. */
-    if (DQ == FC90B_DQ_TMA && c.t == 0) fc90_bulk_wait_read();
-
-    fc90b_store_acc<D, BF, DW, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0, c.col0);
 #endif /* FC90_DEVICE */
 }
 
