@@ -564,7 +564,8 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
                                                    const fc90b_consumer &c, const Ring &ring, const CUtensorMap &tm_dq,
                                                    int it, int slot, int h, int m0, uint32_t qoff,
                                                    float (&s)[fc90_btile_for(D).bm / 2],
-                                                   float (&dp)[fc90_btile_for(D).bm / 2], float (&dk)[D / 2], float (&dv)[D / 2],
+                                                   float (&dp)[fc90_btile_for(D).bm / 2], float (&dk)[D / 2],
+                                                   float (&dv)[D / 2],
                                                    uint32_t (&pa_early)[fc90_btile_for(D).bm / 16][4]) {
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int BN = TL.bn, BM = TL.bm, NCH = D / 64, DQN = 64;
@@ -982,14 +983,16 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const fc90b_consumer c = fc90b_consumer_at<D>(wg, n0, base, gbase, sK, sV, sQ, sG, sDS, sLD);
     if constexpr (ROLES) {
         if (c.cw == 0)
-            fc90b_roles_run<0, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV, !fc_score_plain(a));
+            fc90b_roles_run<0, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV,
+                                                               !fc_score_plain(a));
         else
-            fc90b_roles_run<1, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV, !fc_score_plain(a));
+            fc90b_roles_run<1, D, BF, DQ, VARLEN, BMASK, DROP>(a, blk, c, ring, tm_dq, bar_kv, sK, sV,
+                                                               !fc_score_plain(a));
     } else {
         float dk[D / 2], dv[D / 2], s_keep[BM / 2], dp_keep[BM / 2];
-    #pragma unroll
+#pragma unroll
         for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-    #pragma unroll
+#pragma unroll
         for (int i = 0; i < BM / 2; ++i) s_keep[i] = dp_keep[i] = 0.f;
         /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
         const bool generic = !fc_score_plain(a);
@@ -1025,11 +1028,12 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             fc90b_grads<D, BF, DQ, VARLEN, EARLY>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv, pa);
         }
 
-        /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared memory
-         * goes away. */
+        /* The last reduction must have read the staging before the epilogue reuses the ring or the block's shared
+         * memory goes away. */
         if (DQ == FC90B_DQ_TMA && c.t == 0) fc90_bulk_wait_read();
 
-        fc90b_store_acc<D, BF, D, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0, c.col0);
+        fc90b_store_acc<D, BF, D, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0,
+                                        c.col0);
     }
 #endif /* FC90_DEVICE */
 }
