@@ -7,7 +7,8 @@ SDPA's cuDNN backend on the same (B, N, H, D) data (bench/api_sweep.py's bwd row
 Per caller: the call's time (CUDA events around it, synchronized after, median of --runs, host time on the clock as
 in api_sweep.py), then torch.profiler's CUDA activities over --runs calls: each kernel's (memsets and copies
 included) device time per call in us and their sum. Call time minus the sum is what the GPU did not spend in
-kernels: launch gaps, host time the GPU waited for.
+kernels: launch gaps, host time the GPU waited for. --cpu adds the host side: torch.profiler's CPU activities over
+the same calls, the --top entries by self CPU time per call (torch ops, the autograd node, CUDA runtime calls).
 """
 import argparse
 import collections
@@ -39,6 +40,16 @@ def call_ms(fn, runs):
     return statistics.median(ts)
 
 
+def host_us(fn, runs, top):
+    """The top CPU events by self time, us per call: [(name, self us, calls per call)]."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [(e.key, e.self_cpu_time_total / runs, e.count / runs) for e in ev]
+
+
 def kernels_us(fn, runs):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
@@ -57,6 +68,8 @@ def main():
     ap.add_argument("--lens", default="1024,4096")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--cpu", action="store_true", help="the host side too (CPU events, self time)")
+    ap.add_argument("--top", type=int, default=12, help="CPU events listed with --cpu")
     args = ap.parse_args()
     from flashc import cpp_autograd
     print("device: %s; torch %s; cudnn %s; flashc's C++ autograd function: %s" % (
@@ -79,6 +92,10 @@ def main():
                     print("D %d N %d causal %d %s: call %.1f us, kernels %.1f us, outside %.1f us; %s" % (
                         d, n, causal, who, ms * 1e3, tot, ms * 1e3 - tot,
                         "; ".join("%s %.1f" % (k[:60], us) for k, us in t.items())), flush=True)
+                    if args.cpu:
+                        print("    host, self us per call: " + "; ".join(
+                            "%s %.1f (x%.0f)" % (k[:48], us, n) for k, us, n in host_us(fn, args.runs, args.top)),
+                            flush=True)
             del q, k, v, g, leaves
             torch.cuda.empty_cache()
 
