@@ -11,7 +11,6 @@ kernels: launch gaps, host time the GPU waited for. --cpu adds the host side: to
 the same calls, the --top entries by self CPU time per call (torch ops, the autograd node, CUDA runtime calls).
 """
 import argparse
-import collections
 import os
 import statistics
 import sys
@@ -22,7 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashc  # noqa: E402
+from bwd_split import per_kernel_us  # noqa: E402  (lab/: each kernel's device time per call)
 
 
 def call_ms(fn, runs):
@@ -50,18 +51,6 @@ def host_us(fn, runs, top):
     return [(e.key, e.self_cpu_time_total / runs, e.count / runs) for e in ev]
 
 
-def kernels_us(fn, runs):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
-    t = collections.OrderedDict()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t[ev.name] = t.get(ev.name, 0.0) + ev.device_time / runs
-    return t
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dims", default="128")
@@ -87,7 +76,7 @@ def main():
                 for who, o in outs.items():
                     fn = lambda o=o, lv=leaves, gg=g: torch.autograd.grad(o, lv, gg, retain_graph=True)  # noqa: E731
                     ms = call_ms(fn, args.runs)
-                    t = kernels_us(fn, args.runs)
+                    t = per_kernel_us(fn, args.runs)
                     tot = sum(t.values())
                     print("D %d N %d causal %d %s: call %.1f us, kernels %.1f us, outside %.1f us; %s" % (
                         d, n, causal, who, ms * 1e3, tot, ms * 1e3 - tot,

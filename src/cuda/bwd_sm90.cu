@@ -441,6 +441,21 @@ static __device__ __forceinline__ void fc90b_elems_open(const flashc_bwd_args &a
         }
 }
 
+/* The raw element step of P^T on a tile nothing cuts: s (keys x queries, accumulator layout: columns 8 j + 2 tig + e)
+ * becomes 2^(s score_mul - lse2[column]), lse2 the step's rows' lse in base 2. */
+template <int N>
+static __device__ __forceinline__ void fc90b_exp_raw(float (&s)[N], const float *lse2, float score_mul, int tig) {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j) {
+        const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            s[4 * j + 2 * hf] = fc_exp2(fmaf(s[4 * j + 2 * hf], score_mul, -l.x));
+            s[4 * j + 2 * hf + 1] = fc_exp2(fmaf(s[4 * j + 2 * hf + 1], score_mul, -l.y));
+        }
+    }
+}
+
 /* A step (head h of the group, query tile mt, first row m0, in ring slot `slot`, qoff its offset in
  * descriptor units), the part every consumer shares: S^T and dP^T issued, then P^T into s and dS^T into dp
  * (times the keep bits' 1 / (1 - p) under dropout). Tiles that the band, the end of the keys or the block mask
@@ -482,15 +497,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
     if (!generic && !cut && !part) {
         fc90_wgmma_wait<1>();
         fc90_pin(s);
-#pragma unroll
-        for (int j = 0; j < BM / 8; ++j) {
-            const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                s[4 * j + 2 * hf] = fc_exp2(fmaf(s[4 * j + 2 * hf], a.score_mul, -l.x));
-                s[4 * j + 2 * hf + 1] = fc_exp2(fmaf(s[4 * j + 2 * hf + 1], a.score_mul, -l.y));
-            }
-        }
+        fc90b_exp_raw(s, lse2, a.score_mul, tig);
         if constexpr (!EARLY) { /* EARLY: dS^T after dV's issue, below */
             fc90_wgmma_wait<0>();
             fc90_pin(dp);
@@ -779,15 +786,7 @@ static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a,
             const bool part = BMASK && fc_bit(fc_bm_tile_bits(a, b, h, kt, a.n_kblk) + a.bm_tiles_w, mt);
             uint32_t e[BM / 16][4]; /* P^T dcap as fp16 pairs, op's layout */
             if (!generic && !cut && !part) {
-#pragma unroll
-                for (int j = 0; j < BM / 8; ++j) {
-                    const float2 l = *(const float2 *)(lse2 + 8 * j + 2 * tig);
-#pragma unroll
-                    for (int hf = 0; hf < 2; ++hf) {
-                        x[4 * j + 2 * hf] = fc_exp2(fmaf(x[4 * j + 2 * hf], a.score_mul, -l.x));
-                        x[4 * j + 2 * hf + 1] = fc_exp2(fmaf(x[4 * j + 2 * hf + 1], a.score_mul, -l.y));
-                    }
-                }
+                fc90b_exp_raw(x, lse2, a.score_mul, tig);
                 fc90_pack_p<BM, 0>(e, x);
             } else {
                 const float slope2 = fc_alibi_slope2(a, b, h);
