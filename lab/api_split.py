@@ -83,7 +83,8 @@ def main():
                         "; ".join("%s %.1f" % (k[:60], us) for k, us in t.items())), flush=True)
                     if args.cpu:
                         print("    host, self us per call: " + "; ".join(
-                            "%s %.1f (x%.0f)" % (k[:48], us, n) for k, us, n in host_us(fn, args.runs, args.top)),
+                            "%s %.1f (x%.0f)" % (name[:48], us, calls)
+                            for name, us, calls in host_us(fn, args.runs, args.top)),
                             flush=True)
             del q, k, v, g, leaves
             torch.cuda.empty_cache()

@@ -80,6 +80,7 @@
 #define FC90B_BAR_DS 1      /* named barrier: both dS^T halves stored */
 #define FC90B_BAR_DQ 2      /* named barriers 2, 3: one consumer's dQ staging (free, then written) */
 #define FC90B_BAR_CLEAR 4   /* named barriers 4, 5: one consumer's varlen tails cleared (fc90_clear_rows) */
+#define FC90B_BAR_P 6       /* d 256: consumer 0's P^T stored (arrive), consumer 1 reads it (sync) */
 /* How dQ reaches the fp32 sums (the kernel's DQ parameter): not at all (the deterministic mode's dQ kernel computes
  * it), or staged in shared memory and added by the TMA (at d 256 the staging is the step's Q / dO ring slot). The
  * vector reductions from registers it replaced, at d 64 / 128 and then at d 256, are in lab/bwd90/. */
@@ -97,9 +98,9 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 #ifndef FC90B_EARLY_DV
 #define FC90B_EARLY_DV 0
 #endif
-/* How dS^T (and at d 256 P^T) go to shared memory: by stmatrix, four 8 x 8 matrices per instruction, or by 4-byte
- * stores, one pair per instruction. 1 (default): stmatrix at d 128 and 256; 2: at every head dim; 0: nowhere (before).
- * H200, lab/LOG.md v11: the main kernel 2-3% faster at d 128, 0-2% at d 256, 2-4% slower at d 64. */
+/* How fc90b_grads stores dS^T: by stmatrix, four 8 x 8 matrices per instruction, or by 4-byte stores, one pair per
+ * instruction. 1 (default): stmatrix at d 128; 2: at d 64 too; 0: nowhere (before). H200, lab/LOG.md v11: the main
+ * kernel 2-3% faster at d 128, 2-4% slower at d 64. (d 256's fc90b_roles_run always takes stmatrix and ldmatrix.) */
 #ifndef FC90B_STSM
 #define FC90B_STSM 1
 #endif
@@ -118,7 +119,7 @@ __host__ __device__ constexpr bool fc90b_roles(fc90_btile t) { return t.d > 128;
 template <int D, bool DROP> __host__ __device__ constexpr bool fc90b_early_dv() {
     return (FC90B_EARLY_DV == 2 ? D <= 128 : FC90B_EARLY_DV == 1 && D == 128) && !DROP;
 }
-/* dS^T (and P^T) stored by stmatrix (FC90B_STSM) in this kernel */
+/* dS^T stored by stmatrix (FC90B_STSM) in this kernel (d 64 / 128) */
 template <int D> __host__ __device__ constexpr bool fc90b_stsm() { return FC90B_STSM == 2 || (FC90B_STSM == 1 && D > 64); }
 __host__ __device__ constexpr uint32_t fc90b_off_ld(fc90_btile t) {
     return fc90b_off_ds(t) + (fc90b_roles(t) ? 4 : 2) * fc90b_ds_bytes(t);
@@ -301,14 +302,14 @@ static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, c
     }
 }
 
-/* The epilogue of a consumer warpgroup: its accumulators of this thread's two key rows (key0, key0 + 8), DW
- * columns from col0, into global memory (dK scaled by the softmax scale), over the ring's shared memory when rows
+/* The epilogue of a consumer warpgroup: its accumulators of this thread's two key rows (key0, key0 + 8), all DW
+ * columns, into global memory (dK scaled by the softmax scale), over the ring's shared memory when rows
  * allow 16-byte stores. TWO: acc0 is dK and acc1 dV; otherwise acc0 alone is dK (which0 0) or dV (which0 1). */
 template <int D, int BF, int DW, bool TWO>
 static __device__ __forceinline__ void fc90b_store_acc(const flashc_bwd_args &a, const float (&acc0)[DW / 2],
                                                        const float (&acc1)[DW / 2], int which0, const fc90b_block &blk,
                                                        uint8_t *gbase, int cw, int t, int warp, int g, int tig,
-                                                       int krow, int key0, int col0) {
+                                                       int krow, int key0) {
     const int n0 = blk.n0, nk = blk.nk, sk0 = blk.sk0, qb = blk.qb, hk = blk.hk;
     constexpr fc90_btile TL = fc90_btile_for(D);
     constexpr int ST = TL.st, NP = TWO ? 2 : 1;
@@ -346,7 +347,7 @@ static __device__ __forceinline__ void fc90b_store_acc(const flashc_bwd_args &a,
             if (key >= nk) continue;
             const int64_t off = which ? (int64_t)qb * a.dv_sb + (int64_t)(sk0 + key) * a.dv_sn + (int64_t)hk * a.dv_sh
                                       : (int64_t)qb * a.dk_sb + (int64_t)(sk0 + key) * a.dk_sn + (int64_t)hk * a.dk_sh;
-            *(uint4 *)((uint16_t *)(which ? a.dv : a.dk) + off + col0 + 8 * piece) =
+            *(uint4 *)((uint16_t *)(which ? a.dv : a.dk) + off + 8 * piece) =
                 *(const uint4 *)(st + r * OROW + 8 * piece);
         }
     } else {
@@ -364,7 +365,7 @@ static __device__ __forceinline__ void fc90b_store_acc(const flashc_bwd_args &a,
                 const int64_t sd = dv ? a.dv_sd : a.dk_sd;
 #pragma unroll
                 for (int j = 0; j < DW / 8; ++j) {
-                    const int col = col0 + 8 * j + 2 * tig;
+                    const int col = 8 * j + 2 * tig;
                     fc_bwd_store2(dv ? a.dv : a.dk, o + col * sd, sd, a.out_dtype, m * acc[4 * j + 2 * hf],
                                   m * acc[4 * j + 2 * hf + 1], true);
                 }
@@ -373,12 +374,12 @@ static __device__ __forceinline__ void fc90b_store_acc(const flashc_bwd_args &a,
     }
 }
 /* A consumer warpgroup's fixed part: its thread's place (cw, the thread t in the warpgroup, warp, g, tig), its
- * keys and columns (krow, key0, col0), the shared memory it reads, and the wgmma descriptors of its products.
+ * keys (krow, key0), the shared memory it reads, and the wgmma descriptors of its products.
  * fc90b_consumer_at fills it once, before the step loop. */
 struct fc90b_consumer {
     int cw, t, warp, g, tig;
-    int krow, key0, col0; /* first key row in the tile, the thread's first key (second: key0 + 8), first column */
-    int dq_chunk;         /* the 64-column chunk of K that dQ's product reads (d 64 / 128), col0 / 64 at d 256 */
+    int krow, key0; /* first key row in the tile, the thread's first key (second: key0 + 8) */
+    int dq_chunk;   /* the first 64-column chunk of K that dQ's product reads */
     int wg_last_key;      /* the last key of this warpgroup's rows: where the band or the end cuts a step */
     uint32_t base, sQ, sG, sDS;
     uint8_t *gbase, *sdq; /* the block's shared memory; this warpgroup's dQ staging (d 64 / 128) */
@@ -397,15 +398,13 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     c.cw = wg - 1, c.t = threadIdx.x % FC90_WG_THREADS, c.warp = c.t / 32, c.g = (c.t % 32) / 4, c.tig = c.t % 4;
     c.krow = ROLES ? 0 : 64 * c.cw;
     c.key0 = n0 + c.krow + 16 * c.warp + c.g;
-    c.col0 = 0; /* dK and dV of all d */
     c.base = base, c.sQ = sQ, c.sG = sG, c.sDS = sDS, c.gbase = gbase, c.sLD = sLD;
     /* Descriptors (fc90_desc in sm90.cuh): this warpgroup's 64 rows of K and V as A (K-major); Q and dO as the B
      * of the scores (K-major) and of the gradients (MN-major: LBO the 64-column chunk step); dS^T as the A of dQ
      * and K as its B, both MN-major (8-key groups 1024 bytes apart, a k16 step 2048 bytes). */
     c.dKa = fc90_desc(sK + c.krow * FC90_SW_ROW, 16, 1024), c.dVa = fc90_desc(sV + c.krow * FC90_SW_ROW, 16, 1024);
     c.dQk = fc90_desc(sQ, 16, 1024), c.dGk = fc90_desc(sG, 16, 1024);
-    const uint32_t gcol = (uint32_t)(c.col0 / 64) * BM * FC90_SW_ROW; /* this warpgroup's first column chunk of Q, dO */
-    c.dQn = fc90_desc(sQ + gcol, BM * FC90_SW_ROW, 1024), c.dGn = fc90_desc(sG + gcol, BM * FC90_SW_ROW, 1024);
+    c.dQn = fc90_desc(sQ, BM * FC90_SW_ROW, 1024), c.dGn = fc90_desc(sG, BM * FC90_SW_ROW, 1024);
     /* dQ's columns: at d 128 this warpgroup's 64-column chunk of K; at d 64 all of them (its half of the rows, or
      * every other step with 64-row steps); at d 256 its half, d / 2 columns (two chunks, LBO apart), every step. */
     c.dq_chunk = ROLES ? c.cw * NCH / 2 : NCH > 1 ? c.cw : 0;
@@ -414,6 +413,34 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     c.sdq = gbase + fc90b_off_dq(TL) + c.cw * fc90b_dq_bytes(TL);
     c.wg_last_key = n0 + c.krow + 63;
     return c;
+}
+
+/* A consumer's start: K and V in shared memory, and (VARLEN) the rows of a tile past the end of the keys cleared. */
+template <int D, bool VARLEN>
+static __device__ __forceinline__ void fc90b_kv_ready(const fc90b_block &blk, const fc90b_consumer &c, uint32_t bar_kv,
+                                                      uint32_t sK, uint32_t sV) {
+    constexpr int BN = fc90_btile_for(D).bn;
+    if (blk.items > 0) fc90_bar_wait(bar_kv, 0);
+    if constexpr (VARLEN) {
+        if (blk.items > 0 && blk.n0 + BN > blk.nk) {
+            fc90_clear_rows<D>(sK, BN, blk.nk - blk.n0, FC90B_BAR_CLEAR + c.cw, c.t);
+            fc90_clear_rows<D>(sV, BN, blk.nk - blk.n0, FC90B_BAR_CLEAR + c.cw, c.t);
+        }
+    }
+}
+
+/* VARLEN: a step's Q and dO rows (ring slot `slot`, first row m0) past the end of the queries cleared. */
+template <int D, bool VARLEN>
+static __device__ __forceinline__ void fc90b_clear_step(const fc90b_consumer &c, int slot, int m0, int nq) {
+    constexpr fc90_btile TL = fc90_btile_for(D);
+    constexpr int BM = TL.bm;
+    constexpr uint32_t QB = fc90b_q_bytes(TL);
+    if constexpr (VARLEN) {
+        if (m0 + BM > nq) {
+            fc90_clear_rows<D>(c.sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
+            fc90_clear_rows<D>(c.sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
+        }
+    }
 }
 
 /*
@@ -722,7 +749,6 @@ static __device__ __forceinline__ void fc90b_grads(const flashc_bwd_args &a, con
  * has the TMA add it to the sums; thread 0 gives the slot back once the reduction has read it (staged_slot, next
  * step). Consumer 0's next S^T can start while consumer 1's dK runs.
  */
-#define FC90B_BAR_P 6 /* named barrier: consumer 0's P^T stored (arrive), consumer 1 reads it (sync) */
 template <int R, int D, int BF, int DQ, bool VARLEN, bool BMASK, bool DROP, typename Ring>
 static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a, const fc90b_block &blk,
                                                        const fc90b_consumer &c, const Ring &ring,
@@ -740,13 +766,7 @@ static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a,
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
     int staged_slot = -1;
-    if (items > 0) fc90_bar_wait(bar_kv, 0);
-    if constexpr (VARLEN) {
-        if (items > 0 && n0 + BN > nk) {
-            fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
-            fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + cw, t);
-        }
-    }
+    fc90b_kv_ready<D, VARLEN>(blk, c, bar_kv, sK, sV);
     /* stmatrix / ldmatrix of the 64 x 64 P^T and dS^T tiles: n8 blocks (j, j + 1) x rows (+0, +8) as four 8 x 8
      * matrices; lane l gives row l % 8 of matrix l / 8 (the layout of fc90b_grads' dS^T: keys x queries, swizzled) */
     const int mi = lane / 8, mrow = 16 * warp + 8 * (mi & 1) + (t % 8);
@@ -756,18 +776,13 @@ static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a,
         const int slot = ring.slot(it), h = hk * group + step_gi, mt = step_mt, m0 = mt * BM, buf = it & 1;
         const uint32_t qoff = (slot * QB) >> 4, sPt = c.sDS + (2 + buf) * DSB, sDSt = c.sDS + buf * DSB;
         ring.wait_full(it);
-        if constexpr (VARLEN) {
-            if (m0 + BM > nq) {
-                fc90_clear_rows<D>(c.sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
-                fc90_clear_rows<D>(c.sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + cw, t);
-            }
-        }
+        fc90b_clear_step<D, VARLEN>(c, slot, m0, nq);
         float x[BM / 2]; /* R 0: S^T, then P^T; R 1: dP^T, then dS^T */
         fc90_pin(x);
         fc90_wgmma_fence();
         if (R == 0) fc90b_scores_issue<D, BM, BF>(x, c.dKa, c.dQk + qoff);
         else fc90b_scores_issue<D, BM, BF>(x, c.dVa, c.dGk + qoff);
-        uint32_t keep[1];
+        uint32_t keep[(BM / 8 + 7) / 8];
         if (DROP) {
             fc_drop_bits_cols<BM / 8>(fc_drop_begin(a, b, h), n0 + 16 * warp, m0, lane, keep);
             fc90_block_end_bits(keep);
@@ -905,7 +920,7 @@ static __device__ __forceinline__ void fc90b_roles_run(const flashc_bwd_args &a,
         }
     }
     if (DQ == FC90B_DQ_TMA && t == 0) fc90_bulk_wait_read();
-    fc90b_store_acc<D, BF, D, false>(a, acc, acc, R == 0 /* dV */, blk, c.gbase, cw, t, warp, c.g, tig, 0, key0, 0);
+    fc90b_store_acc<D, BF, D, false>(a, acc, acc, R == 0 /* dV */, blk, c.gbase, cw, t, warp, c.g, tig, 0, key0);
 }
 
 #endif /* FC90_DEVICE */
@@ -996,13 +1011,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
         /* A score modifier changes every element's formula (fc_bwd_elem, as in the mma.sync kernel). */
         const bool generic = !fc_score_plain(a);
 
-        if (items > 0) fc90_bar_wait(bar_kv, 0);
-        if constexpr (VARLEN) {
-            if (items > 0 && n0 + BN > nk) {
-                fc90_clear_rows<D>(sK, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
-                fc90_clear_rows<D>(sV, BN, nk - n0, FC90B_BAR_CLEAR + c.cw, c.t);
-            }
-        }
+        fc90b_kv_ready<D, VARLEN>(blk, c, bar_kv, sK, sV);
         int step_gi = 0, step_mt = mb_lo - 1;
         for (int it = 0; it < items; ++it) {
             fc90b_step<BMASK>(a, b, hk, kt, group, mb_lo, mb_hi, per_head, it, step_gi, step_mt);
@@ -1017,12 +1026,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             const int slot = ring.slot(it), h = hk * group + step_gi, m0 = step_mt * BM;
             const uint32_t qoff = (slot * QB) >> 4;
             ring.wait_full(it);
-            if constexpr (VARLEN) {
-                if (m0 + BM > nq) {
-                    fc90_clear_rows<D>(sQ + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
-                    fc90_clear_rows<D>(sG + slot * QB, BM, nq - m0, FC90B_BAR_CLEAR + c.cw, c.t);
-                }
-            }
+            fc90b_clear_step<D, VARLEN>(c, slot, m0, nq);
             fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, s, dp, dv, pa);
             fc90b_grads<D, BF, DQ, VARLEN, EARLY>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv, pa);
         }
@@ -1031,8 +1035,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
          * memory goes away. */
         if (DQ == FC90B_DQ_TMA && c.t == 0) fc90_bulk_wait_read();
 
-        fc90b_store_acc<D, BF, D, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0,
-                                        c.col0);
+        fc90b_store_acc<D, BF, D, true>(a, dk, dv, 0, blk, gbase, c.cw, c.t, c.warp, c.g, c.tig, c.krow, c.key0);
     }
 #endif /* FC90_DEVICE */
 }

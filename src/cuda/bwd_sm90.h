@@ -17,9 +17,8 @@
  * (the M of wgmma), each holding its keys' dK and dV accumulators (d / 2 + d / 2 floats per thread: 128 of 232
  * registers at d 128); at d 256 both consumers take the same bn = 64 keys and split the work by role instead (one
  * S^T, P^T and dV, the other dP^T, dS^T and dK: each holds one accumulator of 64 keys x 256 columns); bm: query rows
- * per step (the N of
- * S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q; 128 only at d 64, where S^T and dP^T of
- * 128 rows take 128 registers beside dK and dV's 64); st: stages of the (Q, dO) ring.
+ * per step (the N of S^T = K Q^T and dP^T = V dO^T, the K of dV += P^T dO and dK += dS^T Q; 128 only at d 64,
+ * where S^T and dP^T of 128 rows take 128 registers beside dK and dV's 64); st: stages of the (Q, dO) ring.
  * Shared memory: K and V bn x d, st stages of Q and dO bm x d, two dS^T tiles bn x bm, all 16-bit, the rows'
  * lse and D_i, and two dQ staging tiles 64 x 64 fp32: 195 KB at d 64, 194 KB at d 128; 210 KB at d 256 (no staging
  * tiles: dQ is staged over the step's Q / dO ring slot). d 64 with 64-row steps had 4 stages (163 KB); 128-row

@@ -294,8 +294,8 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
     "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
     "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "      \
     "%123, %124, %125, %126, %127}"
-/* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits TR = "0, 0"), both
- * MN-major ("1, 1"), or A K-major and B MN-major ("0, 1"). */
+/* D = A B (+ D when scale-d is true), A and B from descriptors, both K-major (transpose bits TR = "0, 0") or both
+ * MN-major ("1, 1"). */
 #define FC90_SS(N, TY, REGS, DA, DB, SC, TR)                                                                 \
     "{\n.reg .pred fc90_acc;\nsetp.ne.b32 fc90_acc, " SC ", 0;\nwgmma.mma_async.sync.aligned.m64n" N          \
     "k16.f32." TY "." TY " " REGS ", " DA ", " DB ", fc90_acc, 1, 1, " TR ";\n}\n"
@@ -308,10 +308,6 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
         asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "0, 0") : ACC : "l"(da), "l"(db), "r"(acc));       \
     else if constexpr (!MN)                                                                                  \
         asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC, "0, 0") : ACC : "l"(da), "l"(db), "r"(acc));        \
-    else if constexpr (BF && MN == 2)                                                                        \
-        asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "0, 1") : ACC : "l"(da), "l"(db), "r"(acc));       \
-    else if constexpr (MN == 2)                                                                              \
-        asm volatile(FC90_SS(N, "f16", REGS, DA, DB, SC, "0, 1") : ACC : "l"(da), "l"(db), "r"(acc));        \
     else if constexpr (BF)                                                                                   \
         asm volatile(FC90_SS(N, "bf16", REGS, DA, DB, SC, "1, 1") : ACC : "l"(da), "l"(db), "r"(acc));       \
     else                                                                                                     \
@@ -324,8 +320,7 @@ static __device__ __forceinline__ uint64_t fc90_desc(uint32_t addr, uint32_t lbo
 
 /*
  * wgmma.mma_async.m64nNk16.f32 with A and B in shared memory (S = Q K^T: N is the key tile bc), both K-major,
- * with MN = 1 both MN-major (the backward's dQ = dS K, dS stored keys x queries and K keys x d), with MN = 2 A
- * K-major and B MN-major (the d 256 backward's dV += P^T dO with P^T from shared memory). Accumulator
+ * with MN = 1 both MN-major (the backward's dQ = dS K, dS stored keys x queries and K keys x d). Accumulator
  * layout (per warpgroup, 64 x N): warp w holds rows 16w..16w+15; for each n8 block j, thread lane holds d[4j],
  * d[4j+1] at row 16w + lane/4, columns 8j + 2(lane%4) + {0, 1}, and d[4j+2], d[4j+3] at row 16w + lane/4 + 8,
  * same columns.
