@@ -10,7 +10,8 @@ model's projections give them: flashc takes them as they are, torch their (B, H,
 copy), as a transformers model calls SDPA. Rows, each timed in turns with both torch backends (one call of each per
 round, median of --runs after warm-up; CUDA events around the call, synchronized after it):
   fwd   the forward under torch.no_grad()
-  bwd   torch.autograd.grad of a forward recorded once, retain_graph=True (the backward alone, as autograd runs it)
+  bwd   torch.autograd.grad of a forward recorded once (a shape's second call: planned), retain_graph=True (the
+        backward alone, as autograd runs it)
   f+b   a forward of inputs that require grad, then torch.autograd.grad (a training step's attention)
 --ahead 0 (the default) puts each call's host time on the clock (the GPU waits for the launches); --ahead N makes the
 GPU sleep N cycles before each start event, so that the host queues the call meanwhile and the time is the GPU's.
@@ -55,6 +56,10 @@ def row_times(calls, q, k, v, g, runs, ahead):
     def fb(fn):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, g)
 
+    # the graph the bwd row differentiates is a later call's, as in a training loop: a call's first one with a key
+    # takes flashc's full path and plans the key for the next ones (flashc.ops), whose backward differs
+    for fn in calls.values():
+        fn(*leaves)
     outs = {name: fn(*leaves) for name, fn in calls.items()}
 
     def bwd(name):
