@@ -70,17 +70,14 @@ def timeline(fn, rows):
     out, last_end = [], None
     for e in sorted(evs, key=lambda e: e.time_range.start):
         gpu = e.device_type == torch.autograd.DeviceType.CUDA
-        if not gpu and not e.name.startswith(("cuda", "cu", "aten::empty", "aten::zero", "aten::copy_",
-                                               "autograd::engine", "FlashcAttn")):
+        if not gpu and not e.name.startswith(("cu", "aten::empty", "aten::zero", "aten::copy_", "autograd::engine")):
             continue
+        gap = ""
         if gpu:
             gap = "" if last_end is None else " gap %.1f" % (e.time_range.start - last_end)
-            out.append("      %8.1f GPU %-48s %8.1f us%s" % (e.time_range.start - t0, e.name[:48],
-                                                            e.time_range.end - e.time_range.start, gap))
             last_end = e.time_range.end
-        else:
-            out.append("      %8.1f CPU %-48s %8.1f us" % (e.time_range.start - t0, e.name[:48],
-                                                            e.time_range.end - e.time_range.start))
+        out.append("      %8.1f %s %-48s %8.1f us%s" % (e.time_range.start - t0, "GPU" if gpu else "CPU", e.name[:48],
+                                                       e.time_range.end - e.time_range.start, gap))
     print("\n".join(out[:rows]), flush=True)
 
 

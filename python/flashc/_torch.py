@@ -382,7 +382,7 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         sinks, *inputs, out, lse = ctx.saved_tensors
-        if dout is None:  # only the lse reached the loss: what materialization would have passed
+        if dout is None:  # out's gradient undefined (lse has none): what materialization would have passed
             dout = torch.zeros_like(out)
         layout = ctx.layout
         q4, k4, v4 = layout.unpack(inputs)
