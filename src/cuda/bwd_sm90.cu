@@ -42,7 +42,9 @@
  * consumer runs fc90b_roles_run (its role's loop and the same epilogue).
  *
  * Barrier protocol (phases as in fwd_sm90.cu):
- *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once.
+ *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once. With FC90B_KFIRST
+ *              (d 128) K's bytes only, and v_full takes V's, loaded after the first step's Q and dO; the
+ *              consumers wait for it between the first step's S^T and dP^T products.
  *   full[s]    1 arrival (expect_tx) + the Q and dO bytes of the step in slot s, and 32 arrivals of the
  *              producer's second warp once it has written the rows' lse2 and D. Step it uses slot it % st in
  *              its (it / st)-th round; consumers wait for parity (it / st) & 1.
@@ -104,6 +106,17 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 #ifndef FC90B_STSM
 #define FC90B_STSM 1
 #endif
+/* How a block's first loads are ordered: K, then the first step's Q and dO, then V (its own mbarrier, v_full), so
+ * that the first step's S^T runs while V lands (every block of a wave loads at once); or K and V first under one
+ * mbarrier. 1 (default): the first order at d 128; 2: at d 64 too; 0: nowhere (before). H200, lab/LOG.md
+ * (twenty-sixth session): d 128's main kernel 1-2.4% faster, d 64's 1.7-4.5% slower. Fixed-length kernels only
+ * (the VARLEN ones clear V's rows past the end before the first step). */
+#ifndef FC90B_KFIRST
+#define FC90B_KFIRST 1
+#endif
+template <int D, bool VARLEN> __host__ __device__ constexpr bool fc90b_kfirst() {
+    return (FC90B_KFIRST == 2 ? D <= 128 : FC90B_KFIRST == 1 && D == 128) && !VARLEN;
+}
 
 __host__ __device__ constexpr uint32_t fc90b_kv_bytes(fc90_btile t) { return (uint32_t)t.bn * t.d * 2; }
 __host__ __device__ constexpr uint32_t fc90b_q_bytes(fc90_btile t) { return (uint32_t)t.bm * t.d * 2; }
@@ -134,8 +147,8 @@ __host__ __device__ constexpr uint32_t fc90b_off_dq(fc90_btile t) {
 __host__ __device__ constexpr uint32_t fc90b_off_bar(fc90_btile t) {
     return fc90b_off_dq(t) + (fc90b_roles(t) ? 0 : 2 * fc90b_dq_bytes(t));
 }
-/* kv_full, full[st], empty[st]; + 1024 to round the dynamic shared memory base up. */
-__host__ __device__ constexpr uint32_t fc90b_smem_bytes(fc90_btile t) { return fc90b_off_bar(t) + 8 * (1 + 2 * t.st) + 1024; }
+/* kv_full, full[st], empty[st], v_full (FC90B_KFIRST); + 1024 to round the dynamic shared memory base up. */
+__host__ __device__ constexpr uint32_t fc90b_smem_bytes(fc90_btile t) { return fc90b_off_bar(t) + 8 * (2 + 2 * t.st) + 1024; }
 static_assert(fc90b_smem_bytes(fc90_btile_for(64)) <= 227 * 1024 && fc90b_smem_bytes(fc90_btile_for(128)) <= 227 * 1024 &&
                   fc90b_smem_bytes(fc90_btile_for(256)) <= 227 * 1024,
               "shared memory per block");
@@ -242,8 +255,8 @@ template <int D, bool VARLEN, bool BMASK, typename Ring>
 static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, const fc90b_block &blk,
                                                      const CUtensorMap &tm_q, const CUtensorMap &tm_k,
                                                      const CUtensorMap &tm_v, const CUtensorMap &tm_g,
-                                                     const Ring &ring, uint32_t bar_kv, uint32_t sK, uint32_t sV,
-                                                     uint32_t sQ, uint32_t sG, float *sLD) {
+                                                     const Ring &ring, uint32_t bar_kv, uint32_t bar_v, uint32_t sK,
+                                                     uint32_t sV, uint32_t sQ, uint32_t sG, float *sLD) {
     const int b = blk.b, hk = blk.hk, kt = blk.kt, group = blk.group, mb_lo = blk.mb_lo, mb_hi = blk.mb_hi,
               per_head = blk.per_head, items = blk.items, sq0 = blk.sq0, sk0 = blk.sk0, qb = blk.qb, nq = blk.nq,
               n0 = blk.n0;
@@ -256,7 +269,8 @@ static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, c
         /* Warp 0, one thread: K and V once, then Q and dO of each step into the ring. */
         fc90_tma_prefetch(&tm_q);
         fc90_tma_prefetch(&tm_g);
-        fc90_bar_expect(bar_kv, 2 * KVB);
+        constexpr bool KF = fc90b_kfirst<D, VARLEN>();
+        fc90_bar_expect(bar_kv, (KF ? 1 : 2) * KVB);
         /* (The fixed-length kernels keep their own expressions: their machine code stays as it was.) */
         if constexpr (VARLEN) {
             for (int c = 0; c < NCH; ++c)
@@ -266,8 +280,9 @@ static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, c
         } else {
             for (int c = 0; c < NCH; ++c)
                 fc90_tma_load(sK + c * BN * FC90_SW_ROW, &tm_k, bar_kv, c * FC90_SW_COLS, n0, hk, b);
-            for (int c = 0; c < NCH; ++c)
-                fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
+            if constexpr (!KF)
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_kv, c * FC90_SW_COLS, n0, hk, b);
         }
         int gi = 0, mt = mb_lo - 1;
         for (int it = 0; it < items; ++it) {
@@ -281,6 +296,11 @@ static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, c
             for (int c = 0; c < NCH; ++c)
                 fc90_tma_load(sG + s * QB + c * BM * FC90_SW_ROW, &tm_g, ring.full_bar(it), c * FC90_SW_COLS,
                               sq0 + m0, h, qb);
+            if (KF && it == 0) { /* V after the first step's Q and dO */
+                fc90_bar_expect(bar_v, KVB);
+                for (int c = 0; c < NCH; ++c)
+                    fc90_tma_load(sV + c * BN * FC90_SW_ROW, &tm_v, bar_v, c * FC90_SW_COLS, n0, hk, b);
+            }
         }
     } else if (warp == 1) {
         /* Warp 1: the rows' lse in base 2 (+inf past the end: P = 0 there) and D_i (0 past the end). */
@@ -491,7 +511,7 @@ static __device__ __forceinline__ void fc90b_exp_raw(float (&s)[N], const float 
 template <int D, int BF, int DQ, bool BMASK, bool DROP, typename Ring>
 static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, const fc90b_block &blk,
                                                    const fc90b_consumer &c, const Ring &ring, int slot, int h, int mt,
-                                                   int m0, uint32_t qoff, bool generic,
+                                                   int m0, uint32_t qoff, bool generic, uint32_t v_wait,
                                                    float (&s)[fc90_btile_for(D).bm / 2],
                                                    float (&dp)[fc90_btile_for(D).bm / 2], float (&dv)[D / 2],
                                                    uint32_t (&pa)[fc90_btile_for(D).bm / 16][4]) {
@@ -506,6 +526,7 @@ static __device__ __forceinline__ void fc90b_probs(const flashc_bwd_args &a, con
     fc90_pin(dp);
     fc90_wgmma_fence();
     fc90b_scores_issue<D, BM, BF>(s, c.dKa, c.dQk + qoff);
+    if (v_wait) fc90_bar_wait(v_wait, 0); /* FC90B_KFIRST: the first step waits for V under S^T */
     fc90b_scores_issue<D, BM, BF>(dp, c.dVa, c.dGk + qoff);
     /* Dropout (DROP): the step's keep bits (keys as rows: fc_drop_bits_cols) while both products run; Z =
      * keep / (1 - p) multiplies dP^T before dS^T = P^T o (dP^T - D), and P^T after, for dV. */
@@ -951,6 +972,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     float *const sLD = (float *)(gbase + fc90b_off_ld(TL)); /* slot s: lse2 [bm], then D [bm] */
     const uint32_t bar_kv = base + fc90b_off_bar(TL);
     const fc90_ring<ST> ring = {bar_kv + 8, bar_kv + 8 + 8 * ST}; /* full[st], empty[st] */
+    const uint32_t bar_v = bar_kv + 8 + 16 * ST;                   /* FC90B_KFIRST */
 
     /* Block -> (key tile, pair) in the group order above (the launch keeps blocks below 2^31) */
     uint32_t pair;
@@ -981,6 +1003,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
 
     if (threadIdx.x == 0) {
         fc90_bar_init(bar_kv, 1);
+        if constexpr (fc90b_kfirst<D, VARLEN>()) fc90_bar_init(bar_v, 1);
         ring.init(1 + 32, 2 * FC90_WG_THREADS); /* full: expect_tx + producer warp 1; empty: every consumer thread */
         fc90_bar_init_fence();
     }
@@ -989,7 +1012,7 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
     const int wg = threadIdx.x / FC90_WG_THREADS;
     if (wg == 0) {
         fc90_regs_dec<32>();
-        fc90b_produce<D, VARLEN, BMASK>(a, blk, tm_q, tm_k, tm_v, tm_g, ring, bar_kv, sK, sV, sQ, sG, sLD);
+        fc90b_produce<D, VARLEN, BMASK>(a, blk, tm_q, tm_k, tm_v, tm_g, ring, bar_kv, bar_v, sK, sV, sQ, sG, sLD);
         return;
     }
 
@@ -1027,7 +1050,8 @@ __global__ void __launch_bounds__(FC90B_THREADS, 1)
             const uint32_t qoff = (slot * QB) >> 4;
             ring.wait_full(it);
             fc90b_clear_step<D, VARLEN>(c, slot, m0, nq);
-            fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic, s, dp, dv, pa);
+            fc90b_probs<D, BF, DQ, BMASK, DROP>(a, blk, c, ring, slot, h, step_mt, m0, qoff, generic,
+                                                fc90b_kfirst<D, VARLEN>() && it == 0 ? bar_v : 0u, s, dp, dv, pa);
             fc90b_grads<D, BF, DQ, VARLEN, EARLY>(a, blk, c, ring, tm_dq, it, slot, h, m0, qoff, s, dp, dk, dv, pa);
         }
 
