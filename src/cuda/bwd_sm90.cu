@@ -1110,9 +1110,15 @@ static fc_bm_tiles_args fc90b_bm_tiles_args(const flashc_bwd_args *a) {
 }
 
 /* Groups of the block order: none holds more (K/V head, sequence) pairs than have their Q and dO (4 Nq D bytes per
- * query head) in half the L2 together. */
+ * query head) in half the L2 together. Lab (lab/LOG.md, twenty-sixth session; not yet measured): FC90B_PAIR_BYTES
+ * is the bytes per query row and column a pair counts: 4 (default) its Q and dO; 8 adds the fp32 dQ sums the blocks
+ * reduce into, which share the L2 with them; a huge value makes every pair its own group (key tile fastest). */
+#ifndef FC90B_PAIR_BYTES
+#define FC90B_PAIR_BYTES 4.0
+#endif
 static int fc90b_kv_groups(const flashc_bwd_args *a, long long l2_bytes) {
-    const double per_pair = 4.0 * (a->varlen ? (double)a->total_q / a->B : a->Nq) * a->D * (a->H / a->Hkv);
+    const double per_pair =
+        (double)FC90B_PAIR_BYTES * (a->varlen ? (double)a->total_q / a->B : a->Nq) * a->D * (a->H / a->Hkv);
     return fc90_group_count((int64_t)a->Hkv * a->B, per_pair, l2_bytes);
 }
 
