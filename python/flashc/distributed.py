@@ -45,7 +45,7 @@ heads), packed sequences (cu_seqlens), float32, float16, bfloat16, and the deter
 (NotImplementedError, nothing sent): block masks, seqused_k and sinks.
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
