@@ -78,8 +78,6 @@ def simulate(d, n, causal, pair_bytes, l2_mb, sms, fixed, hidden=2048, tokens=16
     # list scheduling: SM heap of (free time, sm); each running block: its steps list and position
     free = [(0, s) for s in range(sms)]
     heapq.heapify(free)
-    running = {}  # sm -> [start_time, steps, pair, kt]
-    t_next = 0
     events = []  # (time, sm) block starts
     for t in range(nblocks):
         start, sm = heapq.heappop(free)
