@@ -9,6 +9,8 @@
 # $OUT/summary.txt) keeps every number; logs in $OUT (or build-flags/logs).
 #   VARIANTS="base: e1:-DFC90B_EARLY_DV=1 e2:-DFC90B_EARLY_DV=2" TEST=e2 bash lab/bwd90_flags.sh
 # A variant is name:flags, flags comma-separated (no spaces). SPLIT_ARGS: lab/bwd_split.py's arguments.
+# DRAM="d n [causal 0/1]": each variant's main kernel at that shape under Nsight Compute (DRAM bytes read and
+# written, duration), after the timings.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-$PWD/build-flags/logs}
@@ -54,6 +56,17 @@ for r in $(seq 1 ${ROUNDS:-2}); do
     note "split $r $name: $(main_us "$LOG/split_$name.log")"
   done
 done
+if [ -n "${DRAM:-}" ]; then # each variant's main kernel under Nsight Compute: DRAM bytes and duration
+  set -- $DRAM
+  c=(); [ "${3:-0}" = 1 ] && c=(--causal)
+  for name in "${names[@]}"; do
+    FLASHC_LIBRARY=build-flags/$name/libflashc.so timeout 120 ncu --clock-control none -k regex:fc90_bwd_kernel \
+      --launch-count 1 --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+      python3 bench/run_once.py --d "$1" --n "$2" "${c[@]}" --repeat 1 >"$LOG/dram_$name.log" 2>&1
+    note "dram $name d$1 N$2 causal ${3:-0} rc $?: $(grep -E '^ +(dram__bytes_(read|write)|gpu__time_duration)\.sum' \
+      "$LOG/dram_$name.log" | awk '{print $1, $(NF-1), $NF}' | tr '\n' ' ')"
+  done
+fi
 if [ -n "$TEST" ]; then
   L=build-flags/$TEST/libflashc.so
   for t in gpu_bwd gpu_dropout; do
