@@ -36,7 +36,7 @@ for v in $VARIANTS; do
 done
 wait
 for name in "${names[@]}"; do
-  note "build $name: $(ls build-flags/$name/libflashc.so 2>&1); C7512 $(grep -c C7512 "$LOG/build_$name.log");" \
+  note "build $name: $(ls build-flags/$name/libflashc.so 2>&1); C7512 $(grep -c C7512 "$LOG/build_$name.log"), C7519 $(grep -c C7519 "$LOG/build_$name.log");" \
     "fc90_bwd spills: $(grep -A2 'fc90_bwd_kernel' "$LOG/build_$name.log" | grep spill | grep -v ' 0 bytes spill st' |
       sed 's/ *\([0-9]*\) bytes stack.*, \([0-9]*\) bytes spill stores.*/\2/' | sort -n | uniq -c | tr '\n' ' ')"
 done
@@ -58,9 +58,10 @@ for r in $(seq 1 ${ROUNDS:-2}); do
 done
 if [ -n "${DRAM:-}" ]; then # each variant's main kernel under Nsight Compute: DRAM bytes and duration
   set -- $DRAM
+  : "${2:?DRAM takes d n [causal]}"
   c=(); [ "${3:-0}" = 1 ] && c=(--causal)
   for name in "${names[@]}"; do
-    FLASHC_LIBRARY=build-flags/$name/libflashc.so timeout 120 ncu --clock-control none -k regex:fc90_bwd_kernel \
+    FLASHC_LIBRARY=build-flags/$name/libflashc.so timeout 60 ncu --clock-control none -k regex:fc90_bwd_kernel \
       --launch-count 1 --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
       python3 bench/run_once.py --d "$1" --n "$2" "${c[@]}" --repeat 1 >"$LOG/dram_$name.log" 2>&1
     note "dram $name d$1 N$2 causal ${3:-0} rc $?: $(grep -E '^ +(dram__bytes_(read|write)|gpu__time_duration)\.sum' \

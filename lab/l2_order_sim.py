@@ -36,6 +36,8 @@ def group_count(items, bytes_per_item, l2_bytes):
 
 
 def simulate(d, n, causal, pair_bytes, l2_mb, sms, fixed, hidden=2048, tokens=16384, l2_order_mb=50):
+    if d not in (64, 128):
+        raise SystemExit("d 64 or 128 (d 256's kernel has its own tile and roles)")
     bn, bm = (128, 128) if d <= 64 else (128, 64)  # fc90_btile_for: keys per block, query rows per step
     H = hidden // d
     B = tokens // n

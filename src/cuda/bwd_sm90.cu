@@ -43,8 +43,8 @@
  *
  * Barrier protocol (phases as in fwd_sm90.cu):
  *   kv_full    1 arrival (expect_tx) + the K and V bytes; consumers wait for parity 0 once. With FC90B_KFIRST
- *              (d 128) K's bytes only, and v_full takes V's, loaded after the first step's Q and dO; the
- *              consumers wait for it between the first step's S^T and dP^T products.
+ *              (the fixed-length d 128 kernels) K's bytes only, and v_full takes V's, loaded after the first
+ *              step's Q and dO; the consumers wait for it between the first step's S^T and dP^T products.
  *   full[s]    1 arrival (expect_tx) + the Q and dO bytes of the step in slot s, and 32 arrivals of the
  *              producer's second warp once it has written the rows' lse2 and D. Step it uses slot it % st in
  *              its (it / st)-th round; consumers wait for parity (it / st) & 1.
@@ -109,7 +109,7 @@ enum { FC90B_DQ_NONE = 0, FC90B_DQ_TMA = 1 };
 /* How a block's first loads are ordered: K, then the first step's Q and dO, then V (its own mbarrier, v_full), so
  * that the first step's S^T runs while V lands (every block of a wave loads at once); or K and V first under one
  * mbarrier. 1 (default): the first order at d 128; 2: at d 64 too; 0: nowhere (before). H200, lab/LOG.md
- * (twenty-sixth session): d 128's main kernel 1-2.4% faster, d 64's 1.7-4.5% slower. Fixed-length kernels only
+ * (twenty-sixth session): d 128's main kernel 1-2% faster, d 64's 1.7-4.7% slower. Fixed-length kernels only
  * (the VARLEN ones clear V's rows past the end before the first step). */
 #ifndef FC90B_KFIRST
 #define FC90B_KFIRST 1
@@ -249,8 +249,8 @@ struct fc90b_block {
 };
 
 #if FC90_DEVICE /* the kernel's pieces; the kernel is empty where the device is not sm_90a */
-/* The producer warpgroup: warp 0's thread 0 loads K and V once, then Q and dO of each step into the ring; warp 1
- * writes each step's rows' lse2 and D_i. */
+/* The producer warpgroup: warp 0's thread 0 loads K and V once (FC90B_KFIRST: V after the first step's Q and dO),
+ * then Q and dO of each step into the ring; warp 1 writes each step's rows' lse2 and D_i. */
 template <int D, bool VARLEN, bool BMASK, typename Ring>
 static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, const fc90b_block &blk,
                                                      const CUtensorMap &tm_q, const CUtensorMap &tm_k,
@@ -435,7 +435,8 @@ static __device__ __forceinline__ fc90b_consumer fc90b_consumer_at(int wg, int n
     return c;
 }
 
-/* A consumer's start: K and V in shared memory, and (VARLEN) the rows of a tile past the end of the keys cleared. */
+/* A consumer's start: K and V in shared memory (FC90B_KFIRST: K; fc90b_probs waits for V at the first step), and
+ * (VARLEN) the rows of a tile past the end of the keys cleared. */
 template <int D, bool VARLEN>
 static __device__ __forceinline__ void fc90b_kv_ready(const fc90b_block &blk, const fc90b_consumer &c, uint32_t bar_kv,
                                                       uint32_t sK, uint32_t sV) {
@@ -1118,7 +1119,7 @@ static fc_bm_tiles_args fc90b_bm_tiles_args(const flashc_bwd_args *a) {
 #endif
 static int fc90b_kv_groups(const flashc_bwd_args *a, long long l2_bytes) {
     const double per_pair =
-        (double)FC90B_PAIR_BYTES * (a->varlen ? (double)a->total_q / a->B : a->Nq) * a->D * (a->H / a->Hkv);
+        (double)(FC90B_PAIR_BYTES) * (a->varlen ? (double)a->total_q / a->B : a->Nq) * a->D * (a->H / a->Hkv);
     return fc90_group_count((int64_t)a->Hkv * a->B, per_pair, l2_bytes);
 }
 
