@@ -80,7 +80,7 @@ def simulate(d, n, causal, pair_bytes, l2_mb, sms, fixed, hidden=2048, tokens=16
     # list scheduling: SM heap of (free time, sm); each running block: its steps list and position
     free = [(0, s) for s in range(sms)]
     heapq.heapify(free)
-    events = []  # (time, sm) block starts
+    events = []  # (start time, sm, key tile, pair, steps) per block
     for t in range(nblocks):
         start, sm = heapq.heappop(free)
         kt, pair = group_order(t, n_kblk, pairs, ng)
@@ -115,9 +115,9 @@ def simulate(d, n, causal, pair_bytes, l2_mb, sms, fixed, hidden=2048, tokens=16
     for k, (b, dty) in lru.items():
         if dty:
             dram["dq" if k[0] == "dq" else "dkdv"] += b
-    least = pairs * n * d * 2 * 4 + pairs * n * d * 4 * 2  # Q, K, V, dO once (+ dK, dV) and the dQ sums in and out
-    least += pairs * n * d * 2 * 2
-    return ng, nblocks, end, dram, least
+    # the least: Q, K, V, dO read once, dK and dV written once (2 bytes each), the fp32 dQ sums read and written once
+    least = pairs * n * d * (4 * 2 + 2 * 2 + 2 * 4)
+    return ng, end, dram, least
 
 
 def main():
@@ -135,7 +135,7 @@ def main():
     for n in (int(x) for x in args.n.split(",")):
         for pb in (float(x) for x in args.pair_bytes.split(",")):
             for l2 in (int(x) for x in args.l2.split(",")):
-                ng, nb, end, dram, least = simulate(args.d, n, args.causal, pb, l2, args.sms, args.fixed)
+                ng, end, dram, least = simulate(args.d, n, args.causal, pb, l2, args.sms, args.fixed)
                 tot = sum(dram.values())
                 print("| %d | %d | %s | %g | %d | %d | %.2f (%.2f / %.2f / %.2f / %.2f) | %.2f | %d |" % (
                     args.d, n, "causal" if args.causal else "-", pb, ng, l2, tot / 1e9, dram["q/do"] / 1e9,

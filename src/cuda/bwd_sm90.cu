@@ -266,7 +266,7 @@ static __device__ __forceinline__ void fc90b_produce(const flashc_bwd_args &a, c
     constexpr uint32_t KVB = fc90b_kv_bytes(TL), QB = fc90b_q_bytes(TL);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0 && items > 0) {
-        /* Warp 0, one thread: K and V once, then Q and dO of each step into the ring. */
+        /* Warp 0, one thread: K and V once (KF: V after the first step's Q and dO), then Q and dO of each step. */
         fc90_tma_prefetch(&tm_q);
         fc90_tma_prefetch(&tm_g);
         constexpr bool KF = fc90b_kfirst<D, VARLEN>();
